@@ -1,0 +1,26 @@
+"""Errors a user can hit, each carrying a one-line message that says what was wrong."""
+
+from __future__ import annotations
+
+
+class TokenmillError(Exception):
+    """Base class for errors reported to users as one line, without a traceback."""
+
+
+class ModelFileError(TokenmillError):
+    """A model file is malformed, truncated or unsupported.
+
+    The message names the file, the tensor (when one is involved) and the problem, so the
+    user knows which download to redo or which format to convert.
+    """
+
+    def __init__(self, path: object, problem: str, tensor: str | None = None) -> None:
+        self.path = str(path)
+        self.tensor = tensor
+        self.problem = problem
+        where = f"{self.path}: tensor '{tensor}'" if tensor else self.path
+        super().__init__(f"{where}: {problem}")
+
+
+class ModelNotFoundError(TokenmillError):
+    """A model name is neither a catalog alias nor an existing path."""
