@@ -1,0 +1,156 @@
+"""Paged attention: the KV cache lives in fixed-size blocks addressed through block tables.
+
+A forward pass sees a flat list of new tokens from several sequences. Each token's key and value
+are written to the cache slot given by `slot_mapping`; each sequence then attends to its whole
+context, gathered through its block table. The index tensors are built once per step
+(`AttentionBatch.build`) and shared by every layer, so the per-layer work is a scatter, a gather
+and one batched SDPA call, with no Python loop over requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """One pool of cache slots per layer: `k[layer]` has shape (num_slots, kv_heads, head_dim).
+
+    Slot s belongs to block s // block_size; blocks are handed out by the engine's block pool.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class AttentionBatch:
+    """Where a step's tokens go in the cache and what each of them may attend to."""
+
+    positions: torch.Tensor  # (T,) position of each new token in its sequence
+    slot_mapping: torch.Tensor  # (T,) cache slot receiving each new token's K/V
+    token_index: torch.Tensor  # (T,) index of each new token in the padded (B * max_q) query grid
+    context_slots: torch.Tensor  # (B, max_kv) cache slot of every context position (0 where padding)
+    key_positions: torch.Tensor  # (B, max_kv) position of each context slot, large where padding
+    query_positions: torch.Tensor  # (B, max_q) position of each padded query, -1 where padding
+    num_seqs: int
+    max_q: int
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionBatch:
+        """Describe a step: sequence i adds query_lens[i] tokens ending at context length context_lens[i]."""
+        num_seqs = len(query_lens)
+        max_q, max_kv = max(query_lens), max(context_lens)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        kv_lens = torch.tensor(context_lens, dtype=torch.int64)
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+
+        kv_pos = torch.arange(max_kv).expand(num_seqs, max_kv)
+        kv_valid = kv_pos < kv_lens[:, None]
+        blocks = tables.gather(1, (kv_pos // block_size).clamp(max=width - 1))
+        context_slots = torch.where(kv_valid, blocks * block_size + kv_pos % block_size, 0)
+        key_positions = torch.where(kv_valid, kv_pos, torch.iinfo(torch.int64).max)
+
+        q_offsets = torch.arange(max_q).expand(num_seqs, max_q)
+        q_valid = q_offsets < q_lens[:, None]
+        query_positions = torch.where(q_valid, kv_lens[:, None] - q_lens[:, None] + q_offsets, -1)
+        token_index = torch.nonzero(q_valid.flatten()).flatten()
+        positions = query_positions.flatten()[token_index]
+        seq_of_token = token_index // max_q
+        slot_mapping = context_slots[seq_of_token, positions]
+        return cls(
+            positions=positions.to(device),
+            slot_mapping=slot_mapping.to(device),
+            token_index=token_index.to(device),
+            context_slots=context_slots.to(device),
+            key_positions=key_positions.to(device),
+            query_positions=query_positions.to(device),
+            num_seqs=num_seqs,
+            max_q=max_q,
+        )
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Boolean (B, 1, max_q, max_kv) mask: causal, within the sliding window when given."""
+        q = self.query_positions[:, :, None]
+        k = self.key_positions[:, None, :]
+        allowed = k <= q
+        if window is not None:
+            allowed &= q - k < window
+        # Padded query rows would be all-masked (NaN in SDPA); let them see slot 0 instead.
+        allowed[:, :, 0] |= (q < 0)[:, :, 0]
+        return allowed[:, None]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend over each sequence's cached context.
+
+    q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); returns (T, heads, head_dim).
+    """
+    k_cache.index_copy_(0, batch.slot_mapping, k)
+    v_cache.index_copy_(0, batch.slot_mapping, v)
+    num_tokens, num_heads, head_dim = q.shape
+    padded = q.new_zeros(batch.num_seqs * batch.max_q, num_heads, head_dim)
+    padded.index_copy_(0, batch.token_index, q)
+    padded = padded.view(batch.num_seqs, batch.max_q, num_heads, head_dim).transpose(1, 2)
+    keys = k_cache[batch.context_slots].transpose(1, 2)  # (B, kv_heads, max_kv, head_dim)
+    values = v_cache[batch.context_slots].transpose(1, 2)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        out = _softcapped_attention(padded, keys, values, mask, scale, softcap)
+    out = out.transpose(1, 2).reshape(batch.num_seqs * batch.max_q, num_heads, head_dim)
+    return out.index_select(0, batch.token_index)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with tanh-capped scores (Gemma 2), which SDPA cannot express."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)

@@ -1,0 +1,108 @@
+"""Architecture settings as data: one generic decoder covers every supported family.
+
+Each family (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, ...) differs from the others only in the
+fields below, so adding a family means adding a mapping from its config, not a new model class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """Rotary embedding of one attention kind (Gemma 3 uses different bases per layer kind)."""
+
+    theta: float
+    scaling: dict[str, Any] | None = None  # HF-style {"rope_type": "linear"|"llama3", ...}
+    freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs`: inv_freq is divided by these
+
+    def inv_freq(self, rotary_dim: int) -> torch.Tensor:
+        """Inverse frequencies (float32), computed the way transformers does for each rope type."""
+        steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+        inv = 1.0 / (self.theta ** (steps / rotary_dim))
+        if self.freq_factors is not None:
+            return inv / torch.tensor(self.freq_factors, dtype=torch.float32, device="cpu")
+        rope_type = (self.scaling or {}).get("rope_type", "default")
+        if rope_type == "default":
+            return inv
+        if rope_type == "linear":
+            return inv / float(self.scaling["factor"])
+        if rope_type == "llama3":
+            return _llama3_inv_freq(inv, self.scaling)
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass
+class ModelConfig:
+    """Everything the generic decoder needs to know about one checkpoint."""
+
+    architecture: str  # family name, e.g. "llama", "qwen3", "gemma3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope: RopeSettings = field(default_factory=lambda: RopeSettings(theta=10000.0))
+    rope_local: RopeSettings | None = None  # rope of sliding-window layers, when it differs
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh" (gated MLP either way)
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    output_bias: bool = False  # bias on the attention output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm on each head of q and k before rope (Qwen3, Gemma 3)
+    sandwich_norm: bool = False  # extra norms after attention and after the MLP (Gemma 2/3)
+    embed_scale: float = 1.0  # Gemma multiplies embeddings by sqrt(hidden_size)
+    attn_scale: float | None = None  # softmax scale; None means head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)  # per layer FULL_/SLIDING_ATTENTION
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            kind = SLIDING_ATTENTION if self.sliding_window else FULL_ATTENTION
+            self.layer_types = [kind] * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} attention heads is not a multiple of {self.num_kv_heads} KV heads")
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of a layer (keys at distance >= window are masked), None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def layer_rope(self, layer: int) -> RopeSettings:
+        if self.layer_types[layer] == SLIDING_ATTENTION and self.rope_local is not None:
+            return self.rope_local
+        return self.rope

@@ -1,0 +1,286 @@
+"""Per-family settings: how each checkpoint format's config and tensor names map onto ours."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeSettings
+
+
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes one architecture family from the generic decoder."""
+
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    scaled_embeddings: bool = False
+    norm_plus_one: bool = False  # HF checkpoints store RMSNorm weights as w - 1 (Gemma)
+    gguf_permuted_qk: bool = False  # llama.cpp's converter reorders q/k rows for interleaved rope
+    sliding_pattern: int | None = None  # every Nth layer is global, the others sliding (Gemma 3)
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(gguf_permuted_qk=True),
+    "mistral": Family(gguf_permuted_qk=True),
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm=True),
+    "gemma": Family(hidden_act="gelu_tanh", scaled_embeddings=True, norm_plus_one=True),
+    "gemma2": Family(hidden_act="gelu_tanh", sandwich_norm=True, scaled_embeddings=True, norm_plus_one=True),
+    "gemma3": Family(
+        hidden_act="gelu_tanh",
+        qk_norm=True,
+        sandwich_norm=True,
+        scaled_embeddings=True,
+        norm_plus_one=True,
+        sliding_pattern=6,
+    ),
+}
+
+# HF `model_type` -> family name
+HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+
+
+def supported_list() -> str:
+    return ", ".join(sorted(FAMILIES))
+
+
+def _family(name: str, source: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"unsupported architecture {name!r} in {source} (supported: {supported_list()})")
+    return FAMILIES[name]
+
+
+# ---------------------------------------------------------------- Hugging Face configs
+
+def config_from_hf(hf: Any) -> ModelConfig:
+    """Map a transformers `PretrainedConfig` onto `ModelConfig`."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in HF_MODEL_TYPES:
+        known = ", ".join(sorted(HF_MODEL_TYPES))
+        raise ValueError(f"unsupported model_type {model_type!r} in config.json (supported: {known})")
+    name = HF_MODEL_TYPES[model_type]
+    fam = FAMILIES[name]
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    rope, rope_local = _hf_rope(hf)
+    attention_bias = bool(getattr(hf, "attention_bias", False)) or fam.qkv_bias
+    sliding = getattr(hf, "sliding_window", None)
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    if sliding is None or (name in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False)):
+        sliding, layer_types = None, [FULL_ATTENTION] * hf.num_hidden_layers
+    pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None)
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    return ModelConfig(
+        architecture=name,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        rope=rope,
+        rope_local=rope_local,
+        hidden_act=_activation(act),
+        attention_bias=attention_bias,
+        output_bias=bool(getattr(hf, "attention_bias", False)),
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=fam.qk_norm,
+        sandwich_norm=fam.sandwich_norm,
+        embed_scale=math.sqrt(hf.hidden_size) if fam.scaled_embeddings else 1.0,
+        attn_scale=pre_attn_scalar**-0.5 if pre_attn_scalar else None,
+        attn_logit_softcap=getattr(hf, "attn_logit_softcapping", None),
+        final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
+        sliding_window=sliding,
+        layer_types=layer_types,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+    )
+
+
+def _activation(name: str) -> str:
+    if name == "silu":
+        return "silu"
+    if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):  # Gemma's "gelu" means the tanh form
+        return "gelu_tanh"
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def _hf_rope(hf: Any) -> tuple[RopeSettings, RopeSettings | None]:
+    """Rope of full-attention layers and, when different, of sliding layers (transformers 4 and 5)."""
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and FULL_ATTENTION in params:
+        full, local = params[FULL_ATTENTION], params.get(SLIDING_ATTENTION)
+        return _rope_from_params(full), _rope_from_params(local) if local else None
+    if isinstance(params, dict) and "rope_theta" in params:
+        return _rope_from_params(params), None
+    theta = getattr(hf, "rope_theta", 10000.0)
+    scaling = getattr(hf, "rope_scaling", None)
+    local_theta = getattr(hf, "rope_local_base_freq", None)
+    local = RopeSettings(theta=local_theta) if local_theta else None
+    return RopeSettings(theta=theta, scaling=_scaling(scaling)), local
+
+
+def _rope_from_params(params: dict[str, Any]) -> RopeSettings:
+    return RopeSettings(theta=float(params["rope_theta"]), scaling=_scaling(params))
+
+
+def _scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not params:
+        return None
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    return {k: v for k, v in params.items() if k != "rope_theta"} | {"rope_type": rope_type}
+
+
+def hf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
+    """Our parameter name for an HF tensor name, None for tensors we do not use."""
+    name = name.removeprefix("model.").removeprefix("language_model.")
+    if name == "embed_tokens.weight":
+        return "embed.weight"
+    if name in ("norm.weight", "lm_head.weight"):
+        return name
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if not m:
+        return None
+    layer, rest = m.groups()
+    rest = rest.replace("self_attn.", "attn.")
+    norms = {"input_layernorm": "attn_norm"}
+    if cfg.sandwich_norm:
+        norms |= {
+            "post_attention_layernorm": "attn_post_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "ffn_post_norm",
+        }
+    else:
+        norms["post_attention_layernorm"] = "ffn_norm"
+    head, _, tail = rest.partition(".")
+    rest = f"{norms[head]}.{tail}" if head in norms else rest
+    return f"layers.{layer}.{rest}"
+
+
+def hf_norm_offset(cfg: ModelConfig) -> float:
+    """What to add to every RMSNorm weight of an HF checkpoint of this family."""
+    return 1.0 if FAMILIES[cfg.architecture].norm_plus_one else 0.0
+
+
+# ---------------------------------------------------------------- GGUF metadata
+
+GGUF_ARCHITECTURES = {name: name for name in FAMILIES}
+
+
+def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) -> ModelConfig:
+    """Map GGUF metadata (llama.cpp's keys) onto `ModelConfig`."""
+    arch = md.get("general.architecture")
+    fam = _family(str(arch), source)
+
+    def key(suffix: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{suffix}", default)
+        if value is None:
+            raise ValueError(f"{source}: missing metadata key {arch}.{suffix}")
+        return value
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer lists are allowed by the format; we need them uniform
+        if len(set(kv_heads)) != 1:
+            raise ValueError(f"{source}: per-layer KV head counts are not supported")
+        kv_heads = kv_heads[0]
+    num_layers = int(key("block_count"))
+    head_dim = int(md.get(f"{arch}.attention.key_length", hidden // heads))
+    ffn = key("feed_forward_length")
+    ffn = ffn[0] if isinstance(ffn, list) else ffn
+    vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
+    theta = float(md.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = None
+    if md.get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
+    sliding = md.get(f"{arch}.attention.sliding_window")
+    layer_types: list[str] = []
+    rope_local = None
+    if fam.sliding_pattern and sliding:
+        pattern = int(md.get(f"{arch}.attention.sliding_window_pattern", fam.sliding_pattern))
+        layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+        rope_local = RopeSettings(theta=10000.0)  # llama.cpp fixes the local base of Gemma 3 at 10k
+    elif arch == "gemma2" and sliding:
+        layer_types = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)]
+    attn_scale = None
+    if arch in ("gemma2", "gemma3"):
+        attn_scale = head_dim**-0.5  # query_pre_attn_scalar equals head_dim for released sizes
+    return ModelConfig(
+        architecture=str(arch),
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(ffn),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(key("context_length", 4096)),
+        rope=RopeSettings(theta=theta, scaling=scaling),
+        rope_local=rope_local,
+        hidden_act=fam.hidden_act,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        output_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+        qk_norm=fam.qk_norm,
+        sandwich_norm=fam.sandwich_norm,
+        embed_scale=math.sqrt(hidden) if fam.scaled_embeddings else 1.0,
+        attn_scale=attn_scale,
+        attn_logit_softcap=md.get(f"{arch}.attn_logit_softcapping"),
+        final_logit_softcap=md.get(f"{arch}.final_logit_softcapping"),
+        sliding_window=int(sliding) if sliding and (layer_types or arch == "mistral") else None,
+        layer_types=layer_types,
+        tie_word_embeddings="output.weight" not in tensor_names,
+    )
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "attn_norm",
+    "attn_q": "attn.q_proj",
+    "attn_k": "attn.k_proj",
+    "attn_v": "attn.v_proj",
+    "attn_output": "attn.o_proj",
+    "attn_q_norm": "attn.q_norm",
+    "attn_k_norm": "attn.k_norm",
+    "post_attention_norm": "attn_post_norm",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "ffn_post_norm",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
+
+
+def gguf_tensor_name(name: str) -> str | None:
+    """Our parameter name for a GGUF tensor name, None for tensors we do not use (e.g. rope_freqs)."""
+    base, _, suffix = name.rpartition(".")
+    if base in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{suffix}"
+    return None
+
+
+def gguf_qk_permuted(cfg: ModelConfig) -> bool:
+    return FAMILIES[cfg.architecture].gguf_permuted_qk

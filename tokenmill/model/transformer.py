@@ -1,0 +1,147 @@
+"""The generic decoder-only transformer; per-family differences come from `ModelConfig`.
+
+Internal parameter names follow the block structure (attn_norm, attn.q_proj, ffn_norm, mlp.*,
+...); loaders map each checkpoint format's names onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.attention import AttentionBatch, KVCache, paged_attention
+from tokenmill.model.config import ModelConfig, RopeSettings
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. Gemma's (1 + w) form is folded into w by the loaders."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+class Rotary:
+    """Rotary embedding of one rope setting (rotate-half layout), evaluated for a step's positions."""
+
+    def __init__(self, settings: RopeSettings, head_dim: int) -> None:
+        self.inv_freq = settings.inv_freq(head_dim)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape (T, 1, head_dim // 2), computed once per step and shared by layers."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x of shape (T, heads, head_dim) with tables from `Rotary.tables`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.softmax_scale
+        self.softcap = cfg.attn_logit_softcap
+        self.window = cfg.layer_window(layer)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.output_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple, cache: KVCache, batch: AttentionBatch, masks: dict) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = paged_attention(
+            q, k, v, cache.k[self.layer], cache.v[self.layer], batch, masks[self.window], self.scale, self.softcap
+        )
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """Gated feed-forward: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        if cfg.hidden_act == "silu":
+            self.act = F.silu
+        elif cfg.hidden_act == "gelu_tanh":
+            self.act = lambda t: F.gelu(t, approximate="tanh")
+        else:
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.attn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
+        self.ffn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
+
+    def forward(self, h: torch.Tensor, rope: tuple, cache: KVCache, batch: AttentionBatch, masks: dict) -> torch.Tensor:
+        a = self.attn(self.attn_norm(h), rope, cache, batch, masks)
+        if self.attn_post_norm is not None:
+            a = self.attn_post_norm(a)
+        h = h + a
+        m = self.mlp(self.ffn_norm(h))
+        if self.ffn_post_norm is not None:
+            m = self.ffn_post_norm(m)
+        return h + m
+
+
+class Transformer(nn.Module):
+    """Decoder over a flat batch of new tokens from many sequences (see `AttentionBatch`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotaries = {kind: Rotary(cfg.layer_rope(i), cfg.head_dim) for i, kind in enumerate(cfg.layer_types)}
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
+        """Hidden states (T, hidden) after the final norm for the flat token list `input_ids`."""
+        h = self.embed(input_ids)
+        if self.config.embed_scale != 1.0:
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
+        masks = {window: batch.mask(window) for window in {layer.attn.window for layer in self.layers}}
+        ropes = {kind: r.tables(batch.positions, h.dtype) for kind, r in self.rotaries.items()}
+        for kind, layer in zip(self.config.layer_types, self.layers):
+            h = layer(h, ropes[kind], cache, batch, masks)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        if self.config.final_logit_softcap is not None:
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
