@@ -1,0 +1,88 @@
+"""Per-request sampling parameters, with vLLM / OpenAI semantics and request validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.errors import InvalidRequestError
+
+# Temperatures below this are treated as greedy: dividing by them would only amplify rounding noise.
+SAMPLING_EPS = 1e-5
+# OpenAI's cap on the number of alternatives returned per token.
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    top_k 0 or -1 and top_p 1.0 switch those filters off. repetition_penalty follows HF/vLLM
+    (divide positive / multiply negative logits of tokens seen in the prompt or output);
+    presence/frequency penalties follow OpenAI and count output tokens only. logprobs is the
+    number of top alternatives to return (0 = only the sampled token's logprob). stop strings are
+    stored here but matched by the detokenizer.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first out-of-range field; token ids are checked
+        against vocab_size when it is given."""
+        # Written as `not (in range)` so that NaN fails too.
+        _check(self.n >= 1, "n", self.n, "must be at least 1")
+        _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 or 0 (off) or a positive number of tokens")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
+               "must be in [-2, 2]")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(0 <= value <= MAX_LOGPROBS, name, value, f"must be in [0, {MAX_LOGPROBS}]")
+        for token, bias in (self.logit_bias or {}).items():
+            _check_token(token, "logit_bias", vocab_size)
+            _check(-100 <= bias <= 100, "logit_bias", bias, f"value for token {token} must be in [-100, 100]")
+        for token in self.stop_token_ids:
+            _check_token(token, "stop_token_ids", vocab_size)
+
+
+def _check(ok: bool, name: str, value: object, why: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{name} {why}, got {value!r}")
+
+
+def _check_token(token: int, name: str, vocab_size: int | None) -> None:
+    in_range = isinstance(token, int) and token >= 0 and (vocab_size is None or token < vocab_size)
+    why = f"token ids must be in [0, {vocab_size})" if vocab_size is not None else "token ids must be >= 0"
+    _check(in_range, name, token, why)

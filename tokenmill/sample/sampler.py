@@ -1,0 +1,234 @@
+"""Batched token sampling on tensors: one step for B rows, each with its own SamplingParams.
+
+Order (as vLLM v1): min_tokens masking, logit bias and penalties change the raw logits
+("processed logits"); logprobs and greedy picks come from those; random rows then divide by their
+temperature, apply top-k, top-p and min-p, and sample by an exponential race so that rows with a
+seed draw their noise from their own generator and give the same tokens whatever batch they are in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from tokenmill.sample.params import SamplingParams
+
+Index = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step tensors for the B rows being sampled.
+
+    An optional field is None when no row uses that feature, so the common case (plain greedy or
+    plain temperature sampling) does no work for it. Rows with a feature off hold a neutral value
+    (top_k = vocab size, top_p = 1, penalty 1 or 0, ...).
+    """
+
+    greedy: torch.Tensor  # (B,) bool
+    temperature: torch.Tensor  # (B,) float32, 1.0 on greedy rows so dividing by it is harmless
+    top_k: torch.Tensor | None  # (B,) int64 in [1, V]
+    top_p: torch.Tensor | None  # (B,) float32
+    min_p: torch.Tensor | None  # (B,) float32
+    repetition_penalty: torch.Tensor | None  # (B,) float32
+    presence_penalty: torch.Tensor | None  # (B,) float32
+    frequency_penalty: torch.Tensor | None  # (B,) float32
+    prompt_mask: torch.Tensor | None  # (B, V) bool: token occurs in the prompt (repetition penalty only)
+    output_counts: torch.Tensor | None  # (B, V) float32: occurrences in the output so far
+    bias_index: Index | None  # (rows, token ids) of logit_bias entries
+    bias_values: torch.Tensor | None  # float32 biases matching bias_index
+    min_tokens_index: Index | None  # (rows, token ids) to mask while the output is shorter than min_tokens
+    seeded_rows: list[int]  # random rows that draw noise from their own generator
+    generators: list[torch.Generator]  # one per seeded row
+    any_unseeded_random: bool  # whether the batched noise draw is needed
+    all_greedy: bool  # plain Python flags, so branching on them needs no device sync
+    all_random: bool
+    max_num_logprobs: int | None  # largest `logprobs` requested in the batch, None if none
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        stop_ids_for_min_tokens: list[frozenset[int]],
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Gather the rows' parameters into tensors on `device`.
+
+        generators[i] is the request's own generator (seeded once, kept across steps) or None;
+        stop_ids_for_min_tokens[i] are the ids (EOS, stop_token_ids) banned until row i has
+        min_tokens output tokens.
+        """
+        lengths = {len(params), len(prompt_ids), len(output_ids), len(generators), len(stop_ids_for_min_tokens)}
+        if len(lengths) != 1:
+            raise ValueError("SamplingBatch.build needs one entry per row in every list")
+
+        def column(values: list[float], neutral: float, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.greedy for p in params]
+        repetition = column([p.repetition_penalty for p in params], 1.0)
+        presence = column([p.presence_penalty for p in params], 0.0)
+        frequency = column([p.frequency_penalty for p in params], 0.0)
+        needs_counts = repetition is not None or presence is not None or frequency is not None
+
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        banned = [(i, t) for i, (p, out, stops) in enumerate(zip(params, output_ids, stop_ids_for_min_tokens))
+                  if len(out) < p.min_tokens for t in sorted(stops)]
+        random_rows = [(i, g) for i, (g, is_greedy) in enumerate(zip(generators, greedy)) if not is_greedy]
+        seeded = [(i, g) for i, g in random_rows if g is not None]
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+
+        return cls(
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                     dtype=torch.float32, device=device),
+            top_k=column([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                         vocab_size, torch.int64),
+            top_p=column([p.top_p for p in params], 1.0),
+            min_p=column([p.min_p for p in params], 0.0),
+            repetition_penalty=repetition,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            prompt_mask=_token_counts(prompt_ids, vocab_size, device) > 0 if repetition is not None else None,
+            output_counts=_token_counts(output_ids, vocab_size, device).float() if needs_counts else None,
+            bias_index=_index([(i, t) for i, t, _ in bias], device) if bias else None,
+            bias_values=torch.tensor([b for *_, b in bias], dtype=torch.float32, device=device) if bias else None,
+            min_tokens_index=_index(banned, device) if banned else None,
+            seeded_rows=[i for i, _ in seeded],
+            generators=[g for _, g in seeded],
+            any_unseeded_random=len(seeded) < len(random_rows),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            max_num_logprobs=max(requested) if requested else None,
+        )
+
+
+def request_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The generator a seeded request keeps for its whole life (None when it has no seed)."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def _token_counts(ids: list[list[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """(B, V) int64 occurrence counts, from one bincount over row-offset flat ids."""
+    lengths = torch.tensor([len(r) for r in ids], device=device)
+    flat = torch.tensor(list(chain.from_iterable(ids)), dtype=torch.int64, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(ids), device=device), lengths, output_size=len(flat))
+    counts = torch.bincount(rows * vocab_size + flat, minlength=len(ids) * vocab_size)
+    return counts.view(len(ids), vocab_size)
+
+
+def _index(pairs: list[tuple[int, int]], device: torch.device | str) -> Index:
+    rows, cols = torch.tensor(pairs, dtype=torch.int64, device=device).unbind(1)
+    return rows, cols
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled ids and, when any row asked, logprobs.
+
+    Logprobs are log_softmax of the processed logits: after bias, min_tokens masking and penalties
+    but before temperature, top-k, top-p and min-p (vLLM's "processed_logprobs"), so they describe
+    the model's adjusted distribution rather than the truncated one sampled from.
+    """
+
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: torch.Tensor | None  # (B,) logprob of the sampled token
+    top_ids: torch.Tensor | None  # (B, k) int64, k = max requested logprobs in the batch
+    top_logprobs: torch.Tensor | None  # (B, k)
+
+
+class Sampler:
+    """Pick one token per row from (B, V) logits; the input tensor is never modified."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = process_logits(logits, batch)
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = _exponential_race(sampling_logits(logits, batch).softmax(dim=-1), batch)
+            if not batch.all_random:
+                token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
+        if batch.max_num_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None)
+        logprobs = logits.log_softmax(dim=-1)
+        top_logprobs, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)
+        sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(token_ids, sampled, top_ids, top_logprobs)
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Apply min_tokens masking, logit bias and penalties: what greedy picks and logprobs see."""
+    needs_work = (batch.min_tokens_index is not None or batch.bias_index is not None
+                  or batch.output_counts is not None)
+    logits = logits.to(torch.float32, copy=needs_work)  # one copy, then edit it in place
+    if batch.min_tokens_index is not None:
+        logits[batch.min_tokens_index] = float("-inf")
+    if batch.bias_index is not None:
+        logits.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
+    if batch.repetition_penalty is not None:
+        seen = batch.prompt_mask | (batch.output_counts > 0)
+        penalty = torch.where(seen, batch.repetition_penalty.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if batch.frequency_penalty is not None:
+        logits -= batch.frequency_penalty.unsqueeze(1) * batch.output_counts
+    if batch.presence_penalty is not None:
+        logits -= batch.presence_penalty.unsqueeze(1) * (batch.output_counts > 0)
+    return logits
+
+
+def sampling_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Divide by temperature and set to -inf what top-k, top-p and min-p exclude.
+
+    top-p is taken over the top-k-renormalized distribution (as HF and vLLM); min-p compares each
+    probability with the row's maximum, which the other filters keep, so it does not depend on
+    their order. It is applied in logit space: p_i >= min_p * p_max <=> x_i >= x_max + log(min_p).
+    """
+    logits = logits / batch.temperature.unsqueeze(1)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
+    if batch.min_p is not None:
+        floor = logits.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Both filters on one ascending sort, then scattered back to vocabulary order."""
+    ordered, order = logits.sort(dim=-1)
+    if top_k is not None:
+        kth_largest = ordered.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
+        ordered = ordered.masked_fill(ordered < kth_largest, float("-inf"))
+    if top_p is not None:
+        # Drop a token when the mass at or below it is within 1 - top_p: what remains is the
+        # smallest top set whose mass reaches top_p. The most likely token always stays.
+        mass_up_to = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = mass_up_to <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(ordered).scatter_(1, order, ordered)
+
+
+def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sample argmax(p_i / E_i) with E_i ~ Exp(1), which picks i with probability p_i.
+
+    The noise is drawn in vocabulary order, one full row per seeded request from its own
+    generator, so a seeded row's token depends only on its own logits and generator state.
+    """
+    noise = torch.empty_like(probs)
+    if batch.any_unseeded_random:
+        noise.exponential_()
+    for row, generator in zip(batch.seeded_rows, batch.generators):
+        noise[row].exponential_(generator=generator)
+    # exponential_ may return exactly 0, which would make a filtered-out 0/0 a NaN that argmax picks.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
