@@ -24,3 +24,7 @@ class ModelFileError(TokenmillError):
 
 class ModelNotFoundError(TokenmillError):
     """A model name is neither a catalog alias nor an existing path."""
+
+
+class InvalidRequestError(TokenmillError, ValueError):
+    """A request or command-line input the model cannot serve (empty prompt, too long, ...)."""

@@ -1,0 +1,33 @@
+"""Shared fixtures: the two real models come from the catalog (pulled once into the model cache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenmill.catalog import pull
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return pull("smollm2-135m-instruct", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    return pull("gemma-3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from tests.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    from tokenmill.model.loader import load_model
+
+    return load_model(tiny_model_dir, progress=False)

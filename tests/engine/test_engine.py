@@ -1,0 +1,216 @@
+"""Engine acceptance: batching, chunked prefill, preemption, prefix caching, aborts, sampling, stops."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sample import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 120, vocab: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def _run(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i].outputs[0].token_ids for i in ids]
+
+
+def test_greedy_alone_equals_inside_a_batch_of_32(tiny_loaded) -> None:
+    target = _prompts(1, seed=99, lo=40, hi=41)[0]
+    alone = _run(LLMEngine(tiny_loaded, num_kv_blocks=256), [target])[0]
+
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
+    others = _prompts(32, seed=1)
+    waves = [others[:10], [target] + others[10:20], others[20:]]
+    results, target_id = {}, None
+    for wave in waves:
+        for p in wave:
+            rid = engine.add_request(None, p, GREEDY)
+            if p is target:
+                target_id = rid
+        for _ in range(3):  # arrivals at different steps, mixing prefills with running decodes
+            for out in engine.step():
+                results[out.request_id] = out
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = out
+    assert results[target_id].outputs[0].token_ids == alone
+    assert len(alone) == GREEDY.max_tokens
+
+
+def test_chunked_prefill_equals_whole_prompts(tiny_loaded) -> None:
+    prompts = _prompts(8, seed=2, lo=30, hi=150)
+    whole = _run(LLMEngine(tiny_loaded, num_kv_blocks=256, max_num_batched_tokens=4096), prompts)
+    chunked_engine = LLMEngine(tiny_loaded, num_kv_blocks=256, max_num_batched_tokens=7)
+    assert _run(chunked_engine, prompts) == whole
+
+
+def test_preemption_completes_everything_with_same_outputs(tiny_loaded) -> None:
+    prompts = _prompts(8, seed=3, lo=30, hi=60)
+    ample = _run(LLMEngine(tiny_loaded, num_kv_blocks=256), prompts)
+    tight = LLMEngine(tiny_loaded, num_kv_blocks=12, block_size=16)  # 192 slots for 8 x ~70 tokens
+    assert _run(tight, prompts) == ample
+    assert tight.stats.num_preemptions > 0
+    assert tight.kv.num_free_blocks == tight.kv.num_total_blocks
+
+
+def test_prefix_cache_reuses_a_200_token_prefix(tiny_loaded) -> None:
+    shared = _prompts(1, seed=4, lo=200, hi=201)[0]
+    first, second = shared + [5, 6, 7], shared + [9, 10, 11, 12]
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
+    _run(engine, [first])
+    hits_before, queries_before = engine.stats.prefix_cache_hits, engine.stats.prefix_cache_queries
+    computed_before = _tokens_computed(engine)
+    warm = _run(engine, [second])[0]
+    assert engine.stats.prefix_cache_hits - hits_before == 192  # the 12 full blocks of the shared prefix
+    assert engine.stats.prefix_cache_queries - queries_before == len(second)
+    # only the tokens after the cached blocks were run through the model (+ the decode steps)
+    assert _tokens_computed(engine) - computed_before == len(second) - 192 + GREEDY.max_tokens - 1
+    cold = _run(LLMEngine(tiny_loaded, num_kv_blocks=256, enable_prefix_caching=False), [second])[0]
+    assert warm == cold
+
+
+def _tokens_computed(engine: LLMEngine) -> int:
+    return engine.stats.tokens_computed
+
+
+def test_random_aborts_leak_no_blocks(tiny_loaded) -> None:
+    rng = random.Random(5)
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=40, max_num_batched_tokens=64)
+    live: list[str] = []
+    for step in range(120):
+        if step < 60 and rng.random() < 0.5:
+            params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randrange(1, 30),
+                                    n=rng.choice([1, 1, 2]), seed=rng.randrange(100))
+            live.append(engine.add_request(None, _prompts(1, seed=step, lo=2, hi=90)[0], params))
+        if live and rng.random() < 0.2:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert not engine.scheduler.running and len(engine.scheduler.waiting) == 0
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_loaded) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    prompt = _prompts(1, seed=6, lo=20, hi=21)[0]
+    alone = _run(LLMEngine(tiny_loaded, num_kv_blocks=256), [prompt], params)[0]
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
+    noise = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    mixed = [(p, noise) for p in _prompts(5, seed=7)] + [(prompt, params)] + [(p, noise) for p in _prompts(3, seed=8)]
+    ids = [engine.add_request(None, p, sp) for p, sp in mixed]
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done[ids[5]].outputs[0].token_ids == alone
+
+
+def test_stop_string_across_two_tokens_is_trimmed(tiny_loaded) -> None:
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
+    tok = engine.tokenizer
+    prompt = _prompts(1, seed=9, lo=10, hi=11)[0]
+    free_run = _run(engine, [prompt])[0]
+    pieces = [tok.decode([t]) for t in free_run]
+    full = tok.decode(free_run)
+    # a stop string made of the last character of token k and the first of token k+1, first seen there
+    for k in range(2, len(pieces) - 1):
+        stop = pieces[k][-1:] + pieces[k + 1][:1]
+        boundary = len(tok.decode(free_run[:k + 1]))
+        if len(stop) == 2 and full.find(stop) == boundary - 1:
+            break
+    else:
+        pytest.fail("no token boundary to test in this output")
+    expected = full[: boundary - 1]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    rid = engine.add_request(None, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.request_id == rid and o.finished), final)
+    out = final.outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == expected
+    assert stop not in out.text
+
+
+def test_streamed_deltas_add_up_to_the_text(tiny_loaded) -> None:
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
+    rid = engine.add_request(None, "The quick brown", SamplingParams(temperature=0.0, max_tokens=20, stop=["zz"]))
+    deltas, tokens, final = [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].text_delta)
+            tokens.extend(out.outputs[0].token_ids_delta)
+            final = out
+    assert "".join(deltas) == final.outputs[0].text
+    assert tokens == final.outputs[0].token_ids
+
+
+def test_n_children_share_the_prompt_and_differ(tiny_loaded) -> None:
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
+    prompt = _prompts(1, seed=10, lo=64, hi=65)[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    rid = engine.add_request(None, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    assert [c.index for c in final.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in final.outputs}) == 3
+    assert engine.stats.prefix_cache_hits >= 2 * 48  # children 1 and 2 reuse 3 full blocks each
+    assert final.request_id == rid
+
+
+def test_logprobs_and_prompt_logprobs_match_the_model(tiny_loaded) -> None:
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
+    prompt = _prompts(1, seed=11, lo=12, hi=13)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    rid = engine.add_request(None, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    out = final.outputs[0]
+    seq = prompt + out.token_ids
+    from tokenmill.model.attention import AttentionBatch, KVCache
+    cfg = tiny_loaded.config
+    cache = KVCache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim)
+    batch = AttentionBatch.build([len(seq)], [len(seq)], [list(range(8))], 16)
+    with torch.no_grad():
+        ref = tiny_loaded.model.compute_logits(tiny_loaded.model(torch.tensor(seq), cache, batch)).log_softmax(-1)
+    assert final.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        entry = final.prompt_logprobs[pos]
+        assert entry[prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+        assert len(entry) in (2, 3)
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert entry[token].rank == 1 and entry[token].logprob == pytest.approx(float(row.max()), abs=1e-4)
+        assert sorted(entry) == sorted(row.topk(3).indices.tolist())
+
+
+def test_bad_requests_are_refused_and_leave_nothing(tiny_loaded) -> None:
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=16, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request(None, [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.add_request(None, list(range(3, 70)), SamplingParams())
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        engine.add_request(None, [5, 6], SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        engine.add_request(None, [5, 6], SamplingParams(top_p=2.0))
+    assert not engine.has_unfinished_requests()

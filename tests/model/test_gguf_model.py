@@ -1,0 +1,158 @@
+"""A tiny model written as GGUF (the way llama.cpp's converter writes it) equals its safetensors twin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf.quants import dequantize, quantize
+
+from tokenmill.model.attention import AttentionBatch, KVCache
+from tokenmill.model.loader import load_model
+
+VOCAB = 96
+HF_CONFIGS = {
+    "llama": transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0, initializer_range=0.1,
+    ),
+    "qwen2": transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rope_theta=1000000.0, initializer_range=0.1,
+        tie_word_embeddings=True,
+    ),
+    "gemma3": transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=5,
+        max_position_embeddings=128, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        initializer_range=0.1, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+    ),
+}
+
+# HF name (after "model.layers.N.") -> GGUF name (after "blk.N.")
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def _gguf_name(hf_name: str, arch: str) -> str:
+    name = hf_name.removeprefix("model.")
+    globals_ = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    base, _, suffix = name.rpartition(".")
+    if base in globals_:
+        return f"{globals_[base]}.{suffix}"
+    _, layer, rest = base.split(".", 2)
+    if rest == "post_attention_layernorm":
+        return f"blk.{layer}.{'post_attention_norm' if arch == 'gemma3' else 'ffn_norm'}.{suffix}"
+    return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf reorders q/k rows of Llama models for interleaved rope."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: gguf.GGMLQuantizationType) -> dict:
+    """Write hf as llama.cpp would; returns the state dict that the GGUF actually encodes."""
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    theta = cfg.rope_parameters["full_attention"]["rope_theta"] if arch == "gemma3" else cfg.rope_parameters["rope_theta"]
+    writer.add_rope_freq_base(theta)
+    if arch == "gemma3":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_sliding_window(cfg.sliding_window)
+    tokens = [f"t{i}" for i in range(VOCAB)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    encoded = {}
+    for hf_name, tensor in hf.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = tensor.float().numpy()
+        if arch == "gemma3" and "norm" in hf_name:
+            data = data + 1.0  # llama.cpp stores Gemma norms as 1 + w
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+            data = _permute(data, heads)
+        if data.ndim == 2 and "embed" not in hf_name:
+            raw = quantize(data, qtype)
+            writer.add_tensor(_gguf_name(hf_name, arch), raw, raw_dtype=qtype)
+            data = dequantize(raw, qtype)
+            if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+                data = data.reshape(heads, data.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(data.shape)
+        else:
+            writer.add_tensor(_gguf_name(hf_name, arch), data)
+        if arch == "gemma3" and "norm" in hf_name:
+            data = data - 1.0
+        encoded[hf_name] = torch.from_numpy(np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return encoded
+
+
+def _logits(loaded, prompts: list[list[int]]) -> torch.Tensor:
+    cfg = loaded.config
+    cache = KVCache(cfg.num_layers, 16, 8, cfg.num_kv_heads, cfg.head_dim)
+    tables = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
+    batch = AttentionBatch.build([len(p) for p in prompts], [len(p) for p in prompts], tables, 8)
+    ids = torch.tensor([t for p in prompts for t in p])
+    return loaded.model.compute_logits(loaded.model(ids, cache, batch))
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0,
+                                   gguf.GGMLQuantizationType.Q4_1])
+@pytest.mark.parametrize("arch", list(HF_CONFIGS))
+def test_gguf_equals_safetensors(arch: str, qtype: gguf.GGMLQuantizationType, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[arch], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    gguf_path = tmp_path / "model.gguf"
+    encoded = _write_gguf(gguf_path, hf, arch, qtype)
+    hf.load_state_dict(encoded, strict=False)  # the twin holds exactly the (de)quantized weights
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+
+    from_gguf = load_model(gguf_path, progress=False)
+    from_hf = load_model(tmp_path / "hf", progress=False)
+    assert from_gguf.config.layer_types == from_hf.config.layer_types
+    prompts = [[5, 9, 3, 70, 1, 1, 44], [8, 2, 60, 61, 62, 63, 64, 65, 66, 67, 11]]
+    with torch.no_grad():
+        ours = _logits(from_gguf, prompts)
+        twin = _logits(from_hf, prompts)
+        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+    torch.testing.assert_close(ours, twin, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)

@@ -1,0 +1,70 @@
+"""Perplexity computed the way llama.cpp's `llama-perplexity` does, so the two are comparable.
+
+The text is tokenized once (with BOS when the model adds one), cut into non-overlapping chunks of
+`ctx` tokens whose first token is replaced by BOS, and only the second half of each chunk is
+scored, so every scored token has at least ctx/2 tokens of context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.engine.model_runner import ModelRunner, blocks_needed
+from tokenmill.model.loader import LoadedModel
+
+
+@dataclass
+class PerplexityResult:
+    ppl: float
+    ppl_error: float  # standard error of the estimate, as llama-perplexity prints after "+/-"
+    num_chunks: int
+    num_scored: int
+    chunk_ppls: list[float] = field(default_factory=list)  # running estimate after each chunk
+
+
+def perplexity(
+    loaded: LoadedModel,
+    token_ids: list[int],
+    ctx: int = 512,
+    max_chunks: int | None = None,
+    on_chunk: Callable[[int, float], None] | None = None,
+) -> PerplexityResult:
+    if ctx < 4:
+        raise InvalidRequestError("--ctx must be at least 4")
+    num_chunks = len(token_ids) // ctx
+    if max_chunks is not None:
+        num_chunks = min(num_chunks, max_chunks)
+    if len(token_ids) < 2 * ctx:
+        raise InvalidRequestError(f"the text has {len(token_ids)} tokens; at least {2 * ctx} (2 x ctx) are needed")
+    tok = loaded.tokenizer
+    bos = tok.bos_token_id if tok.add_bos else None
+    runner = ModelRunner(loaded, num_blocks=blocks_needed(ctx, 16))
+    table = list(range(runner.cache.num_blocks))
+    first = ctx // 2
+    nll_sum = nll2_sum = 0.0
+    count = 0
+    running = []
+    for i in range(num_chunks):
+        chunk = token_ids[i * ctx:(i + 1) * ctx]
+        if bos is not None:
+            chunk = [bos] + chunk[1:]
+        hidden = runner.forward([chunk], [ctx], [table], all_logits=False, hidden_only=True)
+        logits = runner.model.compute_logits(hidden[first:ctx - 1])
+        targets = torch.tensor(chunk[first + 1:])
+        nll = -torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).double()
+        nll_sum += float(nll.sum())
+        nll2_sum += float((nll * nll).sum())
+        count += len(targets)
+        running.append(math.exp(nll_sum / count))
+        if on_chunk:
+            on_chunk(i, running[-1])
+    mean = nll_sum / count
+    variance = max(nll2_sum / count - mean * mean, 0.0)
+    ppl = math.exp(mean)
+    error = ppl * math.sqrt(variance / max(count - 1, 1))
+    return PerplexityResult(ppl=ppl, ppl_error=error, num_chunks=num_chunks, num_scored=count, chunk_ppls=running)

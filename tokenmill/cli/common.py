@@ -1,0 +1,41 @@
+"""Options and helpers shared by the commands that load a model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tokenmill.catalog import DEFAULT_MODEL, resolve_model
+from tokenmill.errors import TokenmillError
+from tokenmill.model.loader import LoadedModel, load_model
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", "-m", default=None,
+        help=f"catalog alias (pulled on first use), GGUF file or HF directory (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="compute dtype for the weights (default: fp32)")
+    parser.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
+
+
+def load_from_args(args: argparse.Namespace, need_tokenizer: bool = True) -> LoadedModel:
+    path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
+    loaded = load_model(path, dtype=args.dtype, progress=sys.stderr.isatty())
+    if need_tokenizer and loaded.tokenizer is None:
+        raise TokenmillError(f"{path}: no tokenizer found (tokenizer.json is missing)")
+    return loaded
+
+
+def read_text_arg(text: str | None, file: str | None) -> str:
+    """The text given on the command line or read from --file (exactly one of them)."""
+    if (text is None) == (file is None):
+        raise TokenmillError("give the text either as an argument or with --file, not both or neither")
+    if file is None:
+        return text
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenmillError(f"cannot read {file}: {exc}") from exc

@@ -1,0 +1,383 @@
+"""LLMEngine: add requests, call `step()`, get outputs. The synchronous core of every front end.
+
+One step = schedule -> build the flat batch -> forward -> sample (batched) -> update requests
+(append tokens, detokenize, check stops) -> free what finished. A request with n > 1 becomes n
+child sequences that share its prompt's KV blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import psutil
+import torch
+
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.errors import InvalidRequestError
+from tokenmill.model.attention import KVCache
+from tokenmill.model.loader import LoadedModel, load_model
+from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
+from tokenmill.sample.sampler import request_generator
+from tokenmill.tokenizer import IncrementalDetokenizer
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "fp32"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV pool; default: a quarter of free RAM, at most 4 GiB
+    num_kv_blocks: int | None = None  # exact pool size (overrides kv_cache_memory; tests use it)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    models_dir: str | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prompt_tokens: int = 0  # prompt tokens of all requests added
+    generation_tokens: int = 0
+    tokens_computed: int = 0  # tokens run through the model (prefill chunks and decodes)
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one child sequence: its request plus output processing."""
+
+    req: Request
+    parent: _Parent
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    max_tokens: int
+    text: str = ""
+    emitted: int = 0  # characters of `text` already handed out
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    new_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path | LoadedModel | None = None, config: EngineConfig | None = None,
+                 progress: bool = False, **overrides) -> None:
+        from tokenmill.catalog import resolve_model
+
+        self.config = config or EngineConfig()
+        for key, value in overrides.items():
+            if not hasattr(self.config, key):
+                raise TypeError(f"unknown engine option {key!r}")
+            setattr(self.config, key, value)
+        cfg = self.config
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+        else:
+            self.loaded = load_model(resolve_model(model, models_dir=cfg.models_dir, progress=progress),
+                                     dtype=cfg.dtype, progress=progress)
+        if self.loaded.tokenizer is None:
+            raise InvalidRequestError(f"{self.loaded.path}: the model has no tokenizer")
+        self.tokenizer = self.loaded.tokenizer
+        mc = self.loaded.config
+        num_blocks = cfg.num_kv_blocks or self._blocks_for_budget()
+        self.runner = ModelRunner(self.loaded, num_blocks=num_blocks, block_size=cfg.block_size)
+        limit = min(mc.max_position_embeddings, num_blocks * cfg.block_size)
+        self.max_model_len = min(cfg.max_model_len or limit, limit)
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy), self.kv, self.max_model_len
+        )
+        self.sampler = Sampler()
+        self._parents: dict[str, _Parent] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self._aborted: list[_Parent] = []
+        self._ids = itertools.count()
+        self.stats = EngineStats(num_total_blocks=num_blocks)
+
+    def _blocks_for_budget(self) -> int:
+        mc, cfg = self.loaded.config, self.config
+        budget = cfg.kv_cache_memory or min(4 * GiB, psutil.virtual_memory().available // 4)
+        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                                            self.loaded.dtype)
+        if budget < per_block:
+            raise InvalidRequestError(f"KV cache memory {budget} bytes holds no block of {per_block} bytes")
+        return budget // per_block
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        extra_key: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises InvalidRequestError for anything unservable."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        vocab = self.loaded.config.vocab_size
+        params.validate(vocab_size=vocab)
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            if any(not 0 <= t < vocab for t in token_ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; this model's context is "
+                                      f"{self.max_model_len} tokens, leaving no room to generate")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequestError(f"max_tokens={max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
+                                      f"the context of {self.max_model_len} tokens")
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        parent = _Parent(request_id, text, token_ids)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(token_ids)
+        for index in range(params.n):
+            child_params = params
+            if params.seed is not None and params.n > 1:  # distinct but reproducible children
+                child_params = replace(params, seed=params.seed + index)
+            req = Request(
+                request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
+                prompt_token_ids=list(token_ids),
+                sampling_params=child_params,
+                arrival_time=arrival,
+                priority=priority,
+                extra_key=extra_key,
+                block_size=self.config.block_size,
+            )
+            seq = _Sequence(
+                req=req, parent=parent, index=index, params=child_params,
+                detok=IncrementalDetokenizer(self.tokenizer, token_ids, child_params.skip_special_tokens),
+                generator=request_generator(child_params),
+                max_tokens=max_tokens,
+                logprobs=[] if child_params.logprobs is not None else None,
+            )
+            parent.children.append(seq)
+            self._sequences[req.request_id] = seq
+            self.scheduler.add_request(req)
+        self._parents[request_id] = parent
+        self.stats.prompt_tokens += len(token_ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its blocks return to the pool. Unknown ids are ignored."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return
+        for seq in parent.children:
+            if seq.finish_reason is None:
+                self._finish(seq, "abort", RequestStatus.FINISHED_ABORTED)
+        self._aborted.append(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        touched: dict[str, _Parent] = {p.request_id: p for p in self._aborted}
+        self._aborted.clear()
+        sched = self.scheduler.schedule()
+        if sched.requests:
+            self._run(sched, touched)
+        outputs = [self._output(p) for p in touched.values()]
+        for p in touched.values():
+            if p.finished:
+                self._parents.pop(p.request_id, None)
+                for seq in p.children:
+                    self._sequences.pop(seq.req.request_id, None)
+        self._update_stats()
+        return outputs
+
+    def _run(self, sched, touched: dict[str, _Parent]) -> None:
+        token_ids, context_lens, tables, sample_rows, prompt_lp_rows = [], [], [], [], []
+        offset = 0
+        for req, n in zip(sched.requests, sched.num_new_tokens):
+            start = req.num_computed_tokens
+            token_ids.append(req.all_token_ids[start:start + n])
+            context_lens.append(start + n)
+            tables.append(self.kv.get_block_ids(req.request_id))
+            seq = self._sequences[req.request_id]
+            if start + n == req.num_tokens:
+                sample_rows.append((offset + n - 1, seq))
+            if seq.parent.prompt_logprobs is not None and seq.index == 0 and start < req.num_prompt_tokens:
+                prompt_lp_rows.append((offset, start, n, seq))
+            offset += n
+        hidden = self.runner.forward(token_ids, context_lens, tables, hidden_only=True)
+        self.stats.tokens_computed += offset
+        for req, n in zip(sched.requests, sched.num_new_tokens):
+            req.num_computed_tokens += n
+        for row, start, n, seq in prompt_lp_rows:
+            self._prompt_logprobs(hidden[row:row + n], start, seq)
+            touched[seq.parent.request_id] = seq.parent
+        if sample_rows:
+            logits = self.runner.model.compute_logits(hidden[[r for r, _ in sample_rows]])
+            self._sample(logits, [s for _, s in sample_rows], touched)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], touched: dict[str, _Parent]) -> None:
+        stop_sets = [frozenset(s.params.stop_token_ids) | (frozenset() if s.params.ignore_eos
+                                                           else self.tokenizer.stop_token_ids) for s in seqs]
+        batch = SamplingBatch.build(
+            [s.params for s in seqs], [s.req.prompt_token_ids for s in seqs], [s.req.output_token_ids for s in seqs],
+            [s.generator for s in seqs], logits.shape[-1], stop_sets,
+        )
+        out = self.sampler(logits, batch)
+        sampled = out.token_ids.tolist()
+        lp = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for i, (seq, token) in enumerate(zip(seqs, sampled)):
+            if seq.finish_reason is not None:
+                continue
+            seq.req.append_output_token(token)
+            seq.new_tokens.append(token)
+            self.stats.generation_tokens += 1
+            if seq.logprobs is not None:
+                k = seq.params.logprobs
+                entry = {tid: Logprob(l, r + 1, self.tokenizer.decode([tid]))
+                         for r, (tid, l) in enumerate(zip(top_ids[i][:k], top_lps[i][:k]))}
+                if token not in entry:
+                    rank = int((logits[i].log_softmax(-1) > lp[i]).sum()) + 1
+                    entry = {token: Logprob(lp[i], rank, self.tokenizer.decode([token]))} | entry
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += lp[i]
+            self._process_token(seq, token, stop_sets[i])
+            touched[seq.parent.request_id] = seq.parent
+
+    def _process_token(self, seq: _Sequence, token: int, stop_ids: frozenset[int]) -> None:
+        """Detokenize one new token and decide whether the sequence is done."""
+        params, req = seq.params, seq.req
+        if token in stop_ids and req.num_output_tokens > params.min_tokens - 1:
+            reason = token if token in params.stop_token_ids else None
+            seq.text += seq.detok.flush()
+            self._finish(seq, "stop", RequestStatus.FINISHED_STOPPED, reason)
+            return
+        before = len(seq.text)
+        seq.text += seq.detok.push(token)
+        if params.stop and req.num_output_tokens >= params.min_tokens:
+            longest = max(len(s) for s in params.stop)
+            start = max(0, before - longest + 1)
+            found = [(i, s) for s in params.stop if (i := seq.text.find(s, start)) >= 0]
+            if found:
+                at, stop = min(found)
+                seq.text = seq.text[:at + len(stop) if params.include_stop_str_in_output else at]
+                self._finish(seq, "stop", RequestStatus.FINISHED_STOPPED, stop)
+                return
+        if req.num_output_tokens >= seq.max_tokens or req.num_tokens >= self.max_model_len:
+            seq.text += seq.detok.flush()
+            self._finish(seq, "length", RequestStatus.FINISHED_LENGTH)
+
+    def _finish(self, seq: _Sequence, reason: str, status: RequestStatus, stop_reason: str | int | None = None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq.req, status)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, start: int, seq: _Sequence) -> None:
+        """Logprob of each prompt token given the tokens before it (the first has none)."""
+        prompt = seq.req.prompt_token_ids
+        end = min(start + hidden.shape[0], len(prompt))
+        positions = range(start, end - 1 if end == len(prompt) else end)  # predicts token at pos + 1
+        if not positions:
+            return
+        logprobs = self.runner.model.compute_logits(hidden[: len(positions)]).log_softmax(-1)
+        k = seq.params.prompt_logprobs
+        targets = torch.tensor(prompt[positions.start + 1: positions.stop + 1])
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        for j, pos in enumerate(positions):
+            target = prompt[pos + 1]
+            entry = {target: Logprob(float(chosen[j]), int(ranks[j]), self.tokenizer.decode([target]))}
+            if k:
+                for r, (tid, l) in enumerate(zip(top_ids[j].tolist(), top_lp[j].tolist())):
+                    entry.setdefault(tid, Logprob(l, r + 1, self.tokenizer.decode([tid])))
+            seq.parent.prompt_logprobs[pos + 1] = entry
+
+    # ------------------------------------------------------------------ outputs
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for seq in parent.children:
+            final = seq.finish_reason is not None
+            held = 0 if final or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+            visible = max(seq.emitted, len(seq.text) - held)
+            delta = seq.text[seq.emitted:visible]
+            seq.emitted = visible
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=seq.text[:visible],
+                token_ids=list(seq.req.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                text_delta=delta,
+                token_ids_delta=seq.new_tokens,
+            ))
+            seq.new_tokens = []
+        first = parent.children[0].req
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            error=parent.error,
+        )
+
+    def _update_stats(self) -> None:
+        s = self.stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = self.kv.prefix_cache_queries
+        s.prefix_cache_hits = self.kv.prefix_cache_hits
+        s.kv_usage = self.kv.usage
+        s.num_free_blocks = self.kv.num_free_blocks
+
+

@@ -1,0 +1,49 @@
+"""Runs the model over one step's batch: index tensors, forward pass, logits of the tokens asked for."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.model.attention import AttentionBatch, KVCache
+from tokenmill.model.loader import LoadedModel
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache; block allocation is the caller's business."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16) -> None:
+        cfg = loaded.config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.block_size = block_size
+        self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: list[list[int]],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        all_logits: bool = False,
+        hidden_only: bool = False,
+    ) -> torch.Tensor:
+        """Feed sequence i its new tokens token_ids[i], ending at context length context_lens[i].
+
+        Returns float32 logits of each sequence's last new token (num_seqs, vocab), or of every new
+        token (total_tokens, vocab) when all_logits is set; with hidden_only, the final hidden
+        states instead of logits (for callers that need logits of only some tokens).
+        """
+        query_lens = [len(t) for t in token_ids]
+        batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size)
+        flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
+        hidden = self.model(flat, self.cache, batch)
+        if hidden_only:
+            return hidden
+        if not all_logits:
+            last = torch.tensor(query_lens).cumsum(0) - 1
+            hidden = hidden[last]
+        return self.model.compute_logits(hidden)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
