@@ -259,7 +259,7 @@ def test_resolve_model_paths(tmp_path: Path, cache: Path):
     assert resolve_model(str(gguf)) == gguf
     hf = tmp_path / "hf"
     hf.mkdir()
-    with pytest.raises(ModelNotFoundError, match="without config.json"):
+    with pytest.raises(ModelNotFoundError, match="config.json is missing"):
         resolve_model(str(hf))
     (hf / "config.json").write_text("{}")
     assert resolve_model(str(hf)) == hf

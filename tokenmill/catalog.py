@@ -313,7 +313,7 @@ def resolve_model(name: str | None, models_dir: str | Path | None = None,
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
-        raise ModelNotFoundError(f"{path} is a directory without config.json")
+        raise ModelNotFoundError(f"{path}: not a model directory: config.json is missing")
     if name in CATALOG:
         return pull(name, models_dir, progress)
     if _HF_REPO_ID.match(name) and importlib.util.find_spec("huggingface_hub"):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams
 
@@ -186,12 +187,8 @@ def test_logprobs_and_prompt_logprobs_match_the_model(tiny_loaded) -> None:
         final = next((o for o in engine.step() if o.finished), final)
     out = final.outputs[0]
     seq = prompt + out.token_ids
-    from tokenmill.model.attention import AttentionBatch, KVCache
-    cfg = tiny_loaded.config
-    cache = KVCache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim)
-    batch = AttentionBatch.build([len(seq)], [len(seq)], [list(range(8))], 16)
-    with torch.no_grad():
-        ref = tiny_loaded.model.compute_logits(tiny_loaded.model(torch.tensor(seq), cache, batch)).log_softmax(-1)
+    runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16)
+    ref = runner.forward([seq], [len(seq)], [list(range(8))], all_logits=True).log_softmax(-1)
     assert final.prompt_logprobs[0] is None
     for pos in range(1, len(prompt)):
         entry = final.prompt_logprobs[pos]

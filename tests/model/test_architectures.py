@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from tokenmill.model.attention import AttentionBatch, KVCache
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
 
 BLOCK = 4
@@ -66,21 +66,16 @@ def _hf_model(name: str) -> transformers.PreTrainedModel:
 
 def _tokenmill_steps(loaded, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
     """Prefill all prompts in one batch, then feed the continuations one token per step, batched."""
-    cfg = loaded.config
     max_len = max(len(p) for p in prompts) + DECODE_STEPS
     blocks_per_seq = -(-max_len // BLOCK)
-    cache = KVCache(cfg.num_layers, blocks_per_seq * len(prompts) + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    runner = ModelRunner(loaded, num_blocks=blocks_per_seq * len(prompts) + 1, block_size=BLOCK)
     # interleave the blocks of different sequences so that block tables really matter
     tables = [[1 + s + len(prompts) * b for b in range(blocks_per_seq)] for s in range(len(prompts))]
-    outputs = []
-    batch = AttentionBatch.build([len(p) for p in prompts], [len(p) for p in prompts], tables, BLOCK)
-    ids = torch.tensor([t for p in prompts for t in p])
-    outputs.append(loaded.model.compute_logits(loaded.model(ids, cache, batch)))
+    lens = [len(p) for p in prompts]
+    outputs = [runner.forward(prompts, lens, tables, all_logits=True)]
     for step in range(DECODE_STEPS):
-        lens = [len(p) + step + 1 for p in prompts]
-        batch = AttentionBatch.build([1] * len(prompts), lens, tables, BLOCK)
-        ids = torch.tensor([c[step] for c in continuations])
-        outputs.append(loaded.model.compute_logits(loaded.model(ids, cache, batch)))
+        lens = [n + 1 for n in lens]
+        outputs.append(runner.forward([[c[step]] for c in continuations], lens, tables, all_logits=True))
     return outputs
 
 

@@ -11,7 +11,7 @@ import torch
 import transformers
 from gguf.quants import dequantize, quantize
 
-from tokenmill.model.attention import AttentionBatch, KVCache
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
 
 VOCAB = 96
@@ -84,14 +84,15 @@ def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: 
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
         writer.add_sliding_window(cfg.sliding_window)
-    tokens = [f"t{i}" for i in range(VOCAB)]
+        writer.add_array("gemma3.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])
+    tokens = [chr(c) for c in range(33, 127)] + ["ab", "<|end|>"]  # printable ASCII is its own byte-level form
+    assert len(tokens) == VOCAB
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * VOCAB)
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer.add_token_types([1] * (VOCAB - 1) + [3])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(VOCAB - 1)
 
     encoded = {}
     for hf_name, tensor in hf.state_dict().items():
@@ -123,12 +124,9 @@ def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: 
 
 
 def _logits(loaded, prompts: list[list[int]]) -> torch.Tensor:
-    cfg = loaded.config
-    cache = KVCache(cfg.num_layers, 16, 8, cfg.num_kv_heads, cfg.head_dim)
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8)
     tables = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
-    batch = AttentionBatch.build([len(p) for p in prompts], [len(p) for p in prompts], tables, 8)
-    ids = torch.tensor([t for p in prompts for t in p])
-    return loaded.model.compute_logits(loaded.model(ids, cache, batch))
+    return runner.forward(prompts, [len(p) for p in prompts], tables, all_logits=True)
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0,

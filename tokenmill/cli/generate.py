@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from tokenmill.cli.common import add_model_args, load_from_args
-from tokenmill.engine.simple import generate_tokens
-from tokenmill.tokenizer import IncrementalDetokenizer
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.sample import SamplingParams
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -17,28 +17,33 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     add_model_args(p)
     p.add_argument("--max-tokens", "-n", type=int, default=64, help="most tokens to generate (default: 64)")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_tokens < 1:
-        raise SystemExit("error: --max-tokens must be at least 1")
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    params.validate()
     loaded = load_from_args(args)
     tok = loaded.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt_ids = tok.encode(text, add_bos=False)  # templates carry their own BOS, as in transformers
+        prompt: str | list[int] = tok.encode(text, add_bos=False)  # templates carry their own BOS
     else:
-        prompt_ids = tok.encode(args.prompt)
-    stops = frozenset() if args.ignore_eos else tok.stop_token_ids
-    detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids, skip_special_tokens=True)
-    for token in generate_tokens(loaded, prompt_ids, args.max_tokens, args.temperature, args.seed, stops):
-        if token in stops:
-            break
-        sys.stdout.write(detok.push(token))
-        sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
+        prompt = args.prompt
+    engine = LLMEngine(loaded, max_num_seqs=1)
+    engine.add_request("cli", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].text_delta)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
     return 0

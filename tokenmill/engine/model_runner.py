@@ -34,7 +34,7 @@ class ModelRunner:
         states instead of logits (for callers that need logits of only some tokens).
         """
         query_lens = [len(t) for t in token_ids]
-        batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size)
+        batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot)
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
         hidden = self.model(flat, self.cache, batch)
         if hidden_only:

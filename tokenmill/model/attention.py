@@ -16,9 +16,13 @@ import torch.nn.functional as F
 
 
 class KVCache:
-    """One pool of cache slots per layer: `k[layer]` has shape (num_slots, kv_heads, head_dim).
+    """One pool of cache slots per layer: `k[layer]` has shape (num_slots + 1, kv_heads, head_dim).
 
     Slot s belongs to block s // block_size; blocks are handed out by the engine's block pool.
+    The pool is left uninitialized (zeroing gigabytes would cost seconds at start-up and commit
+    all the memory at once): every slot a sequence reads was written first. The one extra slot,
+    `pad_slot`, is zero and never written; padded context positions point at it, so garbage
+    (possibly NaN) can never leak into attention through a masked position.
     """
 
     def __init__(
@@ -33,9 +37,12 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.pad_slot = num_blocks * block_size
+        shape = (num_layers, self.pad_slot + 1, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, self.pad_slot].zero_()
+        self.v[:, self.pad_slot].zero_()
 
     @property
     def nbytes(self) -> int:
@@ -53,7 +60,7 @@ class AttentionBatch:
     positions: torch.Tensor  # (T,) position of each new token in its sequence
     slot_mapping: torch.Tensor  # (T,) cache slot receiving each new token's K/V
     token_index: torch.Tensor  # (T,) index of each new token in the padded (B * max_q) query grid
-    context_slots: torch.Tensor  # (B, max_kv) cache slot of every context position (0 where padding)
+    context_slots: torch.Tensor  # (B, max_kv) cache slot of every context position (pad slot where padding)
     key_positions: torch.Tensor  # (B, max_kv) position of each context slot, large where padding
     query_positions: torch.Tensor  # (B, max_q) position of each padded query, -1 where padding
     num_seqs: int
@@ -66,9 +73,13 @@ class AttentionBatch:
         context_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
+        pad_slot: int,
         device: torch.device | str = "cpu",
     ) -> AttentionBatch:
-        """Describe a step: sequence i adds query_lens[i] tokens ending at context length context_lens[i]."""
+        """Describe a step: sequence i adds query_lens[i] tokens ending at context length context_lens[i].
+
+        pad_slot is the cache's never-written zero slot (`KVCache.pad_slot`).
+        """
         num_seqs = len(query_lens)
         max_q, max_kv = max(query_lens), max(context_lens)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
@@ -79,7 +90,7 @@ class AttentionBatch:
         kv_pos = torch.arange(max_kv).expand(num_seqs, max_kv)
         kv_valid = kv_pos < kv_lens[:, None]
         blocks = tables.gather(1, (kv_pos // block_size).clamp(max=width - 1))
-        context_slots = torch.where(kv_valid, blocks * block_size + kv_pos % block_size, 0)
+        context_slots = torch.where(kv_valid, blocks * block_size + kv_pos % block_size, pad_slot)
         key_positions = torch.where(kv_valid, kv_pos, torch.iinfo(torch.int64).max)
 
         q_offsets = torch.arange(max_q).expand(num_seqs, max_q)

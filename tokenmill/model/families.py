@@ -216,9 +216,13 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     layer_types: list[str] = []
     rope_local = None
     if fam.sliding_pattern and sliding:
-        pattern = int(md.get(f"{arch}.attention.sliding_window_pattern", fam.sliding_pattern))
-        layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
-        rope_local = RopeSettings(theta=10000.0)  # llama.cpp fixes the local base of Gemma 3 at 10k
+        # llama.cpp: either a per-layer list of booleans or "every Nth layer is global"
+        pattern = md.get(f"{arch}.attention.sliding_window_pattern", fam.sliding_pattern)
+        if isinstance(pattern, list):
+            layer_types = [SLIDING_ATTENTION if is_swa else FULL_ATTENTION for is_swa in pattern[:num_layers]]
+        else:
+            layer_types = [SLIDING_ATTENTION if (i + 1) % int(pattern) else FULL_ATTENTION for i in range(num_layers)]
+        rope_local = RopeSettings(theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)))
     elif arch == "gemma2" and sliding:
         layer_types = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)]
     attn_scale = None

@@ -1,0 +1,69 @@
+"""The async engine streams per-request outputs to asyncio consumers and aborts on early exit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sample import SamplingParams
+
+
+@pytest.fixture()
+def async_engine(tiny_loaded):
+    engine = AsyncLLMEngine(LLMEngine(tiny_loaded, num_kv_blocks=64))
+    yield engine
+    engine.shutdown()
+
+
+def test_concurrent_streams_equal_offline_outputs(async_engine, tiny_loaded) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The quick brown", "Paris is", "def add(a, b):", "Once upon"]
+    offline = LLMEngine(tiny_loaded, num_kv_blocks=64)
+    expected = {}
+    for i, p in enumerate(prompts):
+        offline.add_request(str(i), p, params)
+    while offline.has_unfinished_requests():
+        expected |= {o.request_id: o.outputs[0].text for o in offline.step() if o.finished}
+
+    async def consume(i: int, prompt: str) -> tuple[str, str]:
+        text = ""
+        async for out in async_engine.generate(prompt, params, request_id=str(i)):
+            text += out.outputs[0].text_delta
+        return str(i), text
+
+    async def main():
+        return dict(await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts))))
+
+    assert asyncio.run(main()) == expected
+
+
+def test_early_exit_aborts_and_frees_blocks(async_engine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        async for out in async_engine.generate("Once upon a time", params, request_id="x"):
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        for _ in range(100):
+            stats = await async_engine.call(lambda e: (e.has_unfinished_requests(), e.kv.num_free_blocks))
+            if not stats[0]:
+                return stats[1]
+            await asyncio.sleep(0.01)
+
+    assert asyncio.run(main()) == async_engine.engine.kv.num_total_blocks
+
+
+def test_bad_request_raises_to_the_caller_only(async_engine) -> None:
+    async def main():
+        with pytest.raises(InvalidRequestError):
+            async for _ in async_engine.generate("", SamplingParams(), request_id="bad"):
+                pass
+        outs = [o async for o in async_engine.generate("Paris", SamplingParams(max_tokens=2), request_id="ok")]
+        return outs[-1].finished
+
+    assert asyncio.run(main())
+    assert async_engine.is_healthy
