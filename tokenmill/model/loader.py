@@ -144,6 +144,7 @@ def _hf_weights(shards: list[Path], config: ModelConfig) -> Iterator[tuple[str, 
 
 def _open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], "Tokenizer"]:
     from tokenmill.tokenizer import Tokenizer
+    from tokenmill.tokenizer.chat_template import builtin_chat_template
 
     gguf = GGUFFile(path)
     try:
@@ -154,6 +155,8 @@ def _open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tenso
         factors = _dense(gguf, "rope_freqs.weight")
         config.rope = type(config.rope)(theta=config.rope.theta, freq_factors=tuple(factors.tolist()))
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = builtin_chat_template(config.architecture)
     return config, _gguf_weights(gguf, config), tokenizer
 
 

@@ -1,0 +1,76 @@
+"""The `tokenmill` commands on a tiny model: tokenize, generate, perplexity, --help."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from tokenmill.cli.main import COMMANDS, main
+from tokenmill.llm import LLM
+from tokenmill.sample import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+TEXT = "Paris is the capital of France; Berlin is the capital of Germany. Café 東京 🙂"
+
+
+@pytest.mark.parametrize("command", sorted(set(COMMANDS)))
+def test_help(command: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: tokenmill" in capsys.readouterr().out
+
+
+def test_tokenize_prints_ids_on_one_line(tiny_model_dir, tmp_path, capsys) -> None:
+    expected = Tokenizer.from_hf_dir(tiny_model_dir).encode(TEXT)
+    assert main(["tokenize", "--model", str(tiny_model_dir), TEXT]) == 0
+    assert capsys.readouterr().out == " ".join(map(str, expected)) + "\n"
+    text_file = tmp_path / "in.txt"
+    text_file.write_text(TEXT, encoding="utf-8")
+    assert main(["tokenize", "--model", str(tiny_model_dir), "--file", str(text_file)]) == 0
+    assert capsys.readouterr().out.split() == [str(i) for i in expected]
+
+
+def test_tokenize_needs_exactly_one_text(tiny_model_dir, capsys) -> None:
+    assert main(["tokenize", "--model", str(tiny_model_dir)]) == 1
+    assert "either as an argument or with --file" in capsys.readouterr().err
+
+
+def test_generate_prints_the_greedy_continuation(tiny_model_dir, capsys) -> None:
+    expected = LLM(str(tiny_model_dir)).generate(
+        ["Once upon a time"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )[0].outputs[0].text
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tiny_model_dir), "--max-tokens", "12", "Once upon a time"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_generate_rejects_bad_options(tiny_model_dir, capsys) -> None:
+    assert main(["generate", "--model", str(tiny_model_dir), "--max-tokens", "0", "hi"]) == 1
+    assert "max_tokens" in capsys.readouterr().err
+
+
+def test_perplexity_matches_a_reference_computation(tiny_model_dir, tmp_path, capsys) -> None:
+    text = " ".join(f"{TEXT} {i}" for i in range(40))
+    path = tmp_path / "text.txt"
+    path.write_text(text, encoding="utf-8")
+    ctx = 64
+    assert main(["perplexity", "--model", str(tiny_model_dir), "--file", str(path), "--ctx", str(ctx)]) == 0
+    printed = capsys.readouterr().out
+    ours = float(printed.split("PPL = ")[1].split()[0])
+
+    # llama-perplexity's recipe, computed independently with transformers
+    ids = Tokenizer.from_hf_dir(tiny_model_dir).encode(text, parse_special=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    for c in range(len(ids) // ctx):
+        chunk = torch.tensor([ids[c * ctx:(c + 1) * ctx]])
+        with torch.no_grad():
+            logprobs = hf(chunk).logits[0].log_softmax(-1)
+        for pos in range(ctx // 2, ctx - 1):
+            nll -= float(logprobs[pos, chunk[0, pos + 1]])
+            count += 1
+    assert ours == pytest.approx(math.exp(nll / count), rel=1e-4)

@@ -1,0 +1,203 @@
+"""Build a fast `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata, tokenizing as llama.cpp does.
+
+Two vocabulary kinds are supported, the ones llama.cpp calls SPM and BPE:
+
+- `llama` (SentencePiece BPE with scores, byte fallback, `▁` for spaces). llama.cpp merges the
+  adjacent pair whose joined text is the best-scoring vocabulary token, leftmost first on a tie,
+  over the whole text between special tokens (no word splitting). A BPE model whose merge list holds
+  every (left, right) split of every token, ranked by that token's score, makes the same choices
+  (see `_merges_by_score` for ties).
+- `gpt2` (byte-level BPE with ranked merges), split first by the pre type's regexes.
+
+In both, llama.cpp cuts control, unknown and user-defined tokens out of the raw text before anything
+else; added tokens that are not normalized do the same here. Control and unknown ones are marked
+special, so they are only matched when special tokens are parsed, and skipped when decoding with
+`skip_special_tokens`; user-defined ones are always matched, as in llama.cpp.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+from tokenmill.tokenizer.errors import TokenizerError
+from tokenmill.tokenizer.pretokenize import PRE_TOKENIZERS
+
+# tokenizer.ggml.token_type values used here (5 is unused, 6 a byte token like <0x0A>)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
+
+# llama.cpp treats a control token with one of these texts as end-of-generation, whatever the file's ids say.
+EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+        "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
+    }
+)
+
+
+def gguf_tokens(metadata: Mapping[str, Any]) -> list[str]:
+    """The vocabulary; llama.cpp renames an empty token so every text stays unique."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is None or len(tokens) == 0:
+        raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens: the file carries no vocabulary")
+    tokens = [token or f"[EMPTY_{i}]" for i, token in enumerate(tokens)]
+    if len(set(tokens)) != len(tokens):
+        duplicate = next(token for token, count in Counter(tokens).items() if count > 1)
+        raise TokenizerError(f"GGUF vocabulary lists the token {duplicate!r} twice")
+    return tokens
+
+
+def gguf_token_types(metadata: Mapping[str, Any], tokens: Sequence[str]) -> list[int]:
+    """Token types, with normal tokens whose text ends a turn made control, as llama.cpp does.
+
+    User-defined ones are left alone: Gemma 3 has an HTML tag "</s>" that must not stop generation.
+    """
+    types = metadata.get("tokenizer.ggml.token_type")
+    if types is None:
+        types = [TOKEN_NORMAL] * len(tokens)
+    if len(types) < len(tokens):
+        raise TokenizerError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    return [
+        TOKEN_CONTROL if kind == TOKEN_NORMAL and token in EOG_TEXTS else kind for token, kind in zip(tokens, types)
+    ]
+
+
+def build_backend(metadata: Mapping[str, Any], tokens: list[str], types: Sequence[int]) -> Backend:
+    """The tokenizer for this GGUF vocabulary, with special tokens added; it adds no BOS/EOS itself."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind == "llama":
+        backend = _sentencepiece_bpe(metadata, tokens)
+    elif kind == "gpt2":
+        backend = _byte_level_bpe(metadata, tokens)
+    else:
+        raise TokenizerError(
+            f"unsupported GGUF tokenizer.ggml.model {kind!r}: tokenmill reads 'llama' (SentencePiece) "
+            "and 'gpt2' (byte-level BPE) vocabularies"
+        )
+    special = [
+        AddedToken(token, special=True, normalized=False)
+        for token, kind in zip(tokens, types)
+        if kind in (TOKEN_CONTROL, TOKEN_UNKNOWN)
+    ]
+    user_defined = [
+        AddedToken(token, special=False, normalized=False)
+        for token, kind in zip(tokens, types)
+        if kind == TOKEN_USER_DEFINED
+    ]
+    backend.add_special_tokens(special)
+    backend.add_tokens(user_defined)
+    return backend
+
+
+def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backend:
+    scores = metadata.get("tokenizer.ggml.scores")
+    if scores is None:
+        scores = [0.0] * len(tokens)
+    if len(scores) < len(tokens):
+        raise TokenizerError(f"GGUF tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk_id = special_token_ids(metadata, len(tokens)).get("unk_token")
+    model = models.BPE(
+        vocab=vocab,
+        merges=_merges_by_score(tokens, scores, vocab),
+        byte_fallback=True,  # a character that is no token becomes <0xXX> tokens; <unk> only if those lack
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+    )
+    backend = Backend(model)
+    add_space_prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)
+    # llama.cpp puts the prefix space before every piece of text between special tokens.
+    backend.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend("▁")] if add_space_prefix else []) + [normalizers.Replace(" ", "▁")]
+    )
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
+    )
+    return backend
+
+
+def _merges_by_score(tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """Every split of every token into two tokens, best-scoring result first.
+
+    A rank cannot say "leftmost first" for tokens of equal score. Putting the longer token first
+    does it for runs of one character, the ties real vocabularies have (Llama 2 gives all its `▁`
+    runs one score): the leftmost run then grows one symbol at a time, as in llama.cpp.
+    """
+    ranked = []
+    for index, token in enumerate(tokens):
+        for cut in range(1, len(token)):
+            if token[:cut] in vocab and token[cut:] in vocab:
+                ranked.append((-scores[index], -len(token), index, cut))
+    ranked.sort()
+    return [(tokens[index][:cut], tokens[index][cut:]) for _, _, index, cut in ranked]
+
+
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backend:
+    name = metadata.get("tokenizer.ggml.pre") or "default"
+    pre = PRE_TOKENIZERS.get(name)
+    if pre is None:
+        raise TokenizerError(
+            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={name!r}; known: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    merges_text = metadata.get("tokenizer.ggml.merges")
+    if merges_text is None or len(merges_text) == 0:
+        raise TokenizerError("GGUF byte-level BPE vocabulary has no tokenizer.ggml.merges")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for merge in merges_text:
+        cut = merge.find(" ", 1)  # as llama.cpp splits it
+        left, right = merge[:cut], merge[cut + 1 :]
+        # a merge whose parts or result are not tokens can never produce a token; the model rejects it
+        if cut > 0 and left in vocab and right in vocab and left + right in vocab:
+            merges.append((left, right))
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+_SPECIAL_KEYS = {
+    "bos_token": "bos_token_id", "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id", "pad_token": "padding_token_id",
+}  # fmt: skip
+_SPM_DEFAULTS = {"bos_token": 1, "eos_token": 2, "unk_token": 0}  # llama.cpp's, for files that name none
+
+
+def special_token_ids(metadata: Mapping[str, Any], n_tokens: int) -> dict[str, int]:
+    """The named special tokens ("bos_token", ...) the file gives; ids outside the vocabulary are dropped."""
+    defaults = _SPM_DEFAULTS if metadata.get("tokenizer.ggml.model") == "llama" else {}
+    ids = {}
+    for name, key in _SPECIAL_KEYS.items():
+        value = metadata.get(f"tokenizer.ggml.{key}", defaults.get(name))
+        if isinstance(value, int) and 0 <= value < n_tokens:
+            ids[name] = value
+    return ids
+
+
+def default_add_bos(metadata: Mapping[str, Any]) -> bool:
+    """llama.cpp's default when the file has no add_bos_token flag: on for SPM and a few BPE pre types."""
+    if "tokenizer.ggml.add_bos_token" in metadata:
+        return bool(metadata["tokenizer.ggml.add_bos_token"])
+    if metadata.get("tokenizer.ggml.model") == "llama":
+        return True
+    pre = PRE_TOKENIZERS.get(metadata.get("tokenizer.ggml.pre") or "default")
+    return bool(pre and pre.add_bos)
+
+
+def stop_token_ids(
+    metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int], eos_id: int | None
+) -> frozenset[int]:
+    """EOS, EOT and EOM, and the control tokens llama.cpp recognizes as ending a turn."""
+    ids = {eos_id} if eos_id is not None else set()
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if isinstance(metadata.get(key), int) and 0 <= metadata[key] < len(tokens):
+            ids.add(metadata[key])
+    ids.update(i for i, (token, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_CONTROL and token in EOG_TEXTS)
+    return frozenset(ids)
