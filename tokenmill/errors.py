@@ -27,4 +27,11 @@ class ModelNotFoundError(TokenmillError):
 
 
 class InvalidRequestError(TokenmillError, ValueError):
-    """A request or command-line input the model cannot serve (empty prompt, too long, ...)."""
+    """A request or command-line input the model cannot serve (empty prompt, too long, ...).
+
+    `param` names the offending request field, for API error bodies.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

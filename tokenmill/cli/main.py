@@ -10,11 +10,13 @@ from tokenmill.errors import TokenmillError
 
 # name -> module under tokenmill.cli providing add_parser(subparsers) and run(args) -> int
 COMMANDS = {
+    "serve": "tokenmill.cli.serve",
     "generate": "tokenmill.cli.generate",
     "tokenize": "tokenmill.cli.tokenize",
     "perplexity": "tokenmill.cli.perplexity",
     "pull": "tokenmill.cli.models",
     "models": "tokenmill.cli.models",
+    "bench": "tokenmill.cli.bench",
 }
 
 

@@ -105,6 +105,26 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ asyncio side
 
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        extra_key: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; raises here (not later) if the engine refuses it."""
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
+        try:
+            await asyncio.wrap_future(self._submit(
+                lambda: self.engine.add_request(request_id, prompt, params, priority=priority, extra_key=extra_key)
+            ))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -114,23 +134,15 @@ class AsyncLLMEngine:
         extra_key: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream this request's outputs; leaving the iteration early aborts the request."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        finished = False
-        try:
-            await asyncio.wrap_future(self._submit(
-                lambda: self.engine.add_request(request_id, prompt, params, priority=priority, extra_key=extra_key)
-            ))
-            while not finished:
-                item = await q.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and self.error is None:
-                self._commands.put((lambda: self.engine.abort_request(request_id), None))
+        stream = await self.add_request(prompt, params, request_id, priority, extra_key)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        self._streams.pop(request_id, None)
+        if not finished and self.error is None:
+            self._commands.put((lambda: self.engine.abort_request(request_id), None))
 
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(lambda: self.engine.abort_request(request_id)))
@@ -142,3 +154,37 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+
+
+class RequestStream:
+    """Outputs of one accepted request. Use `async with` so that leaving early aborts it."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening; aborts the request if it has not finished. Idempotent."""
+        self.engine._release(self.request_id, self.finished)
+        self.finished = True

@@ -160,17 +160,17 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
             if any(not 0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; this model's context is "
-                                      f"{self.max_model_len} tokens, leaving no room to generate")
+                                      f"{self.max_model_len} tokens, leaving no room to generate", param="prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
             raise InvalidRequestError(f"max_tokens={max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
-                                      f"the context of {self.max_model_len} tokens")
+                                      f"the context of {self.max_model_len} tokens", param="max_tokens")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         parent = _Parent(request_id, text, token_ids)
         if params.prompt_logprobs is not None:

@@ -79,7 +79,7 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, value: object, why: str) -> None:
     if not ok:
-        raise InvalidRequestError(f"{name} {why}, got {value!r}")
+        raise InvalidRequestError(f"{name} {why}, got {value!r}", param=name)
 
 
 def _check_token(token: int, name: str, vocab_size: int | None) -> None:

@@ -1,0 +1,450 @@
+"""Serving benchmark for any OpenAI-compatible server (tokenmill, vLLM, llama-server, ...).
+
+Metrics follow vLLM's `benchmark_serving.py` so numbers are comparable across engines:
+TTFT is the time to the first streamed chunk that carries text, ITL the gaps between such
+chunks, E2E the time to `data: [DONE]`, and TPOT = (E2E - TTFT) / (output tokens - 1) per
+request with more than one output token. Output tokens come from the usage chunk the
+server sends for `stream_options.include_usage` (else one per text chunk); input tokens
+from the same chunk (else the planned prompt length).
+
+Prompts need no local tokenizer. By default they are random common English words, which
+are about one token each in BPE and SentencePiece vocabularies; when the server has a
+`/tokenize` endpoint (vLLM or llama-server shape) the tokens-per-word ratio is measured on
+it first, so prompts land close to the requested length on any tokenizer. With
+`token_ids=True` prompts are lists of token ids (completions endpoint only), exact in
+length: the ids come from the server's tokenization of the same words, or, without
+`/tokenize`, from [1000, 10000), which holds only ordinary tokens in common vocabularies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import httpx
+import numpy as np
+
+from tokenmill.errors import InvalidRequestError, TokenmillError
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+PERCENTILES = (("Mean", "mean"), ("Median", "median"), ("P90", "p90"), ("P99", "p99"))
+LATENCIES = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+             ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+FALLBACK_TOKEN_IDS = range(1000, 10000)
+CALIBRATION_WORDS = 1000
+WORDS = (
+    "the of and to in is was for on that with as by at from his it an were are which this be has or had "
+    "first one their its new after who they have her she two been other when there all during into "
+    "school time may years more most only over city some world would where later up such used many can "
+    "state about national out known university united then made high between life year before "
+    "under part three well like so what because group people since while water house music game name "
+    "right back work place long small great old light day night home line power road book war "
+    "team film side land body family sea river south north west east end man woman king word number"
+).split()
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark run: where to send requests, what to send and how fast."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "/v1/completions"
+    model: str | None = None  # None: the first id of GET /v1/models
+    api_key: str | None = None  # None: $OPENAI_API_KEY
+    num_prompts: int = 100
+    input_len: int = 100  # prompt tokens after the shared prefix
+    output_len: int = 128
+    random_range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
+    prefix_len: int = 0  # tokens of a random prefix shared by every prompt
+    request_rate: float = math.inf  # Poisson arrivals in req/s; inf sends everything at once
+    max_concurrency: int | None = None
+    ignore_eos: bool = False
+    token_ids: bool = False
+    seed: int = 0
+    warmup: int = 1  # untimed requests first, so one-off start-up costs stay out of the numbers
+    timeout: float = 600.0  # seconds before a request is abandoned and counted as failed
+    label: str | None = None  # name in reports; None: the model id
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise InvalidRequestError(f"endpoint must be one of {', '.join(ENDPOINTS)}, not {self.endpoint!r}")
+        if min(self.num_prompts, self.input_len, self.output_len) < 1:
+            raise InvalidRequestError("num_prompts, input_len and output_len must be at least 1")
+        if not 0 <= self.random_range_ratio < 1:
+            raise InvalidRequestError("random_range_ratio must be in [0, 1)")
+        if self.prefix_len < 0 or self.warmup < 0:
+            raise InvalidRequestError("prefix_len and warmup must not be negative")
+        if not self.request_rate > 0:
+            raise InvalidRequestError("request_rate must be positive (inf: all at once)")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise InvalidRequestError("max_concurrency must be at least 1")
+        if not self.timeout > 0:
+            raise InvalidRequestError("timeout must be positive")
+        if self.token_ids and self.endpoint != "/v1/completions":
+            raise InvalidRequestError("token-id prompts need the /v1/completions endpoint")
+
+
+@dataclass
+class RequestResult:
+    """What one request measured; times in seconds."""
+
+    input_len: int  # prompt tokens: the server's usage count when it sends one, else the planned length
+    start: float = 0.0  # when it was sent, after the start of the benchmark
+    success: bool = False
+    output_len: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_len - 1) if self.success and self.output_len > 1 else None
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    model: str
+    label: str
+    prompt_mode: str  # how prompts were built, for the report
+    duration: float  # from the first request sent to the last one finished
+    requests: list[RequestResult]
+
+    def metrics(self) -> dict[str, float]:
+        """Summary under vLLM's result-JSON names; latencies in milliseconds."""
+        ok = [r for r in self.requests if r.success]
+        total_in = sum(r.input_len for r in ok)
+        total_out = sum(r.output_len for r in ok)
+        d = self.duration
+        metrics: dict[str, float] = {
+            "completed": len(ok), "failed": len(self.requests) - len(ok), "duration": d,
+            "total_input_tokens": total_in, "total_output_tokens": total_out,
+            "request_throughput": len(ok) / d, "output_throughput": total_out / d,
+            "total_token_throughput": (total_in + total_out) / d,
+        }
+        samples = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
+                   "itl": [gap for r in ok for gap in r.itl], "e2el": [r.e2e for r in ok]}
+        for name, values in samples.items():
+            ms = np.asarray(values or [0.0]) * 1000  # 0 when there is nothing to measure, as in vLLM
+            metrics |= {f"mean_{name}_ms": float(ms.mean()), f"std_{name}_ms": float(ms.std()),
+                        f"median_{name}_ms": float(np.median(ms)), f"p90_{name}_ms": float(np.percentile(ms, 90)),
+                        f"p99_{name}_ms": float(np.percentile(ms, 99))}
+        return metrics
+
+    def settings(self) -> dict[str, object]:
+        """The run's settings, JSON-safe and without the API key."""
+        s = asdict(self.config)
+        del s["api_key"]
+        s |= {"model": self.model, "label": self.label, "prompt_mode": self.prompt_mode}
+        if math.isinf(self.config.request_rate):
+            s["request_rate"] = "inf"
+        return s
+
+    def to_dict(self) -> dict[str, object]:
+        """Settings, metrics and per-request arrays (seconds), laid out like vLLM's result JSON."""
+        rs = self.requests
+        return {"settings": self.settings(), **self.metrics(),
+                "input_lens": [r.input_len for r in rs], "output_lens": [r.output_len for r in rs],
+                "starts": [r.start for r in rs], "ttfts": [r.ttft for r in rs], "itls": [r.itl for r in rs],
+                "e2els": [r.e2e for r in rs], "errors": [r.error for r in rs]}
+
+    def write_json(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+
+@dataclass
+class _Workload:
+    prompts: list[str | list[int]]
+    input_lens: list[int]  # planned prompt tokens, prefix included
+    output_lens: list[int]
+    warmup_prompt: str | list[int]  # shares nothing with the prompts, so it warms no prefix cache
+    description: str
+
+
+async def run_benchmark(config: BenchConfig, progress: Callable[[int, int], None] | None = None) -> BenchResult:
+    """Send `config.num_prompts` streaming requests and measure them; `progress(done, total)` after each."""
+    base = config.base_url.rstrip("/")
+    key = config.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    # No connection cap: a pooled request waiting for a free connection would count that wait as TTFT.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(headers=headers, timeout=config.timeout, limits=limits) as client:
+        model = config.model or await _first_model(client, base)
+        work = await _workload(config, client, base, model)
+        url = base + config.endpoint
+
+        def payload(prompt: str | list[int], max_tokens: int) -> dict[str, object]:
+            body: dict[str, object] = {
+                "model": model, "max_tokens": max_tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True},
+            }
+            if config.endpoint == "/v1/chat/completions":
+                body["messages"] = [{"role": "user", "content": prompt}]
+            else:
+                body["prompt"] = prompt
+            if config.ignore_eos:
+                body["ignore_eos"] = True
+            return body
+
+        async def send(prompt: str | list[int], input_len: int, output_len: int, t0: float) -> RequestResult:
+            start = time.perf_counter()
+            try:
+                return await asyncio.wait_for(
+                    _stream(client, url, payload(prompt, output_len), input_len, start, t0), config.timeout)
+            except asyncio.TimeoutError:
+                return RequestResult(input_len, start=start - t0, error=f"timed out after {config.timeout:g} s")
+
+        for _ in range(config.warmup):
+            warm = await send(work.warmup_prompt, config.input_len, config.output_len, time.perf_counter())
+            if not warm.success:
+                raise TokenmillError(f"warm-up request to {url} failed: {warm.error}")
+
+        sem = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+        done = 0
+
+        async def one(i: int, t0: float) -> RequestResult:
+            nonlocal done
+            if sem is None:
+                result = await send(work.prompts[i], work.input_lens[i], work.output_lens[i], t0)
+            else:
+                async with sem:
+                    result = await send(work.prompts[i], work.input_lens[i], work.output_lens[i], t0)
+            done += 1
+            if progress:
+                progress(done, config.num_prompts)
+            return result
+
+        arrivals = random.Random(config.seed)
+        t0 = time.perf_counter()
+        arrival = 0.0
+        tasks = []
+        for i in range(config.num_prompts):
+            if i and not math.isinf(config.request_rate):
+                # Absolute arrival times, so sleep overshoot does not add up and lower the rate.
+                arrival += arrivals.expovariate(config.request_rate)
+                await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(i, t0)))
+        requests = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return BenchResult(config, model, config.label or model, work.description, duration, list(requests))
+
+
+async def _first_model(client: httpx.AsyncClient, base: str) -> str:
+    try:
+        resp = await client.get(f"{base}/v1/models")
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise TokenmillError(f"cannot read the model id from {base}/v1/models ({exc}); pass --model") from exc
+
+
+async def _server_tokenize(client: httpx.AsyncClient, base: str, model: str, text: str) -> list[int] | None:
+    """Token ids of `text` (without BOS) from the server's /tokenize, or None when it has none."""
+    # vLLM and tokenmill take {"model", "prompt"}; llama-server takes {"content"}.
+    for body in ({"model": model, "prompt": text, "add_special_tokens": False}, {"content": text}):
+        try:
+            resp = await client.post(f"{base}/tokenize", json=body)
+            tokens = resp.json().get("tokens") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            continue
+        if isinstance(tokens, list) and tokens and all(isinstance(t, int) for t in tokens):
+            return tokens
+    return None
+
+
+def _lengths(rng: random.Random, mean: int, ratio: float, n: int) -> list[int]:
+    low, high = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+async def _workload(config: BenchConfig, client: httpx.AsyncClient, base: str, model: str) -> _Workload:
+    rng = random.Random(config.seed)
+    sample = [rng.choice(WORDS) for _ in range(CALIBRATION_WORDS)]
+    ids = await _server_tokenize(client, base, model, " ".join(sample))
+    if config.token_ids:
+        pool: list[str] | list[int] = sorted(set(ids)) if ids else list(FALLBACK_TOKEN_IDS)
+        per_piece = 1.0
+        source = "from the server's /tokenize" if ids else f"in [{FALLBACK_TOKEN_IDS.start}, {FALLBACK_TOKEN_IDS.stop})"
+        description = f"random token ids {source}"
+    else:
+        pool = list(WORDS)
+        per_piece = len(ids) / len(sample) if ids else 1.0
+        how = "measured with the server's /tokenize" if ids else "assumed, no /tokenize"
+        description = f"random words, {per_piece:.2f} tokens/word ({how})"
+
+    def pieces(n_tokens: int) -> list:
+        return [rng.choice(pool) for _ in range(max(1, round(n_tokens / per_piece)))]
+
+    def as_prompt(parts: list) -> str | list[int]:
+        return parts if config.token_ids else " ".join(parts)
+
+    input_lens = _lengths(rng, config.input_len, config.random_range_ratio, config.num_prompts)
+    output_lens = _lengths(rng, config.output_len, config.random_range_ratio, config.num_prompts)
+    prefix = pieces(config.prefix_len) if config.prefix_len else []
+    return _Workload(
+        prompts=[as_prompt(prefix + pieces(n)) for n in input_lens],
+        input_lens=[config.prefix_len + n for n in input_lens],
+        output_lens=output_lens,
+        warmup_prompt=as_prompt(pieces(config.input_len)),
+        description=description,
+    )
+
+
+def _text(event: dict, chat: bool) -> str:
+    """The generated text a stream event carries ('' for role-only, finish and usage chunks)."""
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    if not chat:
+        return choices[0].get("text") or ""
+    delta = choices[0].get("delta") or {}
+    return delta.get("content") or delta.get("reasoning_content") or ""
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, input_len: int, start: float,
+                  t0: float) -> RequestResult:
+    out = RequestResult(input_len, start=start - t0)
+    chat = "messages" in body
+    last = start
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace").strip()
+                out.error = f"HTTP {resp.status_code}: {text[:300]}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, SSE comments and event names
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    out.e2e = time.perf_counter() - start
+                    break
+                event = json.loads(data)
+                if event.get("error"):
+                    out.error = f"stream error: {json.dumps(event['error'])[:300]}"
+                    return out
+                if _text(event, chat):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        out.ttft = now - start
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                usage = event.get("usage")
+                if usage:
+                    out.output_len = usage.get("completion_tokens") or 0
+                    out.input_len = usage.get("prompt_tokens") or input_len
+            else:
+                out.error = "the stream ended without data: [DONE]"
+                return out
+    except Exception as exc:  # any transport or protocol failure counts against this request only
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    if chunks == 0:
+        out.error = "no text was streamed"  # nothing to time a first token by
+        return out
+    out.output_len = out.output_len or chunks
+    out.success = True
+    return out
+
+
+def _rows() -> list[tuple[str, str | None]]:
+    """(caption, metrics key) in report order; a None key marks a section heading."""
+    rows: list[tuple[str, str | None]] = [
+        ("Successful requests", "completed"), ("Failed requests", "failed"),
+        ("Benchmark duration (s)", "duration"), ("Total input tokens", "total_input_tokens"),
+        ("Total generated tokens", "total_output_tokens"), ("Request throughput (req/s)", "request_throughput"),
+        ("Output token throughput (tok/s)", "output_throughput"),
+        ("Total token throughput (tok/s)", "total_token_throughput"),
+    ]
+    for name, short, title in LATENCIES:
+        rows.append((title, None))
+        rows += [(f"{cap} {short} (ms)", f"{stat}_{name}_ms") for cap, stat in PERCENTILES]
+    return rows
+
+
+def _value(v: float) -> str:
+    return str(v) if isinstance(v, int) else f"{v:.2f}"
+
+
+def format_report(result: BenchResult) -> str:
+    """A vLLM-style report: the settings, then throughput and latency percentiles."""
+    c = result.config
+    rate = "inf" if math.isinf(c.request_rate) else f"{c.request_rate:g}"
+    spread = f" (x{1 - c.random_range_ratio:g}..{1 + c.random_range_ratio:g})" if c.random_range_ratio else ""
+    settings = [
+        ("Label", result.label), ("Model", result.model), ("URL", c.base_url.rstrip("/") + c.endpoint),
+        ("Prompts", result.prompt_mode), ("Input / output tokens", f"{c.input_len} / {c.output_len}{spread}"),
+        ("Shared prefix tokens", c.prefix_len), ("Request rate (req/s)", rate),
+        ("Max concurrency", c.max_concurrency or "unlimited"), ("Ignore EOS", c.ignore_eos),
+    ]
+    lines = [" Serving Benchmark Result ".center(50, "=")]
+    lines += [f"{k + ':':<40} {v}" for k, v in settings]
+    lines.append("-" * 50)
+    metrics = result.metrics()
+    for caption, key in _rows():
+        lines.append(f"{caption:-^50}" if key is None else f"{caption + ':':<40} {_value(metrics[key])}")
+    lines.append("=" * 50)
+    errors = [r.error for r in result.requests if not r.success]
+    if errors:
+        lines.append(f"First error ({len(errors)} failed): {errors[0][:300]}")
+    return "\n".join(lines)
+
+
+def format_comparison(results: dict[str, BenchResult]) -> str:
+    """The metrics of several runs side by side, each after the first with its ratio to the first."""
+    names = list(results)
+    metrics = [results[n].metrics() for n in names]
+    width = max(22, *(len(n) + 2 for n in names))
+    lines = [f"{'Metric':<40}" + "".join(f"{n:>{width}}" for n in names)]
+    for caption, key in _rows():
+        if key is None:
+            lines.append(f" {caption} ".center(40 + width * len(names), "-"))
+            continue
+        base = metrics[0][key]
+        cells = [_value(base)]
+        for m in metrics[1:]:
+            ratio = f"{m[key] / base:.2f}x" if base else "-"
+            cells.append(f"{_value(m[key])} ({ratio})")
+        lines.append(f"{caption:<40}" + "".join(f"{cell:>{width}}" for cell in cells))
+    return "\n".join(lines)
+
+
+def write_plot(results: dict[str, BenchResult], path: str) -> None:
+    """A PNG with one latency panel per metric (mean/p50/p90/p99) and two throughput panels, bars per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    metrics = [results[n].metrics() for n in names]
+    panels = [(f"{short} (ms)", [(cap, f"{stat}_{name}_ms") for cap, stat in PERCENTILES])
+              for name, short, _ in LATENCIES]
+    panels += [("Token throughput (tok/s)", [("output", "output_throughput"), ("total", "total_token_throughput")]),
+               ("Request throughput (req/s)", [("requests", "request_throughput")])]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    width = 0.8 / len(names)
+    for ax, (title, bars) in zip(axes.flat, panels):
+        x = np.arange(len(bars))
+        for j, (name, m) in enumerate(zip(names, metrics)):
+            heights = [m[key] for _, key in bars]
+            drawn = ax.bar(x + (j - (len(names) - 1) / 2) * width, heights, width, label=name)
+            ax.bar_label(drawn, fmt="%.1f", fontsize=7)
+        ax.set_xticks(x, [cap for cap, _ in bars])
+        ax.set_title(title)
+    axes.flat[0].legend()
+    fig.suptitle("Serving benchmark: " + " vs ".join(names))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

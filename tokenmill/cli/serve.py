@@ -1,0 +1,76 @@
+"""`tokenmill serve`: the OpenAI-compatible server (and the web chat page at /)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tokenmill.catalog import DEFAULT_MODEL, resolve_model
+
+GiB = 1 << 30
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine knobs shared by every command that runs the batching engine."""
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: fp32)")
+    p.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="GiB for the KV cache (default: a quarter of free RAM, at most 4)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, models_dir=args.models_dir, max_model_len=args.max_model_len,
+        kv_cache_memory=int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        policy=args.scheduling_policy,
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    p = sub.add_parser(name, help="serve a model over the OpenAI API",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API, with a chat page at /.")
+    p.add_argument("model", nargs="?", default=None,
+                   help=f"catalog alias, GGUF file or HF directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the model name)")
+    p.add_argument("--api-key", default=None,
+                   help="require this key as a Bearer token on /v1/* (default: $TOKENMILL_API_KEY)")
+    p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body (default: 16 MiB)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.app import ServerConfig, build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
+    engine = LLMEngine(path, progress=sys.stderr.isatty(), **engine_options(args))
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, ServerConfig(name, api_key=api_key, max_body_bytes=args.max_request_bytes))
+    print(f"tokenmill: serving {name} ({path.name}, {engine.max_model_len} tokens of context, "
+          f"{engine.kv.num_total_blocks} KV blocks) at http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    finally:
+        async_engine.shutdown()
+    return 0
