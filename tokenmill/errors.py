@@ -35,3 +35,11 @@ class InvalidRequestError(TokenmillError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class QueueFullError(TokenmillError):
+    """The waiting queue is at its limit: the client should retry later (HTTP 503 + Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from tokenmill.bench.serving import BenchConfig, BenchResult, format_comparison, format_report, run_benchmark
+from tokenmill.bench.serving import (BenchConfig, BenchResult, format_comparison, format_report, run_benchmark,
+                                     write_plot)
 from tokenmill.cli.main import main
 from tokenmill.errors import InvalidRequestError
 
@@ -207,8 +208,6 @@ def test_failures_are_counted_with_their_errors(fake) -> None:
 
 
 def test_json_plot_and_comparison(fake, tmp_path) -> None:
-    from tokenmill.bench.serving import write_plot
-
     first = bench(fake, label="one")
     second = bench(fake, label="two", max_concurrency=1)
     path = tmp_path / "result.json"

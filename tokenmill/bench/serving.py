@@ -170,7 +170,11 @@ class _Workload:
 
 
 async def run_benchmark(config: BenchConfig, progress: Callable[[int, int], None] | None = None) -> BenchResult:
-    """Send `config.num_prompts` streaming requests and measure them; `progress(done, total)` after each."""
+    """Send `config.num_prompts` streaming requests and measure them; `progress(done, total)` after each.
+
+    Failed requests are recorded, not raised; TokenmillError only when no model id can be found
+    or a warm-up request fails, since then every measurement would be meaningless.
+    """
     base = config.base_url.rstrip("/")
     key = config.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -381,7 +385,7 @@ def format_report(result: BenchResult) -> str:
     """A vLLM-style report: the settings, then throughput and latency percentiles."""
     c = result.config
     rate = "inf" if math.isinf(c.request_rate) else f"{c.request_rate:g}"
-    spread = f" (x{1 - c.random_range_ratio:g}..{1 + c.random_range_ratio:g})" if c.random_range_ratio else ""
+    spread = f" (random range ratio {c.random_range_ratio:g})" if c.random_range_ratio else ""
     settings = [
         ("Label", result.label), ("Model", result.model), ("URL", c.base_url.rstrip("/") + c.endpoint),
         ("Prompts", result.prompt_mode), ("Input / output tokens", f"{c.input_len} / {c.output_len}{spread}"),
@@ -443,8 +447,9 @@ def write_plot(results: dict[str, BenchResult], path: str) -> None:
             ax.bar_label(drawn, fmt="%.1f", fontsize=7)
         ax.set_xticks(x, [cap for cap, _ in bars])
         ax.set_title(title)
-    axes.flat[0].legend()
+        ax.margins(y=0.12)  # room for the value labels
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="upper right")
     fig.suptitle("Serving benchmark: " + " vs ".join(names))
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -17,6 +17,7 @@ COMMANDS = {
     "pull": "tokenmill.cli.models",
     "models": "tokenmill.cli.models",
     "bench": "tokenmill.cli.bench",
+    "chat": "tokenmill.cli.chat",
 }
 
 

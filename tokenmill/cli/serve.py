@@ -48,6 +48,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--api-key", default=None,
                    help="require this key as a Bearer token on /v1/* (default: $TOKENMILL_API_KEY)")
     p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body (default: 16 MiB)")
+    p.add_argument("--max-queue-len", type=int, default=None,
+                   help="most waiting requests; beyond it the server answers 503 with Retry-After (default: no limit)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival to its last token (default: no limit)")
+    p.add_argument("--allowed-origins", nargs="*", default=[],
+                   help="origins allowed by CORS (default: none, CORS off)")
+    p.add_argument("--protect-health", action="store_true", help="require the API key on /health too")
+    p.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     p.set_defaults(run=run)
@@ -62,11 +70,15 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
-    engine = LLMEngine(path, progress=sys.stderr.isatty(), **engine_options(args))
+    engine = LLMEngine(path, progress=sys.stderr.isatty(), max_queue_len=args.max_queue_len, **engine_options(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
     async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, ServerConfig(name, api_key=api_key, max_body_bytes=args.max_request_bytes))
+    app = build_app(async_engine, ServerConfig(
+        name, api_key=api_key, max_body_bytes=args.max_request_bytes, protect_health=args.protect_health,
+        protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
+        request_timeout=args.request_timeout,
+    ))
     print(f"tokenmill: serving {name} ({path.name}, {engine.max_model_len} tokens of context, "
           f"{engine.kv.num_total_blocks} KV blocks) at http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:

@@ -8,6 +8,7 @@ child sequences that share its prompt's KV blocks through the prefix cache.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,7 +21,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, QueueFullError
 from tokenmill.model.attention import KVCache
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
@@ -28,6 +29,7 @@ from tokenmill.sample.sampler import request_generator
 from tokenmill.tokenizer import IncrementalDetokenizer
 
 GiB = 1 << 30
+log = logging.getLogger("tokenmill.engine")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
     models_dir: str | None = None
+    max_queue_len: int | None = None  # waiting requests beyond this are refused (QueueFullError)
 
 
 @dataclass
@@ -171,6 +174,10 @@ class LLMEngine:
         if max_tokens > room:
             raise InvalidRequestError(f"max_tokens={max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
                                       f"the context of {self.max_model_len} tokens", param="max_tokens")
+        limit = self.config.max_queue_len
+        if limit is not None and len(self.scheduler.waiting) + params.n > limit:
+            raise QueueFullError(f"the server is at capacity ({len(self.scheduler.waiting)} requests waiting); "
+                                 "retry shortly")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         parent = _Parent(request_id, text, token_ids)
         if params.prompt_logprobs is not None:
@@ -222,7 +229,15 @@ class LLMEngine:
         self._aborted.clear()
         sched = self.scheduler.schedule()
         if sched.requests:
-            self._run(sched, touched)
+            try:
+                self._run(sched, touched)
+            except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep the engine serving
+                log.exception("step failed; failing the %d requests of its batch", len(sched.requests))
+                for req in sched.requests:
+                    seq = self._sequences.get(req.request_id)
+                    if seq is not None and seq.finish_reason is None:
+                        self._fail(seq, f"internal error while running the model: {exc!r}")
+                        touched[seq.parent.request_id] = seq.parent
         outputs = [self._output(p) for p in touched.values()]
         for p in touched.values():
             if p.finished:
@@ -258,6 +273,17 @@ class LLMEngine:
             self._sample(logits, [s for _, s in sample_rows], touched)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], touched: dict[str, _Parent]) -> None:
+        finite = torch.isfinite(logits).all(dim=-1)
+        if not bool(finite.all()):  # one request's numerical failure must not reach the others
+            for seq, ok in zip(seqs, finite.tolist()):
+                if not ok:
+                    self._fail(seq, "the model produced non-finite logits for this request")
+                    touched[seq.parent.request_id] = seq.parent
+            keep = finite.nonzero().flatten()
+            seqs = [seqs[i] for i in keep.tolist()]
+            logits = logits[keep]
+            if not seqs:
+                return
         stop_sets = [frozenset(s.params.stop_token_ids) | (frozenset() if s.params.ignore_eos
                                                            else self.tokenizer.stop_token_ids) for s in seqs]
         batch = SamplingBatch.build(
@@ -272,20 +298,28 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(seqs, sampled)):
             if seq.finish_reason is not None:
                 continue
-            seq.req.append_output_token(token)
-            seq.new_tokens.append(token)
-            self.stats.generation_tokens += 1
-            if seq.logprobs is not None:
-                k = seq.params.logprobs
-                entry = {tid: Logprob(l, r + 1, self.tokenizer.decode([tid]))
-                         for r, (tid, l) in enumerate(zip(top_ids[i][:k], top_lps[i][:k]))}
-                if token not in entry:
-                    rank = int((logits[i].log_softmax(-1) > lp[i]).sum()) + 1
-                    entry = {token: Logprob(lp[i], rank, self.tokenizer.decode([token]))} | entry
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += lp[i]
-            self._process_token(seq, token, stop_sets[i])
             touched[seq.parent.request_id] = seq.parent
+            try:
+                seq.req.append_output_token(token)
+                seq.new_tokens.append(token)
+                self.stats.generation_tokens += 1
+                if seq.logprobs is not None:
+                    self._record_logprobs(seq, token, logits[i], lp[i], top_ids[i], top_lps[i])
+                self._process_token(seq, token, stop_sets[i])
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failure: this request only
+                log.exception("request %s failed", seq.req.request_id)
+                self._fail(seq, f"failed to process token {token}: {exc!r}")
+
+    def _record_logprobs(self, seq: _Sequence, token: int, logits: torch.Tensor, logprob: float,
+                         top_ids: list[int], top_lps: list[float]) -> None:
+        k = seq.params.logprobs
+        entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+                 for rank, (tid, lp) in enumerate(zip(top_ids[:k], top_lps[:k]))}
+        if token not in entry:
+            rank = int((logits.log_softmax(-1) > logprob).sum()) + 1
+            entry = {token: Logprob(logprob, rank, self.tokenizer.decode([token]))} | entry
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += logprob
 
     def _process_token(self, seq: _Sequence, token: int, stop_ids: frozenset[int]) -> None:
         """Detokenize one new token and decide whether the sequence is done."""
@@ -309,6 +343,10 @@ class LLMEngine:
         if req.num_output_tokens >= seq.max_tokens or req.num_tokens >= self.max_model_len:
             seq.text += seq.detok.flush()
             self._finish(seq, "length", RequestStatus.FINISHED_LENGTH)
+
+    def _fail(self, seq: _Sequence, message: str) -> None:
+        seq.parent.error = message
+        self._finish(seq, "error", RequestStatus.FINISHED_ERROR)
 
     def _finish(self, seq: _Sequence, reason: str, status: RequestStatus, stop_reason: str | int | None = None) -> None:
         seq.finish_reason = reason

@@ -8,17 +8,19 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import InvalidRequestError, QueueFullError, TokenmillError
 from tokenmill.server.metrics import RequestTimer, ServerMetrics
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -47,14 +49,15 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+@dataclass
 class ServerConfig:
-    def __init__(self, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 16 << 20,
-                 protect_health: bool = False, protect_metrics: bool = False) -> None:
-        self.served_model_name = served_model_name
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-        self.protect_health = protect_health
-        self.protect_metrics = protect_metrics
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 16 << 20
+    protect_health: bool = False  # require the API key on /health too
+    protect_metrics: bool = False  # and on /metrics
+    allowed_origins: list[str] = field(default_factory=list)  # CORS allowlist; empty: CORS off
+    request_timeout: float | None = None  # seconds from arrival to the end of generation
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
@@ -65,6 +68,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     tokenizer = engine.tokenizer
     max_model_len = engine.engine.max_model_len
     vocab_size = engine.engine.loaded.config.vocab_size
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     # ------------------------------------------------------------------ plumbing
 
@@ -91,6 +97,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(TokenmillError)
     async def on_tokenmill_error(_: Request, exc: TokenmillError):
+        if isinstance(exc, QueueFullError):
+            response = APIError(503, str(exc), type_="server_overloaded", code="queue_full").response()
+            response.headers["Retry-After"] = str(exc.retry_after)
+            return response
         if isinstance(exc, EngineDeadError):
             return APIError(503, str(exc), type_="service_unavailable").response()
         return APIError(400, str(exc)).response()
@@ -197,14 +207,22 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             return last
 
         task = asyncio.gather(*(drain(s, t) for s, t in zip(streams, timers)))
+        deadline = None if config.request_timeout is None else time.monotonic() + config.request_timeout
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.5)
                 if done:
-                    return task.result()
+                    finals = task.result()
+                    failed = next((o.error for o in finals if o.error), None)
+                    if failed:
+                        raise APIError(500, failed, type_="internal_error")
+                    return finals
                 if await raw.is_disconnected():
                     task.cancel()
                     raise APIError(499, "client disconnected")
+                if deadline is not None and time.monotonic() > deadline:
+                    task.cancel()
+                    raise APIError(504, f"the request timed out after {config.request_timeout} s", type_="timeout")
         finally:
             for s in streams:
                 s.close()
@@ -227,14 +245,21 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         remaining = len(streams)
+        deadline = None if config.request_timeout is None else time.monotonic() + config.request_timeout
         try:
             while remaining:
-                i, item = await queue.get()
+                timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
+                try:
+                    i, item = await asyncio.wait_for(queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise TokenmillError(f"the request timed out after {config.request_timeout} s") from None
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    if item.error:
+                        raise TokenmillError(item.error)
                     yield i, item
         finally:
             for t in tasks:
@@ -256,7 +281,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             async for chunk in chunks:
                 yield sse(chunk)
         except TokenmillError as exc:
-            yield sse(error_body(str(exc), "invalid_request_error"))
+            yield sse(error_body(str(exc), "invalid_request_error" if isinstance(exc, InvalidRequestError)
+                                 else "server_error"))
         except Exception as exc:  # noqa: BLE001 - the status line is already sent; report in-band
             log.exception("error while streaming")
             yield sse(error_body(f"internal error: {exc!r}", "internal_error"))
