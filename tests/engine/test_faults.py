@@ -72,3 +72,20 @@ def test_failed_step_fails_its_batch_and_the_engine_goes_on(tiny_loaded, monkeyp
     assert _finish_all(engine)["after"].outputs[0].finish_reason == "length"
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     assert torch.isfinite(engine.runner.cache.k[:, engine.runner.cache.pad_slot]).all()
+
+
+def test_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(tiny_loaded, monkeypatch) -> None:
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=64)
+    prompt = list(range(5, 70))  # four full blocks, published to the prefix cache when scheduled
+    real_forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    engine.add_request("failed", prompt, PARAMS)
+    assert _finish_all(engine)["failed"].outputs[0].finish_reason == "error"
+    monkeypatch.setattr(engine.runner, "forward", real_forward)
+    hits = engine.stats.prefix_cache_hits
+    engine.add_request("retry", prompt, PARAMS)
+    retry = _finish_all(engine)["retry"]
+    assert engine.stats.prefix_cache_hits == hits  # nothing reused from the failed step
+    cold = LLMEngine(tiny_loaded, num_kv_blocks=64, enable_prefix_caching=False)
+    cold.add_request("cold", prompt, PARAMS)
+    assert retry.outputs[0].token_ids == _finish_all(cold)["cold"].outputs[0].token_ids

@@ -134,6 +134,13 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Withdraw blocks from the prefix cache (their contents may never have been computed)."""
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+
     def cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_cached_blocks: int, num_full_blocks: int
     ) -> None:

@@ -117,11 +117,17 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = num_cached
         return new_blocks
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first so its prefix stays cached longest. Idempotent."""
+    def free(self, request: Request, uncache: bool = False) -> None:
+        """Release the request's blocks, tail first so its prefix stays cached longest. Idempotent.
+
+        With uncache, its blocks also leave the prefix cache: after a failed step they were
+        published but perhaps never written.
+        """
         table = self._tables.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if table is not None:
+            if uncache:
+                self.block_pool.uncache(table)
             self.block_pool.free_blocks(reversed(table))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -236,7 +236,7 @@ class LLMEngine:
                 for req in sched.requests:
                     seq = self._sequences.get(req.request_id)
                     if seq is not None and seq.finish_reason is None:
-                        self._fail(seq, f"internal error while running the model: {exc!r}")
+                        self._fail(seq, f"internal error while running the model: {exc!r}", uncache=True)
                         touched[seq.parent.request_id] = seq.parent
         outputs = [self._output(p) for p in touched.values()]
         for p in touched.values():
@@ -344,14 +344,15 @@ class LLMEngine:
             seq.text += seq.detok.flush()
             self._finish(seq, "length", RequestStatus.FINISHED_LENGTH)
 
-    def _fail(self, seq: _Sequence, message: str) -> None:
+    def _fail(self, seq: _Sequence, message: str, uncache: bool = False) -> None:
         seq.parent.error = message
-        self._finish(seq, "error", RequestStatus.FINISHED_ERROR)
+        self._finish(seq, "error", RequestStatus.FINISHED_ERROR, uncache=uncache)
 
-    def _finish(self, seq: _Sequence, reason: str, status: RequestStatus, stop_reason: str | int | None = None) -> None:
+    def _finish(self, seq: _Sequence, reason: str, status: RequestStatus, stop_reason: str | int | None = None,
+                uncache: bool = False) -> None:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        self.scheduler.finish(seq.req, status)
+        self.scheduler.finish(seq.req, status, uncache=uncache)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, start: int, seq: _Sequence) -> None:
         """Logprob of each prompt token given the tokens before it (the first has none)."""

@@ -109,7 +109,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
+    def finish(self, req: Request, status: RequestStatus, uncache: bool = False) -> None:
         """End a request (stopped, length, aborted, error): it releases everything it held."""
         if req.request_id not in self.requests:
             return
@@ -118,7 +118,7 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        self.kv.free(req, uncache=uncache)
         del self.requests[req.request_id]
 
     def _victim(self) -> Request:
