@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The project's full test command: the pinned torch, the package with its test extras, Debian's
+# Chromium for the browser test (tests/server/test_web_ui.py), then pytest. Extra arguments go to pytest.
+#   scripts/test.sh                      # everything
+#   scripts/test.sh tests/server -x      # a subset
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python -m pip install torch==2.13.0
+python -m pip install -e ".[test]"
+
+# Playwright drives the system Chromium; `playwright install` (which downloads browsers) is not used.
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" -eq 0 ]; then SUDO=(); else SUDO=(sudo); fi
+  "${SUDO[@]}" apt-get update -qq
+  "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+fi
+
+python -m pytest -q "$@"
