@@ -129,10 +129,16 @@ def _logits(loaded, prompts: list[list[int]]) -> torch.Tensor:
     return runner.forward(prompts, [len(p) for p in prompts], tables, all_logits=True)
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0,
-                                   gguf.GGMLQuantizationType.Q4_1])
+Q = gguf.GGMLQuantizationType
+# quantized-in-memory tolerance: Q4_0/Q4_1/Q4_K map exactly onto the int4 kernel; Q8_0 is re-quantized
+# to int8 with one scale per row, which moves these tiny models' logits by up to ~0.07
+KEPT_ATOL = {Q.F32: 1e-4, Q.Q4_1: 1e-4, Q.Q8_0: 1e-1}
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_1])
 @pytest.mark.parametrize("arch", list(HF_CONFIGS))
-def test_gguf_equals_safetensors(arch: str, qtype: gguf.GGMLQuantizationType, tmp_path: Path) -> None:
+def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[arch], dtype=torch.float32).eval()
     with torch.no_grad():
@@ -144,7 +150,7 @@ def test_gguf_equals_safetensors(arch: str, qtype: gguf.GGMLQuantizationType, tm
     hf.load_state_dict(encoded, strict=False)  # the twin holds exactly the (de)quantized weights
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
 
-    from_gguf = load_model(gguf_path, progress=False)
+    from_gguf = load_model(gguf_path, progress=False, quantization=quantization)
     from_hf = load_model(tmp_path / "hf", progress=False)
     assert from_gguf.config.layer_types == from_hf.config.layer_types
     prompts = [[5, 9, 3, 70, 1, 1, 44], [8, 2, 60, 61, 62, 63, 64, 65, 66, 67, 11]]
@@ -152,5 +158,8 @@ def test_gguf_equals_safetensors(arch: str, qtype: gguf.GGMLQuantizationType, tm
         ours = _logits(from_gguf, prompts)
         twin = _logits(from_hf, prompts)
         ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
-    torch.testing.assert_close(ours, twin, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    if quantization == "none":  # dequantized exactly as ggml does: the twin's numbers
+        torch.testing.assert_close(ours, twin, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    else:
+        torch.testing.assert_close(ours, twin, atol=KEPT_ATOL[qtype], rtol=0)

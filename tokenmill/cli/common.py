@@ -17,12 +17,23 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                         help="compute dtype for the weights (default: fp32)")
+    add_quantization_args(parser)
     parser.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
+
+
+def add_quantization_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+                        help="weights in memory: auto keeps a GGUF file's quantized weights packed (gguf) and "
+                             "leaves other checkpoints dense (none); int8/int4 quantize every linear layer")
+    parser.add_argument("--dense-min-tokens", type=int, default=None,
+                        help="also keep dense copies of quantized layers for batches of at least this many "
+                             "tokens (faster prefill, more memory)")
 
 
 def load_from_args(args: argparse.Namespace, need_tokenizer: bool = True) -> LoadedModel:
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
-    loaded = load_model(path, dtype=args.dtype, progress=sys.stderr.isatty())
+    loaded = load_model(path, dtype=args.dtype, progress=sys.stderr.isatty(), quantization=args.quantization,
+                        dense_min_tokens=args.dense_min_tokens)
     if need_tokenizer and loaded.tokenizer is None:
         raise TokenmillError(f"{path}: no tokenizer found (tokenizer.json is missing)")
     return loaded

@@ -5,16 +5,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
+from tokenmill.cli.common import add_quantization_args
 
 GiB = 1 << 30
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine knobs shared by every command that runs the batching engine."""
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: fp32)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="activation and dense-weight dtype (default: bf16, which uses AMX where the CPU has it)")
+    add_quantization_args(p)
     p.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     p.add_argument("--kv-cache-memory", type=float, default=None,
@@ -29,7 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
-        dtype=args.dtype, models_dir=args.models_dir, max_model_len=args.max_model_len,
+        dtype=args.dtype, quantization=args.quantization, dense_min_tokens=args.dense_min_tokens,
+        models_dir=args.models_dir, max_model_len=args.max_model_len,
         kv_cache_memory=int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
@@ -81,8 +86,13 @@ def run(args: argparse.Namespace) -> int:
     ))
     print(f"tokenmill: serving {name} ({path.name}, {engine.max_model_len} tokens of context, "
           f"{engine.kv.num_total_blocks} KV blocks) at http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal to the handler
+    # that was installed before it started: make that one a no-op so shutdown ends with exit code 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10,
+                    lifespan="off")  # no startup/shutdown hooks: the engine is ready before uvicorn starts
     finally:
         async_engine.shutdown()
     return 0

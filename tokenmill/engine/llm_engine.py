@@ -25,6 +25,7 @@ from tokenmill.errors import InvalidRequestError, QueueFullError
 from tokenmill.model.attention import KVCache
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
+from tokenmill.sample.params import MAX_SEED
 from tokenmill.sample.sampler import request_generator
 from tokenmill.tokenizer import IncrementalDetokenizer
 
@@ -35,6 +36,8 @@ log = logging.getLogger("tokenmill.engine")
 @dataclass
 class EngineConfig:
     dtype: str = "fp32"
+    quantization: str = "auto"  # see load_model: GGUF weights stay packed by default
+    dense_min_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV pool; default: a quarter of free RAM, at most 4 GiB
     num_kv_blocks: int | None = None  # exact pool size (overrides kv_cache_memory; tests use it)
@@ -111,7 +114,8 @@ class LLMEngine:
             self.loaded = model
         else:
             self.loaded = load_model(resolve_model(model, models_dir=cfg.models_dir, progress=progress),
-                                     dtype=cfg.dtype, progress=progress)
+                                     dtype=cfg.dtype, progress=progress, quantization=cfg.quantization,
+                                     dense_min_tokens=cfg.dense_min_tokens)
         if self.loaded.tokenizer is None:
             raise InvalidRequestError(f"{self.loaded.path}: the model has no tokenizer")
         self.tokenizer = self.loaded.tokenizer
@@ -185,7 +189,8 @@ class LLMEngine:
         for index in range(params.n):
             child_params = params
             if params.seed is not None and params.n > 1:  # distinct but reproducible children
-                child_params = replace(params, seed=params.seed + index)
+                seed = (params.seed + index + MAX_SEED + 1) % (2 * (MAX_SEED + 1)) - MAX_SEED - 1
+                child_params = replace(params, seed=seed)
             req = Request(
                 request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
                 prompt_token_ids=list(token_ids),
@@ -203,8 +208,9 @@ class LLMEngine:
                 logprobs=[] if child_params.logprobs is not None else None,
             )
             parent.children.append(seq)
-            self._sequences[req.request_id] = seq
-            self.scheduler.add_request(req)
+        for seq in parent.children:  # only once every child was built: a request is added whole or not at all
+            self._sequences[seq.req.request_id] = seq
+            self.scheduler.add_request(seq.req)
         self._parents[request_id] = parent
         self.stats.prompt_tokens += len(token_ids)
         return request_id
@@ -390,7 +396,7 @@ class LLMEngine:
                 text=seq.text[:visible],
                 token_ids=list(seq.req.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=seq.logprobs,
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),  # snapshot: the engine appends
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 text_delta=delta,
@@ -404,7 +410,7 @@ class LLMEngine:
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
             finished=parent.finished,
-            prompt_logprobs=parent.prompt_logprobs,
+            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             error=parent.error,
         )

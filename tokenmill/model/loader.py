@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.errors import ModelFileError
@@ -15,6 +16,13 @@ from tokenmill.model import families
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.quant import GGMLWeight
+from tokenmill.model.quant_linear import (
+    QuantEmbedding,
+    QuantLinear,
+    dense_packed_form,
+    merge_packed,
+    packed_form,
+)
 from tokenmill.model.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -42,10 +50,33 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True) -> LoadedModel:
-    """Load a model and its tokenizer from a GGUF file or an HF directory."""
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+# our fused projections and the checkpoint projections they are made of
+FUSED = {"attn.qkv_proj": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+         "attn.o_proj": ("attn.o_proj",),
+         "mlp.down_proj": ("mlp.down_proj",)}
+Weight = torch.Tensor | GGMLWeight
+# batch sizes (tokens) from which a dense bf16 matmul beats each weight-only kernel, measured on
+# this project's reference CPU (AVX-512 + AMX): the int8 kernel scales worse with batch than int4
+DENSE_CROSSOVER = {"int4": 16, "int8": 8}
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True,
+               quantization: str = "auto", dense_min_tokens: int | None = None) -> LoadedModel:
+    """Load a model and its tokenizer from a GGUF file or an HF directory.
+
+    quantization: "none" dequantizes everything to `dtype`; "gguf" keeps a GGUF file's quantized
+    weights packed (exact int4 for Q4_0/Q4_1/Q4_K, int8 per row otherwise); "int8"/"int4"
+    quantize every linear layer; "auto" is "gguf" for GGUF files and "none" otherwise.
+    dense_min_tokens: quantized layers also keep a dense copy, used for batches of at least that
+    many tokens (prefill, wide decode), where dense bf16 matmuls beat the weight-only kernels.
+    None picks the measured crossover per kernel (int4: 16 tokens, int8: 8); 0 keeps no copies.
+    """
     path = Path(path)
     dtype = parse_dtype(dtype)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})")
     if path.is_dir():
         config, weights, tokenizer = _open_hf_dir(path)
     elif path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
@@ -55,30 +86,115 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bo
         config, weights, tokenizer = _open_gguf(path)
     else:
         raise ModelFileError(path, "no such file or directory")
-    model = _build(config, weights, dtype, path, progress)
+    if quantization == "auto":
+        quantization = "none" if path.is_dir() else "gguf"
+    builder = _Builder(config, dtype, path, quantization, dense_min_tokens)
+    model = builder.build(weights, progress)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=path, dtype=dtype)
 
 
-def _build(config: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
-           path: Path, progress: bool) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(config)
-    expected = dict(model.named_parameters())
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in tqdm(weights, desc=f"loading {path.name}", total=len(expected), unit="tensor",
-                             disable=not progress, leave=False):
-        if name not in expected:
-            continue
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ModelFileError(path, f"shape {tuple(tensor.shape)} does not match the config's "
-                                 f"{tuple(expected[name].shape)}", tensor=name)
-        state[name] = tensor.to(dtype)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelFileError(path, f"missing tensors: {', '.join(missing[:3])}{more}")
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the loaders look for, by our name, with its shape in the checkpoint."""
+    h, q, kv, ffn = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        layer = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "attn.q_proj.weight": (q, h),
+                 "attn.k_proj.weight": (kv, h), "attn.v_proj.weight": (kv, h), "attn.o_proj.weight": (h, q),
+                 "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn)}
+        if cfg.attention_bias:
+            layer |= {"attn.q_proj.bias": (q,), "attn.k_proj.bias": (kv,), "attn.v_proj.bias": (kv,)}
+        if cfg.output_bias:
+            layer["attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            layer |= {"mlp.gate_proj.bias": (ffn,), "mlp.up_proj.bias": (ffn,), "mlp.down_proj.bias": (h,)}
+        if cfg.qk_norm:
+            layer |= {"attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,)}
+        if cfg.sandwich_norm:
+            layer |= {"attn_post_norm.weight": (h,), "ffn_post_norm.weight": (h,)}
+        shapes |= {f"layers.{i}.{k}": v for k, v in layer.items()}
+    return shapes
+
+
+class _Builder:
+    """Turns checkpoint tensors into the model: fused projections, quantized or dense layers."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, path: Path, quantization: str,
+                 dense_min_tokens: int | None) -> None:
+        self.config, self.dtype, self.path = config, dtype, path
+        self.quantization = quantization
+        self.dense_min_tokens = dense_min_tokens
+
+    def build(self, weights: Iterator[tuple[str, Weight]], progress: bool) -> Transformer:
+        expected = checkpoint_shapes(self.config)
+        state: dict[str, Weight] = {}
+        for name, tensor in tqdm(weights, desc=f"loading {self.path.name}", total=len(expected), unit="tensor",
+                                 disable=not progress, leave=False):
+            if name not in expected:
+                continue
+            if tuple(tensor.shape) != expected[name]:
+                raise ModelFileError(self.path, f"shape {tuple(tensor.shape)} does not match the config's "
+                                     f"{expected[name]}", tensor=name)
+            state[name] = tensor
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ModelFileError(self.path, f"missing tensors: {', '.join(missing[:3])}{more}")
+
+        with torch.device("meta"):
+            model = Transformer(self.config)
+        for i, layer in enumerate(model.layers):
+            for target, parts in FUSED.items():
+                ws = [state.pop(f"layers.{i}.{p}.weight") for p in parts]
+                bs = [state.pop(f"layers.{i}.{p}.bias", None) for p in parts]
+                owner, attr = target.split(".")
+                setattr(getattr(layer, owner), attr, self.linear(ws, bs))
+        embed = state.pop("embed.weight")
+        head = state.pop("lm_head.weight", None)
+        keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
+        if keep_quantized:
+            model.embed = QuantEmbedding(embed, self.dtype)
+        else:
+            model.embed = nn.Embedding.from_pretrained(_dense(embed, self.dtype), freeze=True)
+        if head is not None:
+            model.lm_head = self.linear([head], [None])
+        elif keep_quantized or self.quantization in ("int8", "int4"):
+            model.lm_head = self.linear([embed], [None])  # tied, but the head needs its own packed form
+        model.load_state_dict({k: _dense(v, self.dtype) for k, v in state.items()}, strict=False, assign=True)
+        left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+        if left:
+            raise ModelFileError(self.path, f"no weights for {', '.join(left[:3])}")
+        return model.eval().requires_grad_(False)
+
+    def linear(self, weights: list[Weight], biases: list[torch.Tensor | None]) -> nn.Module:
+        """One module computing the concatenated outputs of these checkpoint projections."""
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
+            bias = bias.to(self.dtype)
+        rows = sum(w.shape[0] for w in weights)
+        cols = weights[0].shape[1]
+        q = self.quantization
+        quantize = q in ("int8", "int4") or (q == "gguf" and all(isinstance(w, GGMLWeight) for w in weights))
+        if not quantize:
+            layer = nn.Linear(cols, rows, bias=bias is not None, device="meta")
+            layer.weight = nn.Parameter(torch.cat([_dense(w, self.dtype) for w in weights]), requires_grad=False)
+            if bias is not None:
+                layer.bias = nn.Parameter(bias, requires_grad=False)
+            return layer
+        if q == "gguf":
+            kind, data = merge_packed([packed_form(w) for w in weights])
+        else:
+            kind, data = merge_packed([dense_packed_form(_dense(w, torch.float32), q) for w in weights])
+        threshold = self.dense_min_tokens if self.dense_min_tokens is not None else DENSE_CROSSOVER[kind]
+        dense = torch.cat([_dense(w, self.dtype) for w in weights]) if threshold > 0 else None
+        return QuantLinear(rows, cols, self.dtype, **{kind: data}, bias=bias, dense=dense,
+                           dense_min_tokens=threshold)
+
+
+def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    return w.dequantize(dtype) if isinstance(w, GGMLWeight) else w.to(dtype)
 
 
 # ---------------------------------------------------------------- HF directories
@@ -152,7 +268,7 @@ def _open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tenso
     except ValueError as exc:
         raise ModelFileError(path, str(exc)) from exc
     if "rope_freqs.weight" in gguf.tensors:  # Llama 3 rope scaling, precomputed by the converter
-        factors = _dense(gguf, "rope_freqs.weight")
+        factors = _dense(gguf.load("rope_freqs.weight"), torch.float32)
         config.rope = type(config.rope)(theta=config.rope.theta, freq_factors=tuple(factors.tolist()))
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     if tokenizer.chat_template is None:
@@ -160,21 +276,19 @@ def _open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tenso
     return config, _gguf_weights(gguf, config), tokenizer
 
 
-def _dense(gguf: GGUFFile, name: str) -> torch.Tensor:
-    tensor = gguf.load(name)
-    return tensor.dequantize() if isinstance(tensor, GGMLWeight) else tensor
-
-
-def _gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
     permuted = families.gguf_qk_permuted(config)
     for gguf_name in gguf.tensors:
         name = families.gguf_tensor_name(gguf_name)
         if name is None:
             continue
-        tensor = _dense(gguf, gguf_name)
+        tensor = gguf.load(gguf_name)
         if permuted and name.endswith(("attn.q_proj.weight", "attn.k_proj.weight", "q_proj.bias", "k_proj.bias")):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-            tensor = unpermute_rows(tensor, heads)
+            if isinstance(tensor, GGMLWeight):  # rows are independent blocks: permute the raw bytes
+                tensor = GGMLWeight(unpermute_rows(tensor.data, heads), tensor.qtype, tensor.shape)
+            else:
+                tensor = unpermute_rows(tensor, heads)
         yield name, tensor
 
 

@@ -10,6 +10,8 @@ from tokenmill.errors import InvalidRequestError
 SAMPLING_EPS = 1e-5
 # OpenAI's cap on the number of alternatives returned per token.
 MAX_LOGPROBS = 20
+MIN_REPETITION_PENALTY = 1e-3
+MAX_SEED = 2**63 - 1  # seeds are signed 64-bit integers; children of n > 1 wrap around within that range
 
 
 @dataclass
@@ -56,7 +58,11 @@ class SamplingParams:
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 or 0 (off) or a positive number of tokens")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        # bounded away from 0 and infinity: logits are divided or multiplied by it in float32
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= 1 / MIN_REPETITION_PENALTY, "repetition_penalty",
+               self.repetition_penalty, f"must be in [{MIN_REPETITION_PENALTY}, {1 / MIN_REPETITION_PENALTY:g}]")
+        if self.seed is not None:
+            _check(-MAX_SEED - 1 <= self.seed <= MAX_SEED, "seed", self.seed, "must fit in a signed 64-bit integer")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
                "must be in [-2, 2]")

@@ -115,7 +115,7 @@ def request_generator(params: SamplingParams, device: torch.device | str = "cpu"
     """The generator a seeded request keeps for its whole life (None when it has no seed)."""
     if params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+    return torch.Generator(device=device).manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)  # torch wants unsigned
 
 
 def _token_counts(ids: list[list[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:

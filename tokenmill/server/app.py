@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
@@ -74,22 +75,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     # ------------------------------------------------------------------ plumbing
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
-        protected |= (path == "/health" and config.protect_health) or (path == "/metrics" and config.protect_metrics)
-        if config.api_key and protected and not _authorized(request, config.api_key):
-            return APIError(401, "Incorrect API key provided.", code="invalid_api_key").response()
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            return APIError(413, f"Request body of {length} bytes exceeds the limit of "
-                                 f"{config.max_body_bytes} bytes.", code="request_too_large").response()
-        return await call_next(request)
+    app.add_middleware(GuardMiddleware, config=config)
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException):
+        kinds = {404: "not_found_error", 405: "invalid_request_error"}
+        message = "The request body could not be parsed." if exc.status_code == 400 else str(exc.detail)
+        return APIError(exc.status_code, message, type_=kinds.get(exc.status_code, "invalid_request_error")).response()
 
     @app.exception_handler(InvalidRequestError)
     async def on_invalid(_: Request, exc: InvalidRequestError):
@@ -207,6 +203,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             return last
 
         task = asyncio.gather(*(drain(s, t) for s, t in zip(streams, timers)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never an unretrieved error
         deadline = None if config.request_timeout is None else time.monotonic() + config.request_timeout
         try:
             while True:
@@ -224,6 +221,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     task.cancel()
                     raise APIError(504, f"the request timed out after {config.request_timeout} s", type_="timeout")
         finally:
+            task.cancel()
             for s in streams:
                 s.close()
 
@@ -274,6 +272,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
     def sse(payload: dict | str) -> str:
+        """One server-sent event; payloads hold no NaN/Infinity (see `_finite`)."""
         return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
     async def event_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -299,8 +298,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         for token_id, entry in zip(out.token_ids, out.logprobs or []):
             chosen = entry[token_id]
             tokens.append(chosen.decoded_token)
-            token_lps.append(chosen.logprob)
-            tops.append({lp.decoded_token: lp.logprob for lp in entry.values()})
+            token_lps.append(_finite(chosen.logprob))
+            tops.append({lp.decoded_token: _finite(lp.logprob) for lp in entry.values()})
             offsets.append(offset)
             offset += len(chosen.decoded_token)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -314,8 +313,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             at += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [None if e is None else e[t].logprob for t, e in zip(ids, lps)],
-            "top_logprobs": [None if e is None else {lp.decoded_token: lp.logprob for lp in e.values()} for e in lps],
+            "token_logprobs": [None if e is None else _finite(e[t].logprob) for t, e in zip(ids, lps)],
+            "top_logprobs": [None if e is None else {lp.decoded_token: _finite(lp.logprob) for lp in e.values()}
+                             for e in lps],
             "text_offset": offsets,
         }
 
@@ -381,9 +381,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         for token_id, entry in zip(token_ids, entries):
             chosen = entry[token_id]
             content.append({
-                "token": chosen.decoded_token, "logprob": chosen.logprob,
+                "token": chosen.decoded_token, "logprob": _finite(chosen.logprob),
                 "bytes": list(chosen.decoded_token.encode()),
-                "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                "top_logprobs": [{"token": lp.decoded_token, "logprob": _finite(lp.logprob),
                                   "bytes": list(lp.decoded_token.encode())}
                                  for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
                                  if lp.rank <= top_k],
@@ -461,9 +461,62 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _authorized(request: Request, api_key: str) -> bool:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+class GuardMiddleware:
+    """API key and body-size checks before any route runs (a plain ASGI middleware: it adds no
+    task or stream of its own, so cancellation at shutdown passes straight through)."""
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        config, path = self.config, scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        protected |= (path == "/health" and config.protect_health) or (path == "/metrics" and config.protect_metrics)
+        if config.api_key and protected and not _authorized(headers, config.api_key):
+            return await APIError(401, "Incorrect API key provided.", code="invalid_api_key").response()(
+                scope, receive, send)
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > config.max_body_bytes:
+            return await APIError(413, f"Request body of {length} bytes exceeds the limit of "
+                                       f"{config.max_body_bytes} bytes.", code="request_too_large").response()(
+                scope, receive, send)
+        started = event_stream = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started, event_stream
+            if message["type"] == "http.response.start":
+                started = True
+                event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                   for k, v in message.get("headers", []))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            # uvicorn's forced exit (a second Ctrl-C) cancels every request: answer in OpenAI's
+            # shape when nothing was sent yet, and end quietly instead of logging a traceback
+            if not started:
+                await APIError(503, "the server is shutting down", type_="service_unavailable").response()(
+                    scope, receive, send)
+            else:  # end the body cleanly, with an in-band error event when it is a stream
+                tail = b""
+                if event_stream:
+                    error = json.dumps(error_body("the server is shutting down", "service_unavailable"))
+                    tail = f"data: {error}\n\ndata: [DONE]\n\n".encode()
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: impossible tokens get -9999.0, as vLLM reports them."""
+    return logprob if logprob > -9999.0 else -9999.0
+
+
+def _authorized(headers: dict[str, str], api_key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer":
-        token = request.headers.get("x-api-key", "")
+        token = headers.get("x-api-key", "")
     return hmac.compare_digest(token.strip().encode(), api_key.encode())

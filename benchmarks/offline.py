@@ -1,0 +1,282 @@
+"""Offline (no server) speed of tokenmill next to llama.cpp on the same GGUF file, llama-bench style.
+
+Figures, each the mean over --reps timed repetitions after an untimed warm-up:
+  pp512      prompt processing, tokens/s: one 512-token forward pass of one sequence
+  tg128      batch-1 decode, tokens/s: 128 steps of one token each after a 16-token prompt,
+             including the greedy pick (torch.argmax on the logits) that feeds the next step
+  decode@B   batched decode, tokens/s = B * 64 / time: B sequences, each with a 128-token prompt
+             (prefilled untimed), decode one token per step for 64 steps (argmax per sequence)
+  peak RSS   the process's peak resident memory (ru_maxrss) after pp/tg and after batched decode
+
+llama.cpp: `llama-bench -p 512 -n 128` (pp512, tg128; random tokens, warm-up run included) and
+`llama-batched-bench -npp 128 -ntg 64 -npl 8,32,64` (S_TG t/s, the decode rate of the batch),
+each as a separate process whose own peak RSS is read with wait4. Runs are sequential, never
+concurrent. Results: a side-by-side table on stdout, JSON in benchmarks/results/offline-<model>.json.
+
+    python benchmarks/offline.py --model smollm2-135m-instruct --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import MiB, fmt, fmt_ratio, log, ratio  # noqa: E402
+
+PROMPT_FOR_TG = 16  # tokens before the tg run, as a short chat turn would have
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def summarize(rates: list[float]) -> dict[str, object]:
+    return {"avg_ts": statistics.fmean(rates), "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+            "samples_ts": rates}
+
+
+# ---------------------------------------------------------------- tokenmill
+
+def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
+    import psutil
+    import torch
+
+    from tokenmill.engine.model_runner import ModelRunner, blocks_needed
+    from tokenmill.model.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    loaded = load_model(path, dtype=args.dtype, progress=False, quantization=args.quantization,
+                        dense_min_tokens=args.dense_min_tokens)
+    load_s = time.perf_counter() - t0
+    rss_loaded = psutil.Process().memory_info().rss / MiB
+    log(f"tokenmill: loaded {path.name} in {load_s:.2f} s (RSS {rss_loaded:.0f} MiB)")
+
+    bs = 16
+    per_seq = blocks_needed(args.batch_prompt + args.batch_steps + 4, bs)
+    num_blocks = max(blocks_needed(args.pp, bs), blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
+                     max(args.batches, default=0) * per_seq)
+    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=bs)  # torch.empty: pages commit as used
+    vocab = loaded.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def random_ids(n: int) -> list[int]:  # ordinary tokens, away from the special ones at the start
+        return torch.randint(min(1000, vocab // 10), vocab, (n,), generator=gen).tolist()
+
+    out: dict[str, object] = {"load_s": load_s, "rss_after_load_mib": rss_loaded}
+
+    # pp: one sequence, args.pp tokens from an empty context (its blocks are simply overwritten)
+    if args.pp:
+        table = [list(range(blocks_needed(args.pp, bs)))]
+        ids = random_ids(args.pp)
+        runner.forward([ids], [args.pp], table)  # warm-up
+        rates = []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            logits = runner.forward([ids], [args.pp], table)
+            int(torch.argmax(logits[0]))
+            rates.append(args.pp / (time.perf_counter() - t))
+        out[f"pp{args.pp}"] = summarize(rates)
+        log(f"tokenmill: pp{args.pp} {out[f'pp{args.pp}']['avg_ts']:.1f} tok/s")
+
+    # tg: one sequence decoding greedily; each rep restarts at the same position (prompt KV stays valid)
+    if args.tg:
+        table = [list(range(blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs)))]
+
+        def decode(first: int, steps: int) -> None:
+            token = first
+            for i in range(steps):
+                logits = runner.forward([[token]], [PROMPT_FOR_TG + i + 1], table)
+                token = int(torch.argmax(logits[0]))
+
+        logits = runner.forward([random_ids(PROMPT_FOR_TG)], [PROMPT_FOR_TG], table)
+        first = int(torch.argmax(logits[0]))
+        decode(first, 8)  # warm-up
+        rates = []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            decode(first, args.tg)
+            rates.append(args.tg / (time.perf_counter() - t))
+        out[f"tg{args.tg}"] = summarize(rates)
+        log(f"tokenmill: tg{args.tg} {out[f'tg{args.tg}']['avg_ts']:.1f} tok/s")
+    out["peak_rss_pp_tg_mib"] = peak_rss_mib()
+
+    # batched decode: B sequences with disjoint blocks, one token each per step
+    for b in args.batches:
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+        prompts = [random_ids(args.batch_prompt) for _ in range(b)]
+        chunk = max(1, 2048 // args.batch_prompt)  # prefill a few sequences at a time, as a scheduler would
+        firsts: list[int] = []
+        for i in range(0, b, chunk):
+            logits = runner.forward(prompts[i:i + chunk], [args.batch_prompt] * len(prompts[i:i + chunk]),
+                                    tables[i:i + chunk])
+            firsts += torch.argmax(logits, dim=-1).tolist()
+
+        def decode_batch(steps: int) -> None:
+            tokens = firsts
+            for s in range(steps):
+                logits = runner.forward([[t] for t in tokens], [args.batch_prompt + s + 1] * b, tables)
+                tokens = torch.argmax(logits, dim=-1).tolist()
+
+        decode_batch(4)  # warm-up
+        rates = []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            decode_batch(args.batch_steps)
+            rates.append(b * args.batch_steps / (time.perf_counter() - t))
+        out[f"decode_b{b}"] = summarize(rates)
+        log(f"tokenmill: decode@{b} {out[f'decode_b{b}']['avg_ts']:.1f} tok/s")
+    out["peak_rss_mib"] = peak_rss_mib()
+    return out
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
+    tools = common.ensure_llama(["llama-bench", "llama-batched-bench"], build=not args.no_build)
+    out: dict[str, object] = {"commands": {}, "notes": []}
+    if tools["llama-bench"] is None:
+        out["notes"].append("llama-bench is missing; no pp/tg figures for llama.cpp")
+    elif args.pp or args.tg:
+        cmd = [str(tools["llama-bench"]), "-m", str(path), "-t", str(args.threads), "-p", str(args.pp),
+               "-n", str(args.tg), "-r", str(args.reps), "-o", "json"]
+        out["commands"]["llama-bench"] = shlex.join(cmd)
+        log(f"llama.cpp: {shlex.join(cmd)}")
+        rc, stdout, stderr, wall, rss = common.run_measured(cmd, timeout=args.timeout)
+        if rc:
+            raise RuntimeError(f"llama-bench failed ({rc}):\n{stderr[-3000:]}")
+        tests = json.loads(stdout)
+        for t in tests:
+            name = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
+            out[name] = {"avg_ts": t["avg_ts"], "stddev_ts": t["stddev_ts"], "samples_ts": t.get("samples_ts")}
+            log(f"llama.cpp: {name} {t['avg_ts']:.1f} tok/s")
+        first = tests[0] if tests else {}
+        out["build"] = {k: first.get(k) for k in ("build_commit", "build_number", "cpu_info", "model_type",
+                                                  "model_size", "n_threads", "flash_attn", "type_k", "n_batch")}
+        out["peak_rss_pp_tg_mib"] = rss
+        out["wall_s_llama_bench"] = wall
+    if not args.batches:
+        return out
+    if tools["llama-batched-bench"] is None:
+        out["notes"].append("llama-batched-bench was not built; no batched decode figures for llama.cpp "
+                            f"(build it: cmake --build {common.LLAMA_PREFIX / 'build'} --target llama-batched-bench)")
+        return out
+    ctx = max(args.batches) * (args.batch_prompt + args.batch_steps)
+    cmd = [str(tools["llama-batched-bench"]), "-m", str(path), "-t", str(args.threads), "-tb", str(args.threads),
+           "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(args.batch_prompt), "-ntg", str(args.batch_steps),
+           "-npl", ",".join(map(str, args.batches)), "--output-format", "jsonl"]
+    out["commands"]["llama-batched-bench"] = shlex.join(cmd)
+    rates: dict[int, list[float]] = {b: [] for b in args.batches}
+    peak = 0.0
+    for rep in range(args.reps):  # it has no repetition option: run it --reps times
+        log(f"llama.cpp ({rep + 1}/{args.reps}): {shlex.join(cmd)}")
+        rc, stdout, stderr, wall, rss = common.run_measured(cmd, timeout=args.timeout)
+        if rc:
+            raise RuntimeError(f"llama-batched-bench failed ({rc}):\n{stderr[-3000:]}")
+        peak = max(peak, rss)
+        for line in (stdout + "\n" + stderr).splitlines():
+            line = line.strip()
+            if line.startswith("{") and '"speed_tg"' in line:
+                row = json.loads(line)
+                rates.setdefault(row["pl"], []).append(row["speed_tg"])
+    for b in args.batches:
+        if rates.get(b):
+            out[f"decode_b{b}"] = summarize(rates[b])
+            log(f"llama.cpp: decode@{b} {out[f'decode_b{b}']['avg_ts']:.1f} tok/s")
+        else:
+            out["notes"].append(f"llama-batched-bench reported nothing for B={b}")
+    out["peak_rss_mib"] = peak
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+def figures(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(key, caption, unit) of the headline figures, in table order."""
+    rows = []
+    if args.pp:
+        rows.append((f"pp{args.pp}", f"pp{args.pp} (prompt, batch 1)", "tok/s"))
+    if args.tg:
+        rows.append((f"tg{args.tg}", f"tg{args.tg} (decode, batch 1)", "tok/s"))
+    rows += [(f"decode_b{b}", f"decode @ batch {b}", "tok/s") for b in args.batches]
+    rows += [("peak_rss_pp_tg_mib", "peak RSS, pp/tg", "MiB"), ("peak_rss_mib", "peak RSS, all", "MiB")]
+    return rows
+
+
+def value(result: dict | None, key: str) -> float | None:
+    if not result or key not in result:
+        return None
+    v = result[key]
+    return v["avg_ts"] if isinstance(v, dict) else v
+
+
+def format_table(data: dict, args: argparse.Namespace) -> str:
+    tm, lc = data["results"].get("tokenmill"), data["results"].get("llama.cpp")
+    rows = []
+    for key, caption, unit in figures(args):
+        a, b = value(tm, key), value(lc, key)
+        sd = ""
+        if tm and isinstance(tm.get(key), dict) and tm[key]["stddev_ts"]:
+            sd = f" ±{tm[key]['stddev_ts']:.1f}"
+        rows.append([f"{caption} [{unit}]", fmt(a) + sd, fmt(b), fmt_ratio(ratio(a, b))])
+    return common.table(["figure", "tokenmill", "llama.cpp", "tokenmill/llama.cpp"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none", "int8", "int4"])
+    p.add_argument("--dense-min-tokens", type=int, default=None,
+                   help="keep dense copies of quantized layers for batches of at least this many tokens")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--pp", type=int, default=512, help="prompt length of the pp test (0: skip)")
+    p.add_argument("--tg", type=int, default=128, help="decode steps of the tg test (0: skip)")
+    p.add_argument("--batches", default="8,32,64", help="batch sizes of the batched decode test ('' : skip)")
+    p.add_argument("--batch-prompt", type=int, default=128, help="prompt tokens per sequence before batched decode")
+    p.add_argument("--batch-steps", type=int, default=64, help="decode steps of the batched test")
+    p.add_argument("--engines", default="tokenmill,llama.cpp")
+    p.add_argument("--no-build", action="store_true", help="do not build missing llama.cpp tools")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per llama.cpp run")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline-<model>.json)")
+    args = p.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+
+    path = common.resolve_model(args.model)
+    data: dict[str, object] = {
+        "benchmark": "offline", "model": args.model, "model_path": str(path), "model_file": path.name,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
+        "command": shlex.join(["python", "benchmarks/offline.py", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": common.machine_info(), "results": {},
+    }
+    results: dict[str, dict] = data["results"]  # type: ignore[assignment]
+    if "tokenmill" in engines:
+        results["tokenmill"] = bench_tokenmill(path, args)
+    if "llama.cpp" in engines:
+        results["llama.cpp"] = bench_llama(path, args)
+    data["ratios"] = {key: ratio(value(results.get("tokenmill"), key), value(results.get("llama.cpp"), key))
+                      for key, _, _ in figures(args)}
+
+    print(f"\nOffline benchmark: {path.name}, {args.threads} threads, tokenmill {args.dtype} "
+          f"quantization={args.quantization} dense_min_tokens={args.dense_min_tokens}, {args.reps} reps")
+    print(format_table(data, args), flush=True)
+    for note in results.get("llama.cpp", {}).get("notes", []):
+        print(f"note: {note}")
+    out = Path(args.out) if args.out else common.RESULTS / f"offline-{common.model_slug(args.model)}.json"
+    common.write_json(out, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.main_guard(main))

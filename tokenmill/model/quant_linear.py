@@ -1,0 +1,174 @@
+"""Linear layers whose weights stay quantized in memory, with the kernel picked by batch size.
+
+Decoding a few tokens is bound by the bytes of weight read per step, so small batches use
+PyTorch's weight-only int4/int8 kernels, which read the packed bytes directly. Large batches
+(prefill, wide decode) are bound by arithmetic, where oneDNN's bf16 matmul (AMX on recent Xeons)
+wins; for them a layer may also hold a dense copy (`dense_min_tokens`).
+
+GGUF formats map onto the int4 kernel's layout (group of 32, w = scale * (q - 8) + zero) without
+loss for Q4_0, Q4_1 and Q4_K; other formats are re-quantized to int8 with one scale per output row,
+which costs a little accuracy (reported by `tokenmill perplexity`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from tokenmill.model import quant
+from tokenmill.model.quant import GGMLWeight
+
+Q = GGMLQuantizationType
+INT4_GROUP = 32
+INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+
+
+def int4_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, zero) of a Q4_0/Q4_1/Q4_K weight: q (rows, cols) in 0..15, scale and zero
+    (rows, cols / 32) float32, with w = scale * (q - 8) + zero exactly as ggml dequantizes."""
+    rows, cols = w.shape
+    _, type_size = quant.GGML_QUANT_SIZES[w.qtype]
+    b = w.data.contiguous().view(-1, type_size)
+    if w.qtype == Q.Q4_0:
+        q = quant._unpack(b[:, 2:18], 1, 4).view(-1, 32)
+        scale = quant._f16(b, 0)
+        zero = torch.zeros_like(scale)
+    elif w.qtype == Q.Q4_1:
+        q = quant._unpack(b[:, 4:20], 1, 4).view(-1, 32)
+        scale, low = quant._f16(b, 0), quant._f16(b, 2)
+        zero = low + 8 * scale
+    elif w.qtype == Q.Q4_K:
+        n = b.shape[0]
+        sc, mn = quant._k_scale_min(b[:, 4:16])
+        scale = (quant._f16(b, 0) * sc).view(-1, 1)
+        low = -(quant._f16(b, 2) * mn).view(-1, 1)
+        q = quant._unpack(b[:, 16:144], 4, 4).view(n * 8, 32)
+        zero = low + 8 * scale
+    else:
+        raise ValueError(f"{w.qtype.name} has no exact int4 form")
+    return q.reshape(rows, cols), scale.reshape(rows, cols // 32), zero.reshape(rows, cols // 32)
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantization in groups of 32 (for `--quantization int4` of dense checkpoints)."""
+    rows, cols = weight.shape
+    g = weight.float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q.reshape(rows, cols), scale, lo + 8 * scale
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit quantization with one scale per output row."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+Packed = tuple[str, tuple[torch.Tensor, ...]]  # ("int4", (q, scale, zero)) or ("int8", (q8, scale))
+
+
+def packed_form(w: GGMLWeight) -> Packed:
+    """A GGUF weight in the form the kernels read: exact int4 where the format allows, else int8."""
+    if w.qtype in INT4_EXACT and w.shape[1] % INT4_GROUP == 0:
+        return "int4", int4_groups(w)
+    return "int8", quantize_int8(w.dequantize())
+
+
+def dense_packed_form(weight: torch.Tensor, mode: str) -> Packed:
+    """A dense weight quantized for `--quantization int4|int8`."""
+    if mode == "int4" and weight.shape[1] % INT4_GROUP == 0:
+        return "int4", quantize_int4(weight)
+    if mode in ("int4", "int8"):
+        return "int8", quantize_int8(weight)
+    raise ValueError(f"unknown quantization {mode!r} (choose int8 or int4)")
+
+
+def merge_packed(parts: list[Packed]) -> Packed:
+    """Stack the rows of several packed weights (q/k/v, gate/up) so one kernel call serves them.
+
+    Parts of different kinds are brought to int8, the form every weight has.
+    """
+    if all(kind == parts[0][0] for kind, _ in parts):
+        kind = parts[0][0]
+        return kind, tuple(torch.cat(fields) for fields in zip(*(data for _, data in parts)))
+    as_int8 = [("int8", data) if kind == "int8" else ("int8", quantize_int8(_int4_weight(*data)))
+               for kind, data in parts]
+    return merge_packed(as_int8)
+
+
+def _int4_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape
+    groups = q.float().view(rows, cols // INT4_GROUP, INT4_GROUP)
+    return ((groups - 8) * scale[..., None] + zero[..., None]).view(rows, cols)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W kept as packed int4 (groups of 32) or int8 (per row)."""
+
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        dtype: torch.dtype,
+        int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+        bias: torch.Tensor | None = None,
+        dense: torch.Tensor | None = None,
+        dense_min_tokens: int = 1 << 30,
+    ) -> None:
+        super().__init__()
+        if (int4 is None) == (int8 is None):
+            raise ValueError("give exactly one of int4 and int8")
+        self.out_features, self.in_features = out_features, in_features
+        self.kind = "int4" if int4 is not None else "int8"
+        if int4 is not None:
+            q, scale, zero = int4
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+            # kernel layout: (groups, out_features, 2) holding (scale, zero)
+            self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
+        else:
+            q8, scale = int8
+            self.register_buffer("weight_int8", q8.contiguous())
+            self.register_buffer("scales", scale.to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.dense = None if dense is None else nn.Parameter(dense.to(dtype), requires_grad=False)
+        self.dense_min_tokens = dense_min_tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_min_tokens > 0:
+            return F.linear(x, self.dense, self.bias)
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, as float32 (for tests and re-quantization reports)."""
+        if self.kind == "int8":
+            return self.weight_int8.float() * self.scales.float()[:, None]
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scales_zeros).t().float()
+
+    def extra_repr(self) -> str:
+        dense = f", dense for >= {self.dense_min_tokens} tokens" if self.dense is not None else ""
+        return f"{self.in_features} -> {self.out_features}, {self.kind}{dense}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding kept in its ggml format; only the looked-up rows are dequantized."""
+
+    def __init__(self, weight: GGMLWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qtype = weight.qtype
+        self.shape = weight.shape
+        self.dtype = dtype
+        self.register_buffer("data", weight.data)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.data.index_select(0, ids)
+        return quant.dequantize(rows, self.qtype, (ids.shape[0], self.shape[1]), self.dtype)
