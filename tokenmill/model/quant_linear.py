@@ -72,10 +72,21 @@ Packed = tuple[str, tuple[torch.Tensor, ...]]  # ("int4", (q, scale, zero)) or (
 
 
 def packed_form(w: GGMLWeight) -> Packed:
-    """A GGUF weight in the form the kernels read: exact int4 where the format allows, else int8."""
+    """A GGUF weight in the form the kernels read: exact int4 where the format allows, else int8.
+
+    Re-quantization runs over row chunks, so a large matrix (a 262k-row embedding used as the
+    output head) never exists in float32 all at once.
+    """
     if w.qtype in INT4_EXACT and w.shape[1] % INT4_GROUP == 0:
         return "int4", int4_groups(w)
-    return "int8", quantize_int8(w.dequantize())
+    rows, cols = w.shape
+    q8 = torch.empty(rows, cols, dtype=torch.int8)
+    scales = torch.empty(rows)
+    step = max(1, (1 << 22) // cols)
+    for start in range(0, rows, step):
+        part = GGMLWeight(w.data[start:start + step], w.qtype, (min(step, rows - start), cols))
+        q8[start:start + step], scales[start:start + step] = quantize_int8(part.dequantize())
+    return "int8", (q8, scales)
 
 
 def dense_packed_form(weight: torch.Tensor, mode: str) -> Packed:
