@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.model_runner import ModelRunner
@@ -152,7 +151,7 @@ def test_stop_string_across_two_tokens_is_trimmed(tiny_loaded) -> None:
 
 def test_streamed_deltas_add_up_to_the_text(tiny_loaded) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
-    rid = engine.add_request(None, "The quick brown", SamplingParams(temperature=0.0, max_tokens=20, stop=["zz"]))
+    engine.add_request(None, "The quick brown", SamplingParams(temperature=0.0, max_tokens=20, stop=["zz"]))
     deltas, tokens, final = [], [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -181,7 +180,7 @@ def test_logprobs_and_prompt_logprobs_match_the_model(tiny_loaded) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
     prompt = _prompts(1, seed=11, lo=12, hi=13)[0]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-    rid = engine.add_request(None, prompt, params)
+    engine.add_request(None, prompt, params)
     final = None
     while engine.has_unfinished_requests():
         final = next((o for o in engine.step() if o.finished), final)

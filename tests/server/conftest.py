@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
@@ -43,6 +44,16 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread while this module's server runs: on a shared, busy CPU torch's spinning
+    OpenMP workers can slow the tiny model by an order of magnitude."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

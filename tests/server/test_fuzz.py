@@ -18,7 +18,6 @@ from collections import Counter
 
 import httpx
 import pytest
-import torch
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -42,16 +41,6 @@ EXPECTED_ROUTES = {
 }
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """One intra-op thread while this module's server runs: on a shared, busy CPU torch's spinning
-    OpenMP workers can slow the tiny model by an order of magnitude."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

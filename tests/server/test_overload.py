@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer
 from tokenmill.engine.llm_engine import LLMEngine
@@ -21,16 +20,6 @@ MAX_TOKENS = 20
 QUEUE = 2
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """One intra-op thread while this module's server runs: on a shared, busy CPU torch's spinning
-    OpenMP workers can slow the tiny model by an order of magnitude."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

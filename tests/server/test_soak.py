@@ -18,7 +18,6 @@ import time
 import httpx
 import psutil
 import pytest
-import torch
 
 from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer
 from tokenmill.engine.llm_engine import LLMEngine
@@ -32,16 +31,6 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 WORDS = ["Once", "upon", "a", "time", "there", "was", "the", "king", "of", "Paris", "river", "and", "quick", "fox"]
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """One intra-op thread while this module's server runs: on a shared, busy CPU torch's spinning
-    OpenMP workers can slow the tiny model by an order of magnitude."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +92,7 @@ def _token_counts(route: str, choice: dict) -> int | None:
 
 
 def _check_final(req: dict, texts: dict, finish: dict, counts: dict, usage: dict | None) -> list[str]:
-    body, route = req["body"], req["route"]
+    body, _route = req["body"], req["route"]
     n, limit, problems = body["n"], body["max_tokens"], []
     if sorted(finish) != list(range(n)):
         return [f"finish reasons for choices {sorted(finish)}, expected {n}"]
