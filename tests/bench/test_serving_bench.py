@@ -238,3 +238,4 @@ def test_cli(fake, tmp_path, capsys) -> None:
     assert main(["bench", "--base-url", fake.url, "--num-prompts", "2"]) == 1
     assert "warm-up request" in capsys.readouterr().err
     assert main(["bench", "--base-url", fake.url, "--input-len", "0"]) == 1
+

@@ -178,6 +178,12 @@ def test_metrics_parse_and_move(client, http) -> None:
         ({"model": MODEL_NAME, "prompt": PROMPT, "suffix": "x"}, 400, "suffix"),
         ({"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {"99999": 5}}, 400, "logit_bias"),
         ({"model": MODEL_NAME, "prompt": ""}, 400, "empty"),
+        ({"model": MODEL_NAME, "prompt": PROMPT, "n": 17}, 400, "n must be between 1 and 16"),
+        ({"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(301)}}, 400,
+         "at most 300 entries"),
+        ({"model": MODEL_NAME, "prompt": PROMPT, "seed": 2**64}, 400, "seed"),
+        ({"model": MODEL_NAME, "prompt": PROMPT, "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
+        (b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "body"),  # not UTF-8
     ],
 )
 def test_errors_have_openai_shape(http, body, status, fragment) -> None:
@@ -189,6 +195,30 @@ def test_errors_have_openai_shape(http, body, status, fragment) -> None:
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and fragment in error["message"]
     assert http.get("/health").status_code == 200  # still serving
+
+
+def test_unknown_route_and_method_have_openai_shape(http) -> None:
+    for resp, status in ((http.get("/v1/nothing-here"), 404), (http.get("/v1/completions"), 405)):
+        assert resp.status_code == status and set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_request_timeout_ends_long_requests(tiny_loaded) -> None:
+    from tests.server.conftest import RunningServer
+    from tokenmill.server.app import ServerConfig
+
+    running = RunningServer(LLMEngine(tiny_loaded, num_kv_blocks=64, max_model_len=512),
+                            ServerConfig(MODEL_NAME, request_timeout=0.2))
+    try:
+        with httpx.Client(base_url=running.url, timeout=30) as anon:
+            body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+            resp = anon.post("/v1/completions", json=body)
+            assert resp.status_code == 504 and "timed out" in resp.json()["error"]["message"]
+            with anon.stream("POST", "/v1/completions", json=body | {"stream": True}) as stream:
+                lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+            assert "timed out" in lines[-2] and lines[-1] == "data: [DONE]"
+            assert anon.post("/v1/completions", json=body | {"max_tokens": 2}).status_code == 200
+    finally:
+        running.stop()
 
 
 def test_auth_and_body_limit(server) -> None:
