@@ -8,10 +8,18 @@ from tokenmill.model.attention import AttentionBatch, KVCache
 from tokenmill.model.loader import LoadedModel
 
 
+# Steps with fewer tokens run on one intra-op thread. A few-token step is bound by weight bytes
+# and per-op overhead, which a second thread barely shortens (measured: 52 vs 50 tok/s batch-1
+# decode), while its spinning OpenMP worker competes with the HTTP thread and the client for the
+# cores: batch-1 serving fell from 43 to 30 tok/s with two threads on a 2-core machine.
+MULTITHREAD_MIN_TOKENS = 8
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16) -> None:
+        self.max_threads = torch.get_num_threads()
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -34,6 +42,9 @@ class ModelRunner:
         states instead of logits (for callers that need logits of only some tokens).
         """
         query_lens = [len(t) for t in token_ids]
+        threads = self.max_threads if sum(query_lens) >= MULTITHREAD_MIN_TOKENS else 1
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot)
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
         hidden = self.model(flat, self.cache, batch)

@@ -207,7 +207,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         deadline = None if config.request_timeout is None else time.monotonic() + config.request_timeout
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=0.5)
+                wait = 0.5 if deadline is None else min(0.5, max(deadline - time.monotonic(), 0))
+                done, _ = await asyncio.wait({task}, timeout=wait)
                 if done:
                     finals = task.result()
                     failed = next((o.error for o in finals if o.error), None)
