@@ -13,13 +13,19 @@ from tokenmill.model.loader import LoadedModel
 # decode), while its spinning OpenMP worker competes with the HTTP thread and the client for the
 # cores: batch-1 serving fell from 43 to 30 tok/s with two threads on a 2-core machine.
 MULTITHREAD_MIN_TOKENS = 8
+# The process's configured intra-op threads, read before any runner switches to one thread:
+# a runner created later must not mistake that switch for the configuration.
+_CONFIGURED_THREADS: int | None = None
 
 
 class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16) -> None:
-        self.max_threads = torch.get_num_threads()
+        global _CONFIGURED_THREADS
+        if _CONFIGURED_THREADS is None:
+            _CONFIGURED_THREADS = torch.get_num_threads()
+        self.max_threads = _CONFIGURED_THREADS
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
