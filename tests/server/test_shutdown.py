@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.server.conftest import free_port
 
 API_KEY = "shutdown-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -32,15 +33,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServeProcess:
     def __init__(self, model_dir: Path, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "serve.log"
         env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}

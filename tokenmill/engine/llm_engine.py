@@ -76,6 +76,7 @@ class _Sequence:
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
     max_tokens: int
+    stop_ids: frozenset[int]  # token ids that end it: its stop_token_ids, plus EOS unless ignore_eos
     text: str = ""
     emitted: int = 0  # characters of `text` already handed out
     logprobs: list[TokenLogprobs] | None = None
@@ -125,9 +126,7 @@ class LLMEngine:
         limit = min(mc.max_position_embeddings, num_blocks * cfg.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy), self.kv, self.max_model_len
-        )
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy), self.kv)
         self.sampler = Sampler()
         self._parents: dict[str, _Parent] = {}
         self._sequences: dict[str, _Sequence] = {}
@@ -205,6 +204,8 @@ class LLMEngine:
                 detok=IncrementalDetokenizer(self.tokenizer, token_ids, child_params.skip_special_tokens),
                 generator=request_generator(child_params),
                 max_tokens=max_tokens,
+                stop_ids=frozenset(child_params.stop_token_ids)
+                | (frozenset() if child_params.ignore_eos else self.tokenizer.stop_token_ids),
                 logprobs=[] if child_params.logprobs is not None else None,
             )
             parent.children.append(seq)
@@ -290,11 +291,9 @@ class LLMEngine:
             logits = logits[keep]
             if not seqs:
                 return
-        stop_sets = [frozenset(s.params.stop_token_ids) | (frozenset() if s.params.ignore_eos
-                                                           else self.tokenizer.stop_token_ids) for s in seqs]
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.req.prompt_token_ids for s in seqs], [s.req.output_token_ids for s in seqs],
-            [s.generator for s in seqs], logits.shape[-1], stop_sets,
+            [s.generator for s in seqs], logits.shape[-1], [s.stop_ids for s in seqs],
         )
         out = self.sampler(logits, batch)
         sampled = out.token_ids.tolist()
@@ -311,7 +310,7 @@ class LLMEngine:
                 self.stats.generation_tokens += 1
                 if seq.logprobs is not None:
                     self._record_logprobs(seq, token, logits[i], lp[i], top_ids[i], top_lps[i])
-                self._process_token(seq, token, stop_sets[i])
+                self._process_token(seq, token)
             except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failure: this request only
                 log.exception("request %s failed", seq.req.request_id)
                 self._fail(seq, f"failed to process token {token}: {exc!r}")
@@ -327,10 +326,10 @@ class LLMEngine:
         seq.logprobs.append(entry)
         seq.cumulative_logprob += logprob
 
-    def _process_token(self, seq: _Sequence, token: int, stop_ids: frozenset[int]) -> None:
+    def _process_token(self, seq: _Sequence, token: int) -> None:
         """Detokenize one new token and decide whether the sequence is done."""
         params, req = seq.params, seq.req
-        if token in stop_ids and req.num_output_tokens > params.min_tokens - 1:
+        if token in seq.stop_ids and req.num_output_tokens >= params.min_tokens:
             reason = token if token in params.stop_token_ids else None
             seq.text += seq.detok.flush()
             self._finish(seq, "stop", RequestStatus.FINISHED_STOPPED, reason)

@@ -182,9 +182,6 @@ def hf_norm_offset(cfg: ModelConfig) -> float:
 
 # ---------------------------------------------------------------- GGUF metadata
 
-GGUF_ARCHITECTURES = {name: name for name in FAMILIES}
-
-
 def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) -> ModelConfig:
     """Map GGUF metadata (llama.cpp's keys) onto `ModelConfig`."""
     arch = md.get("general.architecture")

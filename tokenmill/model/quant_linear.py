@@ -158,13 +158,6 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight this layer multiplies by, as float32 (for tests and re-quantization reports)."""
-        if self.kind == "int8":
-            return self.weight_int8.float() * self.scales.float()[:, None]
-        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scales_zeros).t().float()
-
     def extra_repr(self) -> str:
         dense = f", dense for >= {self.dense_min_tokens} tokens" if self.dense is not None else ""
         return f"{self.in_features} -> {self.out_features}, {self.kind}{dense}"
