@@ -65,14 +65,21 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
     per_seq = blocks_needed(args.batch_prompt + args.batch_steps + 4, bs)
     num_blocks = max(blocks_needed(args.pp, bs), blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
                      max(args.batches, default=0) * per_seq)
-    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=bs)  # torch.empty: pages commit as used
+    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=bs,  # torch.empty: pages commit as used
+                         compile=not args.enforce_eager)
+    t0 = time.perf_counter()
+    out_compile = runner.wait_compiled()
+    if not args.enforce_eager:
+        log(f"tokenmill: decode graphs compiled={out_compile} in {time.perf_counter() - t0:.1f} s"
+            + (f" ({runner.compile_error!r})" if runner.compile_error else ""))
     vocab = loaded.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def random_ids(n: int) -> list[int]:  # ordinary tokens, away from the special ones at the start
         return torch.randint(min(1000, vocab // 10), vocab, (n,), generator=gen).tolist()
 
-    out: dict[str, object] = {"load_s": load_s, "rss_after_load_mib": rss_loaded}
+    out: dict[str, object] = {"load_s": load_s, "rss_after_load_mib": rss_loaded,
+                              "decode_mode": runner.decode_mode, "compile_s": runner.compile_seconds}
 
     # pp: one sequence, args.pp tokens from an empty context (its blocks are simply overwritten)
     if args.pp:
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense-min-tokens", type=int, default=None,
                    help="keep dense copies of quantized layers for batches of at least this many tokens")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--enforce-eager", action="store_true", help="do not compile tokenmill's decode step")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--pp", type=int, default=512, help="prompt length of the pp test (0: skip)")
     p.add_argument("--tg", type=int, default=128, help="decode steps of the tg test (0: skip)")
@@ -269,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                       for key, _, _ in figures(args)}
 
     print(f"\nOffline benchmark: {path.name}, {args.threads} threads, tokenmill {args.dtype} "
-          f"quantization={args.quantization} dense_min_tokens={args.dense_min_tokens}, {args.reps} reps")
+          f"quantization={args.quantization} dense_min_tokens={args.dense_min_tokens} "
+          f"decode={results.get('tokenmill', {}).get('decode_mode')}, {args.reps} reps")
     print(format_table(data, args), flush=True)
     for note in results.get("llama.cpp", {}).get("notes", []):
         print(f"note: {note}")

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--port", type=int, default=8767)
     p.add_argument("--tokenmill-args", default="", help="extra `tokenmill serve` flags")
-    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--startup-timeout", type=float, default=1800)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/prefix-cache-<model>.json)")
     args = p.parse_args(argv)
 

@@ -64,6 +64,7 @@ def bench_server(engine: str, path: Path, args: argparse.Namespace, log_dir: Pat
     with common.Server(engine, cmd, port, log_dir / f"{engine}.log", env=env,
                        startup_timeout=args.startup_timeout) as server:
         summary["startup_s"] = server.startup_s
+        summary["compiled_after_s"] = server.ready_s
         summary["rss_idle_mib"] = server.sampler.last / MiB
         for c in args.concurrency:
             config = BenchConfig(base_url=server.url, endpoint="/v1/completions", num_prompts=num_prompts(c, args),
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=32768, help="llama-server -c")
     p.add_argument("--parallel", type=int, default=32, help="llama-server -np (slots)")
     p.add_argument("--llama-args", default="", help="extra llama-server flags")
-    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--startup-timeout", type=float, default=1800)
     p.add_argument("--request-timeout", type=float, default=1800)
     p.add_argument("--no-build", action="store_true", help="do not build a missing llama-server")
     p.add_argument("--verbose", action="store_true", help="also print the full report of every run")

@@ -48,6 +48,7 @@ class EngineConfig:
     policy: str = "fcfs"
     models_dir: str | None = None
     max_queue_len: int | None = None  # waiting requests beyond this are refused (QueueFullError)
+    compile: bool = False  # compile the decode step in the background (see ModelRunner)
 
 
 @dataclass
@@ -122,7 +123,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         num_blocks = cfg.num_kv_blocks or self._blocks_for_budget()
-        self.runner = ModelRunner(self.loaded, num_blocks=num_blocks, block_size=cfg.block_size)
+        self.runner = ModelRunner(self.loaded, num_blocks=num_blocks, block_size=cfg.block_size, compile=cfg.compile)
         limit = min(mc.max_position_embeddings, num_blocks * cfg.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -268,7 +269,13 @@ class LLMEngine:
             if seq.parent.prompt_logprobs is not None and seq.index == 0 and start < req.num_prompt_tokens:
                 prompt_lp_rows.append((offset, start, n, seq))
             offset += n
-        hidden = self.runner.forward(token_ids, context_lens, tables, hidden_only=True)
+        if not prompt_lp_rows and len(sample_rows) == len(sched.requests):
+            # every sequence samples from its last token (decode steps): logits in one call, which
+            # lets the runner use its compiled decode graph
+            logits = self.runner.forward(token_ids, context_lens, tables)
+            hidden = None
+        else:
+            hidden = self.runner.forward(token_ids, context_lens, tables, hidden_only=True)
         self.stats.tokens_computed += offset
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
@@ -276,7 +283,8 @@ class LLMEngine:
             self._prompt_logprobs(hidden[row:row + n], start, seq)
             touched[seq.parent.request_id] = seq.parent
         if sample_rows:
-            logits = self.runner.model.compute_logits(hidden[[r for r, _ in sample_rows]])
+            if hidden is not None:
+                logits = self.runner.model.compute_logits(hidden[[r for r, _ in sample_rows]])
             self._sample(logits, [s for _, s in sample_rows], touched)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], touched: dict[str, _Parent]) -> None:

@@ -1,12 +1,27 @@
-"""Runs the model over one step's batch: index tensors, forward pass, logits of the tokens asked for."""
+"""Runs the model over one step's batch: index tensors, forward pass, logits of the tokens asked for.
+
+Decode steps (one new token per sequence) can run a `torch.compile`d graph of the whole model:
+eager PyTorch spends more time dispatching a small model's ~600 ops per step than computing them,
+while the compiled graph fuses the norms, rotary, attention and activations into a few C++ kernels
+and calls the quantized matmuls directly. Compilation takes minutes the first time (seconds once
+inductor's on-disk cache has the graphs), so it runs on a background thread while eager steps
+serve; the compiled graph takes over when it is ready.
+"""
 
 from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
 
 import torch
 
 from tokenmill.model.attention import AttentionBatch, KVCache
 from tokenmill.model.loader import LoadedModel
 
+log = logging.getLogger("tokenmill.engine")
 
 # Steps with fewer tokens run on one intra-op thread. A few-token step is bound by weight bytes
 # and per-op overhead, which a second thread barely shortens (measured: 52 vs 50 tok/s batch-1
@@ -18,10 +33,16 @@ MULTITHREAD_MIN_TOKENS = 8
 _CONFIGURED_THREADS: int | None = None
 
 
+def inductor_cache_dir() -> Path:
+    """Where compiled graphs persist between runs (inductor's own default is under /tmp)."""
+    base = os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill"
+    return Path(base) / "inductor"
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, compile: bool = False) -> None:
         global _CONFIGURED_THREADS
         if _CONFIGURED_THREADS is None:
             _CONFIGURED_THREADS = torch.get_num_threads()
@@ -31,6 +52,31 @@ class ModelRunner:
         self.model = loaded.model
         self.block_size = block_size
         self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype)
+        self._compiled_decode = None  # set once every decode graph is compiled
+        self.compile_error: BaseException | None = None
+        self.compile_seconds: float | None = None
+        self._compile_thread: threading.Thread | None = None
+        if compile:
+            self._compile_thread = threading.Thread(target=self._compile_decode, name="tokenmill-compile", daemon=True)
+            self._compile_thread.start()
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled_decode is not None
+
+    @property
+    def decode_mode(self) -> str:
+        """'compiled', 'compiling' (eager until ready) or 'eager'."""
+        if self._compiled_decode is not None:
+            return "compiled"
+        alive = self._compile_thread is not None and self._compile_thread.is_alive()
+        return "compiling" if alive else "eager"
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compilation ends (True if the compiled graph is in use)."""
+        if self._compile_thread is not None:
+            self._compile_thread.join(timeout)
+        return self.compiled
 
     @torch.inference_mode()
     def forward(
@@ -48,11 +94,13 @@ class ModelRunner:
         states instead of logits (for callers that need logits of only some tokens).
         """
         query_lens = [len(t) for t in token_ids]
-        threads = self.max_threads if sum(query_lens) >= MULTITHREAD_MIN_TOKENS else 1
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        num_tokens = sum(query_lens)
         batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot)
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
+        if self._compiled_decode is not None and not hidden_only and self._is_decode(query_lens, context_lens):
+            self._set_threads(self.max_threads)  # compiled kernels were built for this thread count
+            return self._compiled_decode(flat, batch)
+        self._set_threads(self.max_threads if num_tokens >= MULTITHREAD_MIN_TOKENS else 1)
         hidden = self.model(flat, self.cache, batch)
         if hidden_only:
             return hidden
@@ -60,6 +108,51 @@ class ModelRunner:
             last = torch.tensor(query_lens).cumsum(0) - 1
             hidden = hidden[last]
         return self.model.compute_logits(hidden)
+
+    @staticmethod
+    def _is_decode(query_lens: list[int], context_lens: list[int]) -> bool:
+        # A 1-token context would hit shapes the graphs were not compiled for (size-1 dims are
+        # specialized); such a step is a first token, which the eager path serves.
+        return max(query_lens) == 1 and min(context_lens) > 1
+
+    @staticmethod
+    def _set_threads(threads: int) -> None:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+    def _decode_logits(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model(flat, self.cache, batch))
+
+    def _compile_decode(self) -> None:
+        """Compile the decode graphs: one for batch 1 (size-1 dims are specialized) and one for
+        every larger batch (see `QuantLinear._use_dense`)."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+        start = time.perf_counter()
+        self._set_threads(self.max_threads)  # inductor builds its kernels for the current thread count
+        try:
+            compiled = torch.compile(self._decode_logits, dynamic=True, options={"cpp_wrapper": True})
+            with torch.inference_mode():
+                for batch_size in (1, 2):
+                    compiled(*self._warmup_inputs(batch_size))
+        except Exception as exc:  # noqa: BLE001 - eager steps keep serving; say why once
+            self.compile_error = exc
+            log.warning("compiling the decode step failed; decoding stays eager: %r", exc)
+            return
+        finally:
+            for t in self.cache.k + self.cache.v:  # the warm-up wrote its K/V into the pad slot
+                t[self.cache.pad_slot].zero_()
+        self.compile_seconds = time.perf_counter() - start
+        log.info("compiled decode step ready after %.1f s", self.compile_seconds)
+        self._compiled_decode = compiled
+
+    def _warmup_inputs(self, batch_size: int) -> tuple[torch.Tensor, AttentionBatch]:
+        """A decode batch whose K/V writes land in the pad slot (zeroed again afterwards), so the
+        warm-up touches no block the engine may be using meanwhile."""
+        pad = self.cache.pad_slot
+        batch = AttentionBatch.build([1] * batch_size, [2] * batch_size, [[0]] * batch_size, self.block_size, pad)
+        batch.slot_mapping.fill_(pad)
+        batch.context_slots.fill_(pad)
+        return torch.zeros(batch_size, dtype=torch.int64), batch
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -38,15 +38,17 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pad_slot = num_blocks * block_size
-        shape = (num_layers, self.pad_slot + 1, num_kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.k[:, self.pad_slot].zero_()
-        self.v[:, self.pad_slot].zero_()
+        # One tensor per layer, not views of one big tensor: a compiled step mutates each layer's
+        # cache in place, which it can only do without copying for a tensor that is not a view.
+        shape = (self.pad_slot + 1, num_kv_heads, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for t in self.k + self.v:
+            t[self.pad_slot].zero_()
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -61,7 +61,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple, cache: KVCache, batch: AttentionBatch, masks: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: AttentionBatch, mask: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
@@ -70,9 +71,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attention(
-            q, k, v, cache.k[self.layer], cache.v[self.layer], batch, masks[self.window], self.scale, self.softcap
-        )
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -105,8 +104,9 @@ class DecoderLayer(nn.Module):
         self.attn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
         self.ffn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
 
-    def forward(self, h: torch.Tensor, rope: tuple, cache: KVCache, batch: AttentionBatch, masks: dict) -> torch.Tensor:
-        a = self.attn(self.attn_norm(h), rope, cache, batch, masks)
+    def forward(self, h: torch.Tensor, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: AttentionBatch, mask: torch.Tensor) -> torch.Tensor:
+        a = self.attn(self.attn_norm(h), rope, k_cache, v_cache, batch, mask)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
         h = h + a
@@ -135,8 +135,8 @@ class Transformer(nn.Module):
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
         masks = {window: batch.mask(window) for window in {layer.attn.window for layer in self.layers}}
         ropes = {kind: r.tables(batch.positions, h.dtype) for kind, r in self.rotaries.items()}
-        for kind, layer in zip(self.config.layer_types, self.layers):
-            h = layer(h, ropes[kind], cache, batch, masks)
+        for i, (kind, layer) in enumerate(zip(self.config.layer_types, self.layers)):
+            h = layer(h, ropes[kind], cache.k[i], cache.v[i], batch, masks[layer.attn.window])
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def health():
         if not engine.is_healthy:
             return APIError(503, f"engine stopped: {engine.error!r}", type_="service_unavailable").response()
-        return {"status": "ok"}
+        return {"status": "ok", "decode": engine.engine.runner.decode_mode}
 
     @app.get("/version")
     async def version():

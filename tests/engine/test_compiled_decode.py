@@ -1,0 +1,54 @@
+"""The compiled decode graph computes what the eager model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.model import quant_linear
+from tokenmill.model.loader import load_model
+
+PROMPTS = [[5, 9, 30, 71, 12, 44, 8], list(range(40, 60)), [3, 4, 5]]
+TABLES = [[0, 1], [2, 3], [4, 5]]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir, tmp_path_factory):
+    # int8 layers with dense copies from 2 tokens, so eager and compiled pick the same kernel kind
+    # for every batch size; a streaming threshold of 0 sends every int8 layer at batch 1 through the
+    # reduction that otherwise only an output head takes
+    patch = pytest.MonkeyPatch()
+    patch.setattr(quant_linear, "STREAMED_GEMV_MIN_WEIGHTS", 0)
+    patch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    loaded = load_model(tiny_model_dir, progress=False, quantization="int8", dense_min_tokens=2)
+    runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
+    assert runner.decode_mode in ("compiling", "compiled")
+    assert runner.wait_compiled(timeout=900), f"compilation failed: {runner.compile_error!r}"
+    yield runner
+    patch.undo()
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_compiled_decode_matches_eager(runner, batch_size: int) -> None:
+    prompts, tables = PROMPTS[:batch_size], TABLES[:batch_size]
+    runner.forward(prompts, [len(p) for p in prompts], tables)  # prefill: eager
+    step = ([[7]] * batch_size, [len(p) + 1 for p in prompts], tables)
+    assert runner.decode_mode == "compiled"
+    compiled = runner.forward(*step)
+    with torch.compiler.set_stance("force_eager"):
+        eager = runner.model.compute_logits(runner.model(*_eager_inputs(runner, *step)))
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(compiled).all()
+
+
+def test_pad_slot_is_clean_after_warmup(runner) -> None:
+    pad = runner.cache.pad_slot
+    assert all(bool((t[pad] == 0).all()) for t in runner.cache.k + runner.cache.v)
+
+
+def _eager_inputs(runner, token_ids, context_lens, tables):
+    from tokenmill.model.attention import AttentionBatch
+
+    batch = AttentionBatch.build([1] * len(token_ids), context_lens, tables, runner.block_size, runner.cache.pad_slot)
+    return torch.tensor([t for ids in token_ids for t in ids]), runner.cache, batch
