@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.fx.experimental import _config as shape_config
 
 from tokenmill.model.attention import AttentionBatch, KVCache
 from tokenmill.model.loader import LoadedModel
@@ -131,7 +132,9 @@ class ModelRunner:
         self._set_threads(self.max_threads)  # inductor builds its kernels for the current thread count
         try:
             compiled = torch.compile(self._decode_logits, dynamic=True, options={"cpp_wrapper": True})
-            with torch.inference_mode():
+            # no "duck sizing": a warm-up batch size equal to some other size (say, the KV heads)
+            # would otherwise be assumed equal to it, and the first real batch would recompile
+            with torch.inference_mode(), shape_config.patch(use_duck_shape=False):
                 for batch_size in (1, 2):
                     compiled(*self._warmup_inputs(batch_size))
         except Exception as exc:  # noqa: BLE001 - eager steps keep serving; say why once
@@ -149,7 +152,9 @@ class ModelRunner:
         """A decode batch whose K/V writes land in the pad slot (zeroed again afterwards), so the
         warm-up touches no block the engine may be using meanwhile."""
         pad = self.cache.pad_slot
-        batch = AttentionBatch.build([1] * batch_size, [2] * batch_size, [[0]] * batch_size, self.block_size, pad)
+        context = batch_size + 2  # 1 would be specialized
+        batch = AttentionBatch.build([1] * batch_size, [context] * batch_size, [[0]] * batch_size, self.block_size,
+                                     pad)
         batch.slot_mapping.fill_(pad)
         batch.context_slots.fill_(pad)
         return torch.zeros(batch_size, dtype=torch.int64), batch
