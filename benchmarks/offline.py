@@ -66,10 +66,10 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
     num_blocks = max(blocks_needed(args.pp, bs), blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
                      max(args.batches, default=0) * per_seq)
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=bs,  # torch.empty: pages commit as used
-                         compile=not args.enforce_eager)
+                         compile=args.compile)
     t0 = time.perf_counter()
     out_compile = runner.wait_compiled()
-    if not args.enforce_eager:
+    if args.compile:
         log(f"tokenmill: decode graphs compiled={out_compile} in {time.perf_counter() - t0:.1f} s"
             + (f" ({runner.compile_error!r})" if runner.compile_error else ""))
     vocab = loaded.config.vocab_size
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense-min-tokens", type=int, default=None,
                    help="keep dense copies of quantized layers for batches of at least this many tokens")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--enforce-eager", action="store_true", help="do not compile tokenmill's decode step")
+    p.add_argument("--compile", action="store_true", help="compile tokenmill's decode step (see ModelRunner)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--pp", type=int, default=512, help="prompt length of the pp test (0: skip)")
     p.add_argument("--tg", type=int, default=128, help="decode steps of the tg test (0: skip)")

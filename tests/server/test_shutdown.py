@@ -47,7 +47,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenmill.cli.main", "serve", str(model_dir), "--host", "127.0.0.1",
              "--port", str(self.port), "--api-key", API_KEY, "--max-model-len", "1024", "--kv-cache-memory", "0.01",
-             "--log-level", "info", "--enforce-eager"],
+             "--log-level", "info"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 60

@@ -62,9 +62,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--protect-health", action="store_true", help="require the API key on /health too")
     p.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="never compile the decode step (by default it is compiled on a background thread while "
-                        "eager steps serve: minutes the first time, seconds once cached; /health tells which runs)")
+    p.add_argument("--compile", action="store_true",
+                   help="experimental: compile the decode step on a background thread while eager steps serve "
+                        "(minutes the first time, seconds once cached; /health tells which runs). Faster offline "
+                        "decode, but serving batches that vary step to step can still trigger recompiles")
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
     engine = LLMEngine(path, progress=sys.stderr.isatty(), max_queue_len=args.max_queue_len,
-                       compile=not args.enforce_eager, **engine_options(args))
+                       compile=args.compile, **engine_options(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
     async_engine = AsyncLLMEngine(engine)
