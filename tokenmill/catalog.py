@@ -133,12 +133,17 @@ class ModelListing(NamedTuple):
     entry: CatalogEntry | None
 
 
+def cache_root() -> Path:
+    """tokenmill's cache: $XDG_CACHE_HOME/tokenmill, by default ~/.cache/tokenmill."""
+    return (Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "tokenmill").expanduser()
+
+
 def models_dir(override: str | Path | None = None) -> Path:
     """The cache directory: `override`, else $TOKENMILL_MODELS_DIR, else ~/.cache/tokenmill/models."""
     if override is None:
         override = os.environ.get("TOKENMILL_MODELS_DIR")
     if override is None:
-        override = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "tokenmill" / "models"
+        return cache_root() / "models"
     return Path(override).expanduser()
 
 

@@ -269,22 +269,18 @@ class LLMEngine:
             if seq.parent.prompt_logprobs is not None and seq.index == 0 and start < req.num_prompt_tokens:
                 prompt_lp_rows.append((offset, start, n, seq))
             offset += n
-        if not prompt_lp_rows and len(sample_rows) == len(sched.requests):
-            # every sequence samples from its last token (decode steps): logits in one call, which
-            # lets the runner use its compiled decode graph
-            logits = self.runner.forward(token_ids, context_lens, tables)
-            hidden = None
-        else:
-            hidden = self.runner.forward(token_ids, context_lens, tables, hidden_only=True)
+        # When every sequence samples from its last token (decode steps) the runner returns those
+        # logits itself, which lets it use its compiled decode graph; otherwise hidden states.
+        last_logits = not prompt_lp_rows and len(sample_rows) == len(sched.requests)
+        out = self.runner.forward(token_ids, context_lens, tables, hidden_only=not last_logits)
         self.stats.tokens_computed += offset
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
         for row, start, n, seq in prompt_lp_rows:
-            self._prompt_logprobs(hidden[row:row + n], start, seq)
+            self._prompt_logprobs(out[row:row + n], start, seq)
             touched[seq.parent.request_id] = seq.parent
         if sample_rows:
-            if hidden is not None:
-                logits = self.runner.model.compute_logits(hidden[[r for r, _ in sample_rows]])
+            logits = out if last_logits else self.runner.model.compute_logits(out[[r for r, _ in sample_rows]])
             self._sample(logits, [s for _, s in sample_rows], touched)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], touched: dict[str, _Parent]) -> None:

@@ -14,11 +14,11 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 
 import torch
 from torch.fx.experimental import _config as shape_config
 
+from tokenmill.catalog import cache_root
 from tokenmill.model.attention import AttentionBatch, KVCache
 from tokenmill.model.loader import LoadedModel
 
@@ -32,12 +32,6 @@ MULTITHREAD_MIN_TOKENS = 8
 # The process's configured intra-op threads, read before any runner switches to one thread:
 # a runner created later must not mistake that switch for the configuration.
 _CONFIGURED_THREADS: int | None = None
-
-
-def inductor_cache_dir() -> Path:
-    """Where compiled graphs persist between runs (inductor's own default is under /tmp)."""
-    base = os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill"
-    return Path(base) / "inductor"
 
 
 class ModelRunner:
@@ -62,10 +56,6 @@ class ModelRunner:
             self._compile_thread.start()
 
     @property
-    def compiled(self) -> bool:
-        return self._compiled_decode is not None
-
-    @property
     def decode_mode(self) -> str:
         """'compiled', 'compiling' (eager until ready) or 'eager'."""
         if self._compiled_decode is not None:
@@ -77,7 +67,7 @@ class ModelRunner:
         """Block until the background compilation ends (True if the compiled graph is in use)."""
         if self._compile_thread is not None:
             self._compile_thread.join(timeout)
-        return self.compiled
+        return self._compiled_decode is not None
 
     @torch.inference_mode()
     def forward(
@@ -127,7 +117,8 @@ class ModelRunner:
     def _compile_decode(self) -> None:
         """Compile the decode graphs: one for batch 1 (size-1 dims are specialized) and one for
         every larger batch (see `QuantLinear._use_dense`)."""
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+        # compiled graphs persist beside the models (inductor's own default is under /tmp)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
         start = time.perf_counter()
         self._set_threads(self.max_threads)  # inductor builds its kernels for the current thread count
         try:

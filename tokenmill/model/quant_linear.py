@@ -154,28 +154,29 @@ class QuantLinear(nn.Module):
         self.dense_min_tokens = dense_min_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._use_dense(x.shape[0]):
+        kernel = self._kernel(x.shape[0])
+        if kernel == "dense":
             return F.linear(x, self.dense, self.bias)
-        if self.kind == "int8" and x.shape[0] == 1 and self.weight_int8.numel() >= STREAMED_GEMV_MIN_WEIGHTS \
-                and torch.compiler.is_compiling():
-            # a plain reduction that inductor turns into one streaming pass over the int8 bytes
-            y = (self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()
-            y = y.to(x.dtype)[None]
+        if kernel == "streamed":  # a plain reduction that inductor turns into one pass over the int8 bytes
+            y = ((self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()).to(x.dtype)[None]
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
 
-    def _use_dense(self, tokens: int) -> bool:
-        if self.dense is None or self.dense_min_tokens <= 0:
-            return False
-        if torch.compiler.is_compiling():
+    def _kernel(self, tokens: int) -> str:
+        """'dense', 'streamed' (compiled batch-1 int8 of a large matrix) or 'packed'."""
+        compiling = torch.compiler.is_compiling()
+        if self.dense is not None and self.dense_min_tokens > 0:
             # One compiled graph serves every batch of 2+ tokens: a switch at each kernel's own
             # crossover would need a graph per range, minutes of compilation each. Between 2 tokens
             # and the crossover the two kernels are within ~20% of each other.
-            return tokens >= 2
-        return tokens >= self.dense_min_tokens
+            if tokens >= (2 if compiling else self.dense_min_tokens):
+                return "dense"
+        if compiling and tokens == 1 and self.kind == "int8" and self.weight_int8.numel() >= STREAMED_GEMV_MIN_WEIGHTS:
+            return "streamed"
+        return "packed"
 
     def extra_repr(self) -> str:
         dense = f", dense for >= {self.dense_min_tokens} tokens" if self.dense is not None else ""

@@ -49,7 +49,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.softmax_scale
         self.softcap = cfg.attn_logit_softcap
