@@ -45,3 +45,21 @@ def test_compiled_decode_matches_eager(runner, batch_size: int) -> None:
 def test_pad_slot_is_clean_after_warmup(runner) -> None:
     pad = runner.cache.pad_slot
     assert all(bool((t[pad] == 0).all()) for t in runner.cache.k + runner.cache.v)
+
+
+def test_batch_without_a_graph_runs_eagerly(runner, monkeypatch, caplog) -> None:
+    # a graph specialized to batch 1 (dynamo's eager backend: nothing to build) stands in for a
+    # warm-up that missed a shape; the step must not recompile on the engine thread
+    static = torch.compile(runner._decode_logits, dynamic=False, backend="eager")
+    with torch.inference_mode():
+        static(*runner._warmup_inputs(1))
+        for t in runner.cache.k + runner.cache.v:  # what the warm-up wrote into the pad slot
+            t[runner.cache.pad_slot].zero_()
+    monkeypatch.setattr(runner, "_compiled_decode", static)
+    prompts, tables = PROMPTS, TABLES
+    runner.forward(prompts, [len(p) for p in prompts], tables)
+    step = ([[7]] * 3, [len(p) + 1 for p in prompts], tables)
+    logits = runner.forward(*step)
+    assert "runs eagerly" in caplog.text
+    eager = runner.model.compute_logits(runner.forward(*step, hidden_only=True))
+    torch.testing.assert_close(logits, eager)

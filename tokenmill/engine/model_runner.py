@@ -51,6 +51,7 @@ class ModelRunner:
         self.compile_error: BaseException | None = None
         self.compile_seconds: float | None = None
         self._compile_thread: threading.Thread | None = None
+        self._warned_uncompiled = False
         if compile:
             self._compile_thread = threading.Thread(target=self._compile_decode, name="tokenmill-compile", daemon=True)
             self._compile_thread.start()
@@ -89,8 +90,9 @@ class ModelRunner:
         batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot)
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
         if self._compiled_decode is not None and not hidden_only and self._is_decode(query_lens, context_lens):
-            self._set_threads(self.max_threads)  # compiled kernels were built for this thread count
-            return self._compiled_decode(flat, batch)
+            logits = self._run_compiled(flat, batch)
+            if logits is not None:
+                return logits
         self._set_threads(self.max_threads if num_tokens >= MULTITHREAD_MIN_TOKENS else 1)
         hidden = self.model(flat, self.cache, batch)
         if hidden_only:
@@ -99,6 +101,26 @@ class ModelRunner:
             last = torch.tensor(query_lens).cumsum(0) - 1
             hidden = hidden[last]
         return self.model.compute_logits(hidden)
+
+    def _run_compiled(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
+        """The compiled step's logits, or None for a batch no warm-up graph covers.
+
+        Compiling a new graph here would stall every request for minutes, so such a step runs
+        eagerly instead (the warm-up leaves batch size and context length dynamic: this should
+        not happen, and is logged once if it does).
+        """
+        self._set_threads(self.max_threads)  # compiled kernels were built for this thread count
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._compiled_decode(flat, batch)
+        except RuntimeError as exc:
+            if "fail_on_recompile" not in str(exc):
+                raise
+            if not self._warned_uncompiled:
+                self._warned_uncompiled = True
+                log.warning("a decode batch of %d runs eagerly: no compiled graph fits it (%s)",
+                            batch.num_seqs, str(exc).splitlines()[-1].strip())
+            return None
 
     @staticmethod
     def _is_decode(query_lens: list[int], context_lens: list[int]) -> bool:

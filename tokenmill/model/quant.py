@@ -196,6 +196,8 @@ def dequantize(
     blocks = data.view(-1, type_size)
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype)
     step = max(1, _CHUNK_ELEMENTS // block_size)
+    if blocks.shape[0] <= step:  # no loop: a compiled step's embedding lookup keeps its batch size dynamic
+        return kernel(blocks).to(dtype).view(shape)
     for start in range(0, blocks.shape[0], step):
         out[start : start + step] = kernel(blocks[start : start + step])
     return out.view(shape)
