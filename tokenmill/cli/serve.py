@@ -79,11 +79,12 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
-    engine = LLMEngine(path, progress=sys.stderr.isatty(), max_queue_len=args.max_queue_len,
-                       compile=args.compile, **engine_options(args))
+    async_engine = AsyncLLMEngine(lambda: LLMEngine(  # loaded on the thread that runs it: see AsyncLLMEngine
+        path, progress=sys.stderr.isatty(), max_queue_len=args.max_queue_len, compile=args.compile,
+        **engine_options(args)))
+    engine = async_engine.engine
     name = args.served_model_name or args.model or DEFAULT_MODEL
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
-    async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, ServerConfig(
         name, api_key=api_key, max_body_bytes=args.max_request_bytes, protect_health=args.protect_health,
         protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,

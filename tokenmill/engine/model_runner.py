@@ -24,24 +24,11 @@ from tokenmill.model.loader import LoadedModel
 
 log = logging.getLogger("tokenmill.engine")
 
-# Steps with fewer tokens run on one intra-op thread. A few-token step is bound by weight bytes
-# and per-op overhead, which a second thread barely shortens (measured: 52 vs 50 tok/s batch-1
-# decode), while its spinning OpenMP worker competes with the HTTP thread and the client for the
-# cores: batch-1 serving fell from 43 to 30 tok/s with two threads on a 2-core machine.
-MULTITHREAD_MIN_TOKENS = 8
-# The process's configured intra-op threads, read before any runner switches to one thread:
-# a runner created later must not mistake that switch for the configuration.
-_CONFIGURED_THREADS: int | None = None
-
-
 class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, compile: bool = False) -> None:
-        global _CONFIGURED_THREADS
-        if _CONFIGURED_THREADS is None:
-            _CONFIGURED_THREADS = torch.get_num_threads()
-        self.max_threads = _CONFIGURED_THREADS
+        self.max_threads = torch.get_num_threads()  # as configured on the thread that builds the runner
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -86,14 +73,13 @@ class ModelRunner:
         states instead of logits (for callers that need logits of only some tokens).
         """
         query_lens = [len(t) for t in token_ids]
-        num_tokens = sum(query_lens)
         batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot)
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
+        self._set_threads(self.max_threads)  # this thread's OpenMP setting; compiled kernels were built for it
         if self._compiled_decode is not None and not hidden_only and self._is_decode(query_lens, context_lens):
             logits = self._run_compiled(flat, batch)
             if logits is not None:
                 return logits
-        self._set_threads(self.max_threads if num_tokens >= MULTITHREAD_MIN_TOKENS else 1)
         hidden = self.model(flat, self.cache, batch)
         if hidden_only:
             return hidden
@@ -109,7 +95,6 @@ class ModelRunner:
         eagerly instead (the warm-up leaves batch size and context length dynamic: this should
         not happen, and is logged once if it does).
         """
-        self._set_threads(self.max_threads)  # compiled kernels were built for this thread count
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 return self._compiled_decode(flat, batch)
