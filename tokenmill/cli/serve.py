@@ -63,9 +63,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--compile", action="store_true",
-                   help="experimental: compile the decode step on a background thread while eager steps serve "
-                        "(minutes the first time, seconds once cached; /health tells which runs). Faster offline "
-                        "decode, but serving batches that vary step to step can still trigger recompiles")
+                   help="compile the decode step on a background thread while eager steps serve (minutes of both "
+                        "cores the first time, seconds once cached; /health tells which runs). Faster decode at "
+                        "every batch size; off by default because the first compile slows a small machine for minutes")
     add_engine_args(p)
     p.set_defaults(run=run)
 
