@@ -67,3 +67,33 @@ def test_bad_request_raises_to_the_caller_only(async_engine) -> None:
 
     assert asyncio.run(main())
     assert async_engine.is_healthy
+
+
+def test_engine_built_by_a_factory_lives_on_the_engine_thread(tiny_loaded) -> None:
+    import threading
+
+    built_on = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return LLMEngine(tiny_loaded, num_kv_blocks=64)
+
+    engine = AsyncLLMEngine(build)
+    try:
+        assert built_on == ["tokenmill-engine"] and isinstance(engine.engine, LLMEngine)
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+        async def main():
+            return [out async for out in engine.generate("Paris is", params, request_id="a")]
+
+        assert asyncio.run(main())[-1].finished
+    finally:
+        engine.shutdown()
+
+
+def test_factory_failure_is_raised_to_the_caller() -> None:
+    def build() -> LLMEngine:
+        raise FileNotFoundError("no such model")
+
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        AsyncLLMEngine(build)
