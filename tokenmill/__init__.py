@@ -2,6 +2,14 @@
 
 __version__ = "0.1.0"
 
+import os  # noqa: E402
+
+from tokenmill.catalog import cache_root  # noqa: E402
+
+# Compiled graphs persist beside the models (inductor's default is under /tmp). Set before anything
+# asks inductor for its cache directory: loading a model already does, and its answer then holds.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
 from tokenmill.sample import SamplingParams  # noqa: E402
 
 

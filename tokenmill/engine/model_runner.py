@@ -11,14 +11,12 @@ serve; the compiled graph takes over when it is ready.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
 import torch
 from torch.fx.experimental import _config as shape_config
 
-from tokenmill.catalog import cache_root
 from tokenmill.model.attention import AttentionBatch, KVCache
 from tokenmill.model.loader import LoadedModel
 
@@ -124,8 +122,6 @@ class ModelRunner:
     def _compile_decode(self) -> None:
         """Compile the decode graphs: one for batch 1 (size-1 dims are specialized) and one for
         every larger batch (see `QuantLinear._use_dense`)."""
-        # compiled graphs persist beside the models (inductor's own default is under /tmp)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
         start = time.perf_counter()
         self._set_threads(self.max_threads)  # inductor builds its kernels for the current thread count
         try:
