@@ -45,8 +45,9 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         built: Future = Future()
         self._thread = threading.Thread(target=self._loop, args=(engine, built), name="tokenmill-engine", daemon=True)
+        self.engine: LLMEngine  # set on the engine thread, before it serves anything
         self._thread.start()
-        self.engine: LLMEngine = built.result()
+        built.result()  # raises what building the engine raised
 
     @property
     def tokenizer(self):
@@ -64,7 +65,7 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 - raised again by __init__
             built.set_exception(exc)
             return
-        built.set_result(self.engine)
+        built.set_result(None)
         try:
             while not self._stop.is_set():
                 block = not self.engine.has_unfinished_requests()

@@ -36,7 +36,7 @@ class ModelRunner:
         self.compile_error: BaseException | None = None
         self.compile_seconds: float | None = None
         self._compile_thread: threading.Thread | None = None
-        self._warned_uncompiled = False
+        self.uncompiled_decode_steps = 0  # decode steps no compiled graph fitted (run eagerly)
         if compile:
             self._compile_thread = threading.Thread(target=self._compile_decode, name="tokenmill-compile", daemon=True)
             self._compile_thread.start()
@@ -99,8 +99,8 @@ class ModelRunner:
         except RuntimeError as exc:
             if "fail_on_recompile" not in str(exc):
                 raise
-            if not self._warned_uncompiled:
-                self._warned_uncompiled = True
+            self.uncompiled_decode_steps += 1
+            if self.uncompiled_decode_steps == 1:
                 log.warning("a decode batch of %d runs eagerly: no compiled graph fits it (%s)",
                             batch.num_seqs, str(exc).splitlines()[-1].strip())
             return None
@@ -121,7 +121,7 @@ class ModelRunner:
 
     def _compile_decode(self) -> None:
         """Compile the decode graphs: one for batch 1 (size-1 dims are specialized) and one for
-        every larger batch (see `QuantLinear._use_dense`)."""
+        every larger batch (see `QuantLinear._kernel`)."""
         start = time.perf_counter()
         self._set_threads(self.max_threads)  # inductor builds its kernels for the current thread count
         try:
@@ -136,8 +136,7 @@ class ModelRunner:
             log.warning("compiling the decode step failed; decoding stays eager: %r", exc)
             return
         finally:
-            for t in self.cache.k + self.cache.v:  # the warm-up wrote its K/V into the pad slot
-                t[self.cache.pad_slot].zero_()
+            self.cache.zero_pad_slot()  # the warm-up wrote its K/V there
         self.compile_seconds = time.perf_counter() - start
         log.info("compiled decode step ready after %.1f s", self.compile_seconds)
         self._compiled_decode = compiled

@@ -43,6 +43,10 @@ class KVCache:
         shape = (self.pad_slot + 1, num_kv_heads, head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.zero_pad_slot()
+
+    def zero_pad_slot(self) -> None:
+        """(Re)zero the pad slot, e.g. after a warm-up step that wrote its K/V there."""
         for t in self.k + self.v:
             t[self.pad_slot].zero_()
 

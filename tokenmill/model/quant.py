@@ -194,10 +194,10 @@ def dequantize(
         return data.view(-1).view(_DENSE_DTYPES[qtype]).to(dtype).view(shape)
     kernel = _KERNELS[qtype]
     blocks = data.view(-1, type_size)
-    out = torch.empty(blocks.shape[0], block_size, dtype=dtype)
     step = max(1, _CHUNK_ELEMENTS // block_size)
-    if blocks.shape[0] <= step:  # no loop: a compiled step's embedding lookup keeps its batch size dynamic
+    if blocks.shape[0] <= step:  # one chunk, no loop: a loop over a size would freeze it in a compiled graph
         return kernel(blocks).to(dtype).view(shape)
+    out = torch.empty(blocks.shape[0], block_size, dtype=dtype)
     for start in range(0, blocks.shape[0], step):
         out[start : start + step] = kernel(blocks[start : start + step])
     return out.view(shape)
