@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.engine import model_runner
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model import quant_linear
 from tokenmill.model.loader import load_model
@@ -61,5 +62,19 @@ def test_batch_without_a_graph_runs_eagerly(runner, monkeypatch, caplog) -> None
     before = runner.uncompiled_decode_steps
     logits = runner.forward(*step)
     assert runner.uncompiled_decode_steps == before + 1 and "runs eagerly" in caplog.text
+    eager = runner.model.compute_logits(runner.forward(*step, hidden_only=True))
+    torch.testing.assert_close(logits, eager)
+
+
+def test_context_past_the_graphs_runs_eagerly_without_fallback(runner, caplog) -> None:
+    # the graphs are specialized to contexts up to COMPILED_CONTEXT_MAX; a longer one goes to the
+    # eager path directly instead of failing the graphs' guards
+    context = model_runner.COMPILED_CONTEXT_MAX + 5
+    runner.forward([list(range(32))], [32], [[0, 1]])  # fill blocks 0 and 1
+    table = [[0, 1] * (context // 32 + 1)]  # a long context of repeated blocks: only its shape matters
+    step = ([[7]], [context], table)
+    before = runner.uncompiled_decode_steps
+    logits = runner.forward(*step)
+    assert runner.uncompiled_decode_steps == before
     eager = runner.model.compute_logits(runner.forward(*step, hidden_only=True))
     torch.testing.assert_close(logits, eager)
