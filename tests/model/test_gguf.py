@@ -130,6 +130,29 @@ def test_row_slices_and_output_dtype(model, qtype: Q) -> None:
     assert torch.equal(weight.dequantize(torch.float16), full.half())
 
 
+def _mapped_rss_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of path (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_released_pages_leave_memory_and_read_back_unchanged(model) -> None:
+    path, raw = model
+    f = GGUFFile(path)
+    weights = [w for w in map(f.load, raw) if isinstance(w, GGMLWeight)]
+    copies = [w.data.clone() for w in weights]  # touches every page
+    touched = _mapped_rss_kib(path)
+    for w in weights:
+        w.release()
+    assert _mapped_rss_kib(path) < touched // 2
+    assert all(torch.equal(w.data, c) for w, c in zip(weights, copies))  # read again from the file
+
+
 def test_dequantize_function_and_supported_set() -> None:
     assert SUPPORTED_QTYPES == {Q.F32, Q.F16, Q.BF16, *QUANTIZED}
     raw = random_blocks(Q.Q4_K, (2, 256), np.random.default_rng(1))

@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
+from tokenmill.model.quant_linear import Int8HeadEmbedding
 
 VOCAB = 96
 HF_CONFIGS = {
@@ -67,7 +68,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: gguf.GGMLQuantizationType) -> dict:
+def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: gguf.GGMLQuantizationType,
+                quantize_embedding: bool = False) -> dict:
     """Write hf as llama.cpp would; returns the state dict that the GGUF actually encodes."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -104,7 +106,7 @@ def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: 
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
             data = _permute(data, heads)
-        if data.ndim == 2 and "embed" not in hf_name:
+        if data.ndim == 2 and ("embed" not in hf_name or quantize_embedding):
             raw = quantize(data, qtype)
             writer.add_tensor(_gguf_name(hf_name, arch), raw, raw_dtype=qtype)
             data = dequantize(raw, qtype)
@@ -163,3 +165,22 @@ def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_pat
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     else:
         torch.testing.assert_close(ours, twin, atol=KEPT_ATOL[qtype], rtol=0)
+
+
+def test_tied_int8_head_serves_the_embedding(tmp_path: Path) -> None:
+    """A tied Q8_0 embedding is kept once, as the head's int8 rows, and looked up from them."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS["qwen2"], dtype=torch.float32).eval()
+    encoded = _write_gguf(tmp_path / "model.gguf", hf, "qwen2", Q.Q8_0, quantize_embedding=True)
+    hf.load_state_dict(encoded, strict=False)
+    loaded = load_model(tmp_path / "model.gguf", progress=False, quantization="gguf")
+    model = loaded.model
+    assert isinstance(model.embed, Int8HeadEmbedding) and model.embed.head[0] is model.lm_head
+    assert not list(model.embed.buffers())  # no table of its own
+    ids = torch.arange(VOCAB)
+    torch.testing.assert_close(model.embed(ids), encoded["model.embed_tokens.weight"], atol=2e-3, rtol=0)
+    prompts = [[5, 9, 3, 70, 1, 1, 44]]
+    with torch.no_grad():
+        ours = _logits(loaded, prompts)
+        ref = hf(torch.tensor(prompts)).logits[0]
+    torch.testing.assert_close(ours, ref, atol=KEPT_ATOL[Q.Q8_0], rtol=0)

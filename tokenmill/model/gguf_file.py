@@ -258,7 +258,15 @@ class GGUFFile:
         if info.qtype not in SUPPORTED_QTYPES:
             raise ModelFileError(self.path, unsupported_qtype_message(info.qtype), tensor=name)
         block_size, type_size = GGML_QUANT_SIZES[info.qtype]
-        return GGMLWeight(raw.view(-1, info.shape[-1] // block_size * type_size), info.qtype, info.shape)
+        return GGMLWeight(raw.view(-1, info.shape[-1] // block_size * type_size), info.qtype, info.shape,
+                          release=lambda: self._release(info.offset, info.nbytes))
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        """Drop the mapped pages that lie wholly inside these bytes from this process's memory."""
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _open_mmap(path: Path) -> mmap.mmap:

@@ -17,6 +17,7 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
+    Int8HeadEmbedding,
     QuantEmbedding,
     QuantLinear,
     dense_packed_form,
@@ -153,14 +154,17 @@ class _Builder:
         embed = state.pop("embed.weight")
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
-        if keep_quantized:
-            model.embed = QuantEmbedding(embed, self.dtype)
-        else:
-            model.embed = nn.Embedding.from_pretrained(_dense(embed, self.dtype), freeze=True)
         if head is not None:
             model.lm_head = self.linear([head], [None])
         elif keep_quantized or self.quantization in ("int8", "int4"):
             model.lm_head = self.linear([embed], [None])  # tied, but the head needs its own packed form
+        if keep_quantized and head is None and isinstance(model.lm_head, QuantLinear) and model.lm_head.kind == "int8":
+            model.embed = Int8HeadEmbedding(model.lm_head)  # one copy of the table, not two
+        elif keep_quantized:
+            model.embed = QuantEmbedding(embed, self.dtype)
+        else:
+            model.embed = nn.Embedding.from_pretrained(_dense(embed, self.dtype), freeze=True)
+        _release([embed])
         model.load_state_dict({k: _dense(v, self.dtype) for k, v in state.items()}, strict=False, assign=True)
         left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
         if left:
@@ -188,9 +192,19 @@ class _Builder:
         else:
             kind, data = merge_packed([dense_packed_form(_dense(w, torch.float32), q) for w in weights])
         threshold = self.dense_min_tokens if self.dense_min_tokens is not None else DENSE_CROSSOVER[kind]
-        dense = torch.cat([_dense(w, self.dtype) for w in weights]) if threshold > 0 else None
+        dense = None
+        if threshold > 0:
+            dense = torch.cat([_dense(w, self.dtype) for w in weights]) if len(weights) > 1 else _dense(weights[0], self.dtype)
+        _release(weights)
         return QuantLinear(rows, cols, self.dtype, **{kind: data}, bias=bias, dense=dense,
                            dense_min_tokens=threshold)
+
+
+def _release(weights: list[Weight]) -> None:
+    """Let go of the file pages of weights converted into their in-memory form."""
+    for w in weights:
+        if isinstance(w, GGMLWeight) and w.release is not None:
+            w.release()
 
 
 def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -286,7 +300,10 @@ def _gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, We
         if permuted and name.endswith(("attn.q_proj.weight", "attn.k_proj.weight", "q_proj.bias", "k_proj.bias")):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             if isinstance(tensor, GGMLWeight):  # rows are independent blocks: permute the raw bytes
-                tensor = GGMLWeight(unpermute_rows(tensor.data, heads), tensor.qtype, tensor.shape)
+                permuted_tensor = GGMLWeight(unpermute_rows(tensor.data, heads), tensor.qtype, tensor.shape)
+                if tensor.release is not None:
+                    tensor.release()
+                tensor = permuted_tensor
             else:
                 tensor = unpermute_rows(tensor, heads)
         yield name, tensor

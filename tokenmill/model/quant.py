@@ -40,6 +40,9 @@ class GGMLWeight:
     data: torch.Tensor  # uint8, (rows, bytes_per_row); rows are independent, so row slices work on raw bytes
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # logical shape in torch order (rows, cols)
+    # drops the file pages behind `data` from memory once the loader has converted it (the pages
+    # stay readable: a later access reads them again from the file)
+    release: Callable[[], None] | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.data, self.qtype, self.shape, dtype)
