@@ -7,6 +7,7 @@ import torch
 
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
+from tokenmill.model import quant_linear
 from tokenmill.model.quant_linear import QuantLinear, dense_packed_form, merge_packed
 
 PROMPTS = [[5, 9, 30, 71, 12, 44, 8], list(range(40, 60))]
@@ -49,6 +50,27 @@ def test_kernel_choice_by_batch_size_gives_the_same_numbers() -> None:
     packed_rows = torch.cat([layer(x[i:i + 1]) for i in range(6)])  # one token: the int4 kernel
     dense_rows = layer(x)  # six tokens: the dense copy
     torch.testing.assert_close(packed_rows, dense_rows, atol=1e-4, rtol=1e-4)
+
+
+def test_large_int8_matrix_goes_in_chunks_without_a_dense_copy(monkeypatch) -> None:
+    torch.manual_seed(3)
+    monkeypatch.setattr(quant_linear, "LARGE_INT8_WEIGHTS", 100 * 64)
+    monkeypatch.setattr(quant_linear, "CHUNK_ROWS", 32)  # 100 rows: three whole chunks and a part
+    kind, data = dense_packed_form(torch.randn(100, 64), "int8")
+    layer = QuantLinear(100, 64, torch.float32, **{kind: data})
+    x = torch.randn(5, 64)
+    assert layer.large_int8 and layer._kernel(5) == "chunked" and layer._kernel(1) == "packed"
+    reference = x @ (data[0].float() * data[1][:, None]).t()
+    torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layer(x[:1]), reference[:1], atol=1e-4, rtol=1e-4)
+
+
+def test_loader_gives_a_large_int8_head_no_dense_copy(tiny_model_dir, monkeypatch) -> None:
+    monkeypatch.setattr(quant_linear, "LARGE_INT8_WEIGHTS", 320 * 64)  # the tiny model's head only
+    loaded = load_model(tiny_model_dir, progress=False, quantization="int8", dense_min_tokens=2)
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert [m.out_features for m in layers if m.dense is None] == [320]
+    assert all(m.dense is not None for m in layers if m.out_features != 320)
 
 
 def test_merging_int4_with_int8_parts_brings_them_to_int8() -> None:

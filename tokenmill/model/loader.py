@@ -12,7 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.errors import ModelFileError
-from tokenmill.model import families
+from tokenmill.model import families, quant_linear
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.quant import GGMLWeight
@@ -192,6 +192,8 @@ class _Builder:
         else:
             kind, data = merge_packed([dense_packed_form(_dense(w, torch.float32), q) for w in weights])
         threshold = self.dense_min_tokens if self.dense_min_tokens is not None else DENSE_CROSSOVER[kind]
+        if kind == "int8" and rows * cols >= quant_linear.LARGE_INT8_WEIGHTS:
+            threshold = 0  # an output head: multiplied in dequantized chunks instead (see QuantLinear)
         dense = None
         if threshold > 0:
             dense = torch.cat([_dense(w, self.dtype) for w in weights]) if len(weights) > 1 else _dense(weights[0], self.dtype)

@@ -23,10 +23,14 @@ from tokenmill.model.quant import GGMLWeight
 Q = GGMLQuantizationType
 INT4_GROUP = 32
 INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
-# From this many int8 weights (larger than the CPU caches: an output head) a batch-1 product in a
-# compiled graph streams the bytes with inductor's fused reduction, which reads memory at ~26 GB/s
+# An int8 matrix of this many weights (larger than the CPU caches: an output head) has kernels of
+# its own. At batch 1 in a compiled graph, inductor's fused reduction streams its bytes at ~26 GB/s
 # against ~10 GB/s for `_weight_int8pack_mm` (Gemma 3's 262k x 640 head: 6.4-8 ms vs 17-18 ms).
-STREAMED_GEMV_MIN_WEIGHTS = 1 << 24
+# From 2 tokens it is multiplied in row chunks dequantized on the fly, as fast as a dense copy up
+# to ~32 tokens (Gemma 3's head: 49 vs 47 ms at 32 tokens, 86 vs 77 at 64) without the copy's
+# memory (336 MB for that head), so such a matrix never gets a dense copy.
+LARGE_INT8_WEIGHTS = 1 << 24
+CHUNK_ROWS = 8192  # 10 MB of bf16 for a 640-wide head: the dequantized chunk stays in cache
 
 
 def int4_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,14 +165,23 @@ class QuantLinear(nn.Module):
             return F.linear(x, self.dense, self.bias)
         if kernel == "streamed":  # a plain reduction that inductor turns into one pass over the int8 bytes
             y = ((self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()).to(x.dtype)[None]
+        elif kernel == "chunked":  # int8 values are exact in bf16; the row scales apply to the output
+            chunks = [F.linear(x, self.weight_int8[start:start + CHUNK_ROWS].to(x.dtype))
+                      for start in range(0, self.out_features, CHUNK_ROWS)]
+            y = torch.cat(chunks, dim=-1) * self.scales
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
 
+    @property
+    def large_int8(self) -> bool:
+        return self.kind == "int8" and self.weight_int8.numel() >= LARGE_INT8_WEIGHTS
+
     def _kernel(self, tokens: int) -> str:
-        """'dense', 'streamed' (compiled batch-1 int8 of a large matrix) or 'packed'."""
+        """'dense', 'streamed' (compiled batch-1 of a large int8 matrix), 'chunked' (2+ tokens of
+        a large int8 matrix) or 'packed'."""
         compiling = torch.compiler.is_compiling()
         if self.dense is not None and self.dense_min_tokens > 0:
             # One compiled graph serves every batch of 2+ tokens: a switch at each kernel's own
@@ -176,7 +189,9 @@ class QuantLinear(nn.Module):
             # and the crossover the two kernels are within ~20% of each other.
             if tokens >= (2 if compiling else self.dense_min_tokens):
                 return "dense"
-        if compiling and tokens == 1 and self.kind == "int8" and self.weight_int8.numel() >= STREAMED_GEMV_MIN_WEIGHTS:
+        if self.large_int8 and tokens > 1:
+            return "chunked"
+        if self.large_int8 and compiling:
             return "streamed"
         return "packed"
 
