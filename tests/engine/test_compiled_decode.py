@@ -67,7 +67,7 @@ def test_batch_without_a_graph_runs_eagerly(runner, monkeypatch, caplog) -> None
     torch.testing.assert_close(logits, eager)
 
 
-def test_context_past_the_graphs_runs_eagerly_without_fallback(runner, caplog) -> None:
+def test_context_past_the_graphs_runs_eagerly_without_fallback(runner) -> None:
     # the graphs are specialized to contexts up to COMPILED_CONTEXT_MAX; a longer one goes to the
     # eager path directly instead of failing the graphs' guards
     context = model_runner.COMPILED_CONTEXT_MAX + 5

@@ -12,7 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.errors import ModelFileError
-from tokenmill.model import families, quant_linear
+from tokenmill.model import families
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.quant import GGMLWeight
@@ -21,6 +21,7 @@ from tokenmill.model.quant_linear import (
     QuantEmbedding,
     QuantLinear,
     dense_packed_form,
+    is_large_int8,
     merge_packed,
     packed_form,
 )
@@ -183,7 +184,7 @@ class _Builder:
         quantize = q in ("int8", "int4") or (q == "gguf" and all(isinstance(w, GGMLWeight) for w in weights))
         if not quantize:
             layer = nn.Linear(cols, rows, bias=bias is not None, device="meta")
-            layer.weight = nn.Parameter(torch.cat([_dense(w, self.dtype) for w in weights]), requires_grad=False)
+            layer.weight = nn.Parameter(_cat_rows([_dense(w, self.dtype) for w in weights]), requires_grad=False)
             if bias is not None:
                 layer.bias = nn.Parameter(bias, requires_grad=False)
             return layer
@@ -192,14 +193,18 @@ class _Builder:
         else:
             kind, data = merge_packed([dense_packed_form(_dense(w, torch.float32), q) for w in weights])
         threshold = self.dense_min_tokens if self.dense_min_tokens is not None else DENSE_CROSSOVER[kind]
-        if kind == "int8" and rows * cols >= quant_linear.LARGE_INT8_WEIGHTS:
+        if is_large_int8(kind, rows * cols):
             threshold = 0  # an output head: multiplied in dequantized chunks instead (see QuantLinear)
-        dense = None
-        if threshold > 0:
-            dense = torch.cat([_dense(w, self.dtype) for w in weights]) if len(weights) > 1 else _dense(weights[0], self.dtype)
+        dense = _cat_rows([_dense(w, self.dtype) for w in weights]) if threshold > 0 else None
         _release(weights)
         return QuantLinear(rows, cols, self.dtype, **{kind: data}, bias=bias, dense=dense,
                            dense_min_tokens=threshold)
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts stacked by rows; a single part as it is (a copy of a 262k-row head would double
+    its memory while loading)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _release(weights: list[Weight]) -> None:
@@ -302,10 +307,9 @@ def _gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, We
         if permuted and name.endswith(("attn.q_proj.weight", "attn.k_proj.weight", "q_proj.bias", "k_proj.bias")):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             if isinstance(tensor, GGMLWeight):  # rows are independent blocks: permute the raw bytes
-                permuted_tensor = GGMLWeight(unpermute_rows(tensor.data, heads), tensor.qtype, tensor.shape)
-                if tensor.release is not None:
-                    tensor.release()
-                tensor = permuted_tensor
+                permuted = GGMLWeight(unpermute_rows(tensor.data, heads), tensor.qtype, tensor.shape)
+                _release([tensor])  # the permuted copy replaces the file's bytes
+                tensor = permuted
             else:
                 tensor = unpermute_rows(tensor, heads)
         yield name, tensor

@@ -33,6 +33,11 @@ LARGE_INT8_WEIGHTS = 1 << 24
 CHUNK_ROWS = 8192  # 10 MB of bf16 for a 640-wide head: the dequantized chunk stays in cache
 
 
+def is_large_int8(kind: str, weights: int) -> bool:
+    """Whether a packed matrix takes the large-int8 kernels (and so needs no dense copy)."""
+    return kind == "int8" and weights >= LARGE_INT8_WEIGHTS
+
+
 def int4_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, zero) of a Q4_0/Q4_1/Q4_K weight: q (rows, cols) in 0..15, scale and zero
     (rows, cols / 32) float32, with w = scale * (q - 8) + zero exactly as ggml dequantizes."""
@@ -158,6 +163,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.dense = None if dense is None else nn.Parameter(dense.to(dtype), requires_grad=False)
         self.dense_min_tokens = dense_min_tokens
+        self.large_int8 = is_large_int8(self.kind, out_features * in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel(x.shape[0])
@@ -174,10 +180,6 @@ class QuantLinear(nn.Module):
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
-
-    @property
-    def large_int8(self) -> bool:
-        return self.kind == "int8" and self.weight_int8.numel() >= LARGE_INT8_WEIGHTS
 
     def _kernel(self, tokens: int) -> str:
         """'dense', 'streamed' (compiled batch-1 of a large int8 matrix), 'chunked' (2+ tokens of
@@ -208,8 +210,7 @@ class QuantEmbedding(nn.Module):
         self.qtype = weight.qtype
         self.shape = weight.shape
         self.dtype = dtype
-        # a copy: a view would keep the whole memory-mapped file resident
-        self.register_buffer("data", weight.data.clone())
+        self.register_buffer("data", weight.data)  # a view of a GGUF file: rows are paged in as looked up
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.data.index_select(0, ids)
