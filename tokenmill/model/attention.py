@@ -15,6 +15,13 @@ import torch
 import torch.nn.functional as F
 
 
+# Compiled decode steps use `_fused_decode_attention` for heads up to this size. Measured on whole
+# compiled steps: SmolLM2 (head_dim 64) at 32 sequences of ~165 tokens 140 -> 68 ms, at batch 1
+# 11.1 -> 9.8 ms (context 250); Gemma 3 (head_dim 256) got slower (batch 1 17.5 -> 20 ms, 32
+# sequences 119 -> 134-144 ms), so it keeps the batched matmuls.
+FUSED_DECODE_MAX_HEAD_DIM = 128
+
+
 class KVCache:
     """One pool of cache slots per layer: `k[layer]` has shape (num_slots + 1, kv_heads, head_dim).
 
@@ -147,6 +154,8 @@ def paged_attention(
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
     num_tokens, num_heads, head_dim = q.shape
+    if batch.max_q == 1 and torch.compiler.is_compiling() and head_dim <= FUSED_DECODE_MAX_HEAD_DIM:
+        return _fused_decode_attention(q, k_cache, v_cache, batch.context_slots, mask, scale, softcap)
     keys = k_cache[batch.context_slots].transpose(1, 2)  # (B, kv_heads, max_kv, head_dim)
     values = v_cache[batch.context_slots].transpose(1, 2)
     if batch.max_q == 1:  # pure decode: one token per sequence, tokens already in batch order
@@ -179,6 +188,31 @@ def _decode_attention(
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
+    return out.to(q.dtype).view(b, num_heads, head_dim)
+
+
+def _fused_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+    scale: float, softcap: float | None,
+) -> torch.Tensor:
+    """Decode attention written as broadcast products and sums, for a compiled graph.
+
+    Inductor fuses each sum with the gather of the cache rows it reads, so no gathered copy of the
+    context is made, and no batch of tiny matmuls is dispatched: on SmolLM2's shapes, 3x faster than
+    `_decode_attention` compiled (32 sequences of ~165 tokens: 18 vs 57 ms over its 30 layers; 0.27
+    vs 0.52 ms at batch 1). Eagerly it would materialize the (batch, context, heads, head_dim) products.
+    q: (B, heads, head_dim); caches: (slots, kv_heads, head_dim); slots: (B, max_kv); mask: (B, 1, 1, max_kv).
+    """
+    b, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    keys = k_cache[slots].float()[:, :, :, None, :]  # (B, max_kv, kv_heads, 1, head_dim)
+    values = v_cache[slots].float()[:, :, :, None, :]
+    qg = q.float().view(b, 1, kv_heads, num_heads // kv_heads, head_dim)
+    scores = (qg * keys).sum(-1) * scale  # (B, max_kv, kv_heads, group)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask.view(b, -1, 1, 1), float("-inf"))
+    out = (torch.softmax(scores, dim=1)[..., None] * values).sum(1)  # (B, kv_heads, group, head_dim)
     return out.to(q.dtype).view(b, num_heads, head_dim)
 
 
