@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _fused_decode_attention
+from tokenmill.model.attention import AttentionBatch, KVCache, _fused_decode_attention, _matmul_decode_attention
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
@@ -20,8 +20,5 @@ def test_fused_decode_attention_matches_batched_matmuls(window: int | None, soft
     batch = AttentionBatch.build([1, 1, 1], context_lens, tables, block_size, cache.pad_slot)
     mask = batch.mask(window)
     q = torch.randn(3, heads, head_dim)
-    keys = cache.k[0][batch.context_slots].transpose(1, 2)
-    values = cache.v[0][batch.context_slots].transpose(1, 2)
-    expected = _decode_attention(q, keys, values, mask, 0.35, softcap)
-    fused = _fused_decode_attention(q, cache.k[0], cache.v[0], batch.context_slots, mask, 0.35, softcap)
-    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+    args = (q, cache.k[0], cache.v[0], batch.context_slots, mask, 0.35, softcap)
+    torch.testing.assert_close(_fused_decode_attention(*args), _matmul_decode_attention(*args), rtol=1e-5, atol=1e-5)

@@ -153,13 +153,11 @@ def paged_attention(
     """
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
-    num_tokens, num_heads, head_dim = q.shape
-    if batch.max_q == 1 and torch.compiler.is_compiling() and head_dim <= FUSED_DECODE_MAX_HEAD_DIM:
-        return _fused_decode_attention(q, k_cache, v_cache, batch.context_slots, mask, scale, softcap)
+    if batch.max_q == 1:  # pure decode: one token per sequence, tokens already in batch order
+        return _decode_attention(q, k_cache, v_cache, batch.context_slots, mask, scale, softcap)
+    num_heads, head_dim = q.shape[1:]
     keys = k_cache[batch.context_slots].transpose(1, 2)  # (B, kv_heads, max_kv, head_dim)
     values = v_cache[batch.context_slots].transpose(1, 2)
-    if batch.max_q == 1:  # pure decode: one token per sequence, tokens already in batch order
-        return _decode_attention(q, keys, values, mask, scale, softcap)
     padded = q.new_zeros(batch.num_seqs * batch.max_q, num_heads, head_dim)
     padded.index_copy_(0, batch.token_index, q)
     padded = padded.view(batch.num_seqs, batch.max_q, num_heads, head_dim).transpose(1, 2)
@@ -172,15 +170,28 @@ def paged_attention(
 
 
 def _decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+    scale: float, softcap: float | None,
 ) -> torch.Tensor:
-    """One query per sequence as two batched matmuls, grouping query heads by their KV head.
+    """One query per sequence, in the form measured fastest where it runs (`FUSED_DECODE_MAX_HEAD_DIM`).
 
-    For a single query row, SDPA's flash kernel costs far more in setup than the arithmetic.
-    q: (B, heads, head_dim); k, v: (B, kv_heads, max_kv, head_dim); mask: (B, 1, 1, max_kv).
+    q: (B, heads, head_dim); caches: (slots, kv_heads, head_dim); slots: (B, max_kv); mask: (B, 1, 1, max_kv).
     """
+    fused = torch.compiler.is_compiling() and q.shape[-1] <= FUSED_DECODE_MAX_HEAD_DIM
+    attend = _fused_decode_attention if fused else _matmul_decode_attention
+    return attend(q, k_cache, v_cache, slots, mask, scale, softcap)
+
+
+def _matmul_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+    scale: float, softcap: float | None,
+) -> torch.Tensor:
+    """Decode attention as two batched matmuls over the gathered context, grouping query heads by
+    their KV head. For a single query row, SDPA's flash kernel costs far more in setup than the arithmetic."""
     b, num_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = k_cache.shape[1]
+    k = k_cache[slots].transpose(1, 2)  # (B, kv_heads, max_kv, head_dim)
+    v = v_cache[slots].transpose(1, 2)
     # float32 throughout: for these tiny matmuls it is both faster than bf16 on CPU and exact
     qg = q.float().view(b, kv_heads, num_heads // kv_heads, head_dim)
     scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # (B, kv_heads, group, max_kv)
@@ -199,9 +210,9 @@ def _fused_decode_attention(
 
     Inductor fuses each sum with the gather of the cache rows it reads, so no gathered copy of the
     context is made, and no batch of tiny matmuls is dispatched: on SmolLM2's shapes, 3x faster than
-    `_decode_attention` compiled (32 sequences of ~165 tokens: 18 vs 57 ms over its 30 layers; 0.27
-    vs 0.52 ms at batch 1). Eagerly it would materialize the (batch, context, heads, head_dim) products.
-    q: (B, heads, head_dim); caches: (slots, kv_heads, head_dim); slots: (B, max_kv); mask: (B, 1, 1, max_kv).
+    `_matmul_decode_attention` compiled (32 sequences of ~165 tokens: 18 vs 57 ms over its 30 layers;
+    0.27 vs 0.52 ms at batch 1). Eagerly it would materialize the (batch, context, heads, head_dim)
+    products.
     """
     b, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]

@@ -159,7 +159,7 @@ class _Builder:
             model.lm_head = self.linear([head], [None])
         elif keep_quantized or self.quantization in ("int8", "int4"):
             model.lm_head = self.linear([embed], [None])  # tied, but the head needs its own packed form
-        if keep_quantized and head is None and isinstance(model.lm_head, QuantLinear) and model.lm_head.kind == "int8":
+        if keep_quantized and head is None and model.lm_head.kind == "int8":
             model.embed = Int8HeadEmbedding(model.lm_head)  # one copy of the table, not two
         elif keep_quantized:
             model.embed = QuantEmbedding(embed, self.dtype)
