@@ -31,3 +31,12 @@ def tiny_loaded(tiny_model_dir):
     from tokenmill.model.loader import load_model
 
     return load_model(tiny_model_dir, progress=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels() -> bool:
+    """Build (or load) the C++ kernels before any test: a background build finishing in the middle
+    of a test would switch its kernels between two steps."""
+    from tokenmill.model import kernels
+
+    return kernels.load()

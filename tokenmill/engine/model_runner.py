@@ -17,6 +17,7 @@ import time
 import torch
 from torch.fx.experimental import _config as shape_config
 
+from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache
 from tokenmill.model.loader import LoadedModel
 
@@ -40,6 +41,7 @@ class ModelRunner:
         self.compile_seconds: float | None = None
         self._compile_thread: threading.Thread | None = None
         self.uncompiled_decode_steps = 0  # decode steps no compiled graph fitted (run eagerly)
+        self._kernel_build = kernels.build_in_background() if self.cache.k[0].device.type == "cpu" else None
         if compile:
             self._compile_thread = threading.Thread(target=self._compile_decode, name="tokenmill-compile", daemon=True)
             self._compile_thread.start()
@@ -131,6 +133,8 @@ class ModelRunner:
         """Compile the decode graphs: one for batch 1 (size-1 dims are specialized) and one for
         every larger batch (see `QuantLinear._kernel`)."""
         start = time.perf_counter()
+        if self._kernel_build is not None:
+            self._kernel_build.join()  # graphs traced before the kernels load would not use them
         self._set_threads(self.max_threads)  # inductor builds its kernels for the current thread count
         try:
             compiled = torch.compile(self._decode_logits, dynamic=True, options={"cpp_wrapper": True})

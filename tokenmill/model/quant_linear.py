@@ -1,7 +1,8 @@
 """Linear layers whose weights stay quantized in memory, with the kernel picked by batch size.
 
 Decoding a few tokens is bound by the bytes of weight read per step, so small batches use
-PyTorch's weight-only int4/int8 kernels, which read the packed bytes directly. Large batches
+weight-only kernels that read the packed bytes directly: PyTorch's for int4, tokenmill's own for
+int8 on CPUs with AVX-512 (tokenmill/model/kernels, twice the speed of PyTorch's). Large batches
 (prefill, wide decode) are bound by arithmetic, where oneDNN's bf16 matmul (AMX on recent Xeons)
 wins; for them a layer may also hold a dense copy (`dense_min_tokens`).
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from tokenmill.model import quant
+from tokenmill.model import kernels, quant
 from tokenmill.model.quant import GGMLWeight
 
 Q = GGMLQuantizationType
@@ -31,6 +32,11 @@ INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 # memory (336 MB for that head), so such a matrix never gets a dense copy.
 LARGE_INT8_WEIGHTS = 1 << 24
 CHUNK_ROWS = 8192  # 10 MB of bf16 for a 640-wide head: the dequantized chunk stays in cache
+# Up to these many tokens `tokenmill::int8_linear` streams the int8 bytes (gemv.cpp), beyond them
+# it multiplies in bf16: measured crossovers against a layer's dense copy (Gemma 3's layers) and
+# against chunks dequantized on the fly (its 262k-row head).
+GEMV_MAX_TOKENS = 4
+GEMV_MAX_TOKENS_NO_COPY = 8
 
 
 def is_large_int8(kind: str, weights: int) -> bool:
@@ -166,9 +172,14 @@ class QuantLinear(nn.Module):
         self.large_int8 = is_large_int8(self.kind, out_features * in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self._kernel(x.shape[0])
+        kernel = self._kernel(x.shape[0], self._native_fits(x))
         if kernel == "dense":
             return F.linear(x, self.dense, self.bias)
+        if kernel == "native":
+            dense = self.dense if self.dense_min_tokens > 0 else None
+            y = torch.ops.tokenmill.int8_linear(x, self.weight_int8, self.scales, dense,
+                                                GEMV_MAX_TOKENS if dense is not None else GEMV_MAX_TOKENS_NO_COPY)
+            return y if self.bias is None else y + self.bias
         if kernel == "streamed":  # a plain reduction that inductor turns into one pass over the int8 bytes
             y = ((self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()).to(x.dtype)[None]
         elif kernel == "chunked":  # int8 values are exact in bf16; the row scales apply to the output
@@ -181,9 +192,17 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
 
-    def _kernel(self, tokens: int) -> str:
-        """'dense', 'streamed' (compiled batch-1 of a large int8 matrix), 'chunked' (2+ tokens of
-        a large int8 matrix) or 'packed'."""
+    def _native_fits(self, x: torch.Tensor) -> bool:
+        """Whether tokenmill's int8 kernels (built in the background, CPU only) take this input."""
+        return (self.kind == "int8" and kernels.loaded() and x.device.type == "cpu" and x.dtype == torch.bfloat16
+                and self.scales.dtype == torch.bfloat16 and self.in_features % 32 == 0)
+
+    def _kernel(self, tokens: int, native_fits: bool = False) -> str:
+        """'native' (`tokenmill::int8_linear`, which picks its own means by batch size), 'dense',
+        'streamed' (compiled batch-1 of a large int8 matrix), 'chunked' (more tokens of a large
+        int8 matrix) or 'packed'."""
+        if native_fits:
+            return "native"
         compiling = torch.compiler.is_compiling()
         if self.dense is not None and self.dense_min_tokens > 0:
             # One compiled graph serves every batch of 2+ tokens: a switch at each kernel's own

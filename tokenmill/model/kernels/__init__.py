@@ -1,0 +1,114 @@
+"""C++ CPU kernels (`torch.ops.tokenmill.*`), compiled on this machine on first use and cached.
+
+`int8_gemv` multiplies a few activation rows by an int8 weight at about twice the speed of
+PyTorch's `_weight_int8pack_mm` (see gemv.cpp). Building takes ~10 s of one core (g++ through
+`torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
+kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its source, the
+torch version and the CPU's features, so later starts load it in milliseconds. Where it cannot be
+built (no compiler, no AVX-512), everything keeps using PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from tokenmill.catalog import cache_root
+
+log = logging.getLogger("tokenmill.kernels")
+SOURCE = Path(__file__).with_name("gemv.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
+_lock = threading.Lock()
+_loaded = False
+_thread: threading.Thread | None = None
+
+
+def loaded() -> bool:
+    """Whether the kernels are registered (as `torch.ops.tokenmill.*`)."""
+    return _loaded
+
+
+def build_directory() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes())
+    for part in (torch.__version__, platform.machine(), _cpu_flags(), *CFLAGS):
+        key.update(part.encode())
+    return cache_root() / "kernels" / key.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: `-march=native` code must not run on another CPU model."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def load(build: bool = True) -> bool:
+    """Register the kernels, compiling them first if they are not cached and `build` is set.
+
+    Returns whether they are registered; a failed build is logged, remembered in the cache
+    directory (delete it to retry) and leaves PyTorch's kernels in use.
+    """
+    global _loaded
+    with _lock:
+        if _loaded:
+            return True
+        directory = build_directory()
+        library = directory / "tokenmill_kernels.so"
+        if not library.exists():
+            if not build or (directory / FAILED_MARKER).exists():
+                return False
+            try:
+                _compile(directory)
+            except Exception as exc:  # noqa: BLE001 - no compiler or no AVX-512: PyTorch's kernels serve
+                (directory / FAILED_MARKER).write_text(f"{exc}\n")
+                log.warning("building the CPU kernels failed, using PyTorch's instead (%s; details in %s)",
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__, directory)
+                return False
+        torch.ops.load_library(str(library))
+        torch.library.register_fake("tokenmill::int8_linear")(_linear_shape)
+        _loaded = True
+        return True
+
+
+def build_in_background() -> threading.Thread | None:
+    """Load the kernels now if cached, else build them on a daemon thread (returned; None if
+    there is nothing to wait for). Only the CPU has these kernels."""
+    global _thread
+    if load(build=False):
+        return None
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=load, name="tokenmill-kernels", daemon=True)
+            _thread.start()
+        return _thread
+
+
+def _compile(directory: Path) -> None:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # torch drives the build with ninja: the pip package's will do
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    directory.mkdir(parents=True, exist_ok=True)
+    log.info("building the CPU kernels in %s (once, ~10 s)", directory)
+    cpp_extension.load(name="tokenmill_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+                       verbose=False)
+
+
+def _linear_shape(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor | None,
+                  max_gemv_rows: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])

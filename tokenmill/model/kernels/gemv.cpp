@@ -1,0 +1,106 @@
+// Weight-only int8 matrix products for a few activation rows (decode steps), on CPU.
+//
+// A decode step reads every weight once per token, so it runs at the speed the weight bytes stream
+// from memory. PyTorch's `_weight_int8pack_mm` streams them at ~10 GB/s on a 2-core AVX-512 machine
+// whose memory gives ~30; this kernel reaches ~25: each output row is one pass over its int8 row,
+// widened to fp32 and multiplied with the (fp32) activations by AVX-512 FMAs. Rows are split across
+// PyTorch's intra-op threads, and up to 4 activation rows share each widened weight vector.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 16;
+constexpr int kMaxActivationRows = 4;
+
+template <int M>
+void int8_rows(const float* x, int64_t K, const int8_t* weight, const at::BFloat16* scale, at::BFloat16* y,
+               int64_t N, int64_t row0, int64_t row1) {
+  for (int64_t o = row0; o < row1; ++o) {
+    const int8_t* row = weight + o * K;
+    __m512 acc[M][2];
+    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+      for (int i = 0; i < M; ++i) {
+        acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * K + k), acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * K + k + 16), acc[i][1]);
+      }
+    }
+    const float s = static_cast<float>(scale[o]);
+    for (int i = 0; i < M; ++i)
+      y[i * N + o] = at::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) * s);
+  }
+}
+
+// y = x W^T * scale, for x (M, K) bfloat16, W (N, K) int8 and scale (N) bfloat16 (one per row).
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int8_gemv: x must be a 2-D bfloat16 tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_gemv: the weight must be a contiguous 2-D int8 tensor");
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(x.size(1) == K && K % 32 == 0, "int8_gemv: x's width must equal the weight's, a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == N && scale.is_contiguous(),
+              "int8_gemv: scale must hold one contiguous bfloat16 per weight row");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  std::vector<float> xf(M * K);  // widened once here: a tensor op would cost more than it saves
+  const at::Tensor xc = x.contiguous();
+  const at::BFloat16* xs = xc.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xs[i]);
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const at::BFloat16* s = scale.data_ptr<at::BFloat16>();
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxActivationRows) {
+    const int64_t rows = std::min<int64_t>(kMaxActivationRows, M - m0);
+    const float* xp = xf.data() + m0 * K;
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>() + m0 * N;
+    at::parallel_for(0, N, kRowsPerTask, [&](int64_t r0, int64_t r1) {
+      switch (rows) {
+        case 1: int8_rows<1>(xp, K, w, s, yp, N, r0, r1); break;
+        case 2: int8_rows<2>(xp, K, w, s, yp, N, r0, r1); break;
+        case 3: int8_rows<3>(xp, K, w, s, yp, N, r0, r1); break;
+        default: int8_rows<4>(xp, K, w, s, yp, N, r0, r1); break;
+      }
+    });
+  }
+  return y;
+}
+
+// The same product for any number of rows, by the fastest means at hand for that number: the
+// kernel above for a few rows (bound by weight bytes), else a bf16 matmul (bound by arithmetic) with
+// the layer's dense copy, or with bf16 chunks of the int8 rows dequantized one at a time (a large
+// output head keeps no dense copy). Deciding here, at run time, lets one compiled graph serve every
+// batch size without a guard on it.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows) {
+  if (x.size(0) <= max_gemv_rows) return int8_gemv(x, weight, scale);
+  if (dense.has_value()) return at::linear(x, *dense);
+  constexpr int64_t kChunkRows = 8192;  // 10 MB of bf16 for a 640-wide head: stays in cache
+  const int64_t N = weight.size(0);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  for (int64_t r0 = 0; r0 < N; r0 += kChunkRows) {
+    const int64_t r1 = std::min(N, r0 + kChunkRows);
+    at::Tensor part = y.narrow(1, r0, r1 - r0);
+    at::mm_out(part, x, weight.slice(0, r0, r1).to(x.scalar_type()).t());  // int8 values are exact in bf16
+  }
+  return y.mul_(scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+}
