@@ -57,3 +57,15 @@ def test_quant_linear_uses_the_kernel_for_bf16() -> None:
     assert not layer._native_fits(x.float())  # fp32 activations keep PyTorch's kernels
     packed = torch.ops.aten._weight_int8pack_mm(x, layer.weight_int8, layer.scales) + layer.bias
     torch.testing.assert_close(layer(x).float(), packed.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
+def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int) -> None:
+    torch.manual_seed(5)
+    kind, data = dense_packed_form(torch.randn(64, 128), "int4")
+    layer = QuantLinear(64, 128, torch.float32, **{kind: data})
+    dense = torch.randn(64, 128)  # unrelated to the packed weight: shows which one was used
+    x = torch.randn(tokens, 128)
+    out = torch.ops.tokenmill.int4_linear(x, layer.packed, layer.scales_zeros, 32, dense, 3)
+    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scales_zeros)
+    torch.testing.assert_close(out, packed if tokens <= 3 else x @ dense.t())

@@ -177,8 +177,12 @@ class QuantLinear(nn.Module):
             return F.linear(x, self.dense, self.bias)
         if kernel == "native":
             dense = self.dense if self.dense_min_tokens > 0 else None
-            y = torch.ops.tokenmill.int8_linear(x, self.weight_int8, self.scales, dense,
-                                                GEMV_MAX_TOKENS if dense is not None else GEMV_MAX_TOKENS_NO_COPY)
+            if self.kind == "int4":
+                y = torch.ops.tokenmill.int4_linear(x, self.packed, self.scales_zeros, INT4_GROUP, dense,
+                                                    self.dense_min_tokens - 1)
+            else:
+                y = torch.ops.tokenmill.int8_linear(x, self.weight_int8, self.scales, dense,
+                                                    GEMV_MAX_TOKENS if dense is not None else GEMV_MAX_TOKENS_NO_COPY)
             return y if self.bias is None else y + self.bias
         if kernel == "streamed":  # a plain reduction that inductor turns into one pass over the int8 bytes
             y = ((self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()).to(x.dtype)[None]
@@ -193,12 +197,15 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _native_fits(self, x: torch.Tensor) -> bool:
-        """Whether tokenmill's int8 kernels (built in the background, CPU only) take this input."""
-        return (self.kind == "int8" and kernels.loaded() and x.device.type == "cpu" and x.dtype == torch.bfloat16
-                and self.scales.dtype == torch.bfloat16 and self.in_features % 32 == 0)
+        """Whether tokenmill's ops (built in the background, CPU only) take this input."""
+        if not kernels.loaded() or x.device.type != "cpu":
+            return False
+        if self.kind == "int4":
+            return True
+        return x.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16 and self.in_features % 32 == 0
 
     def _kernel(self, tokens: int, native_fits: bool = False) -> str:
-        """'native' (`tokenmill::int8_linear`, which picks its own means by batch size), 'dense',
+        """'native' (`tokenmill::int8_linear|int4_linear`, which pick their means by batch size), 'dense',
         'streamed' (compiled batch-1 of a large int8 matrix), 'chunked' (more tokens of a large
         int8 matrix) or 'packed'."""
         if native_fits:

@@ -1,7 +1,9 @@
 """C++ CPU kernels (`torch.ops.tokenmill.*`), compiled on this machine on first use and cached.
 
-`int8_gemv` multiplies a few activation rows by an int8 weight at about twice the speed of
-PyTorch's `_weight_int8pack_mm` (see gemv.cpp). Building takes ~10 s of one core (g++ through
+`int8_linear` multiplies a few activation rows by an int8 weight at about twice the speed of
+PyTorch's `_weight_int8pack_mm` (see gemv.cpp). It and `int4_linear` pick their means (a
+weight-only kernel or a bf16 matmul) by the number of rows when they run, so one compiled graph
+serves every batch size with the best of both. Building takes ~10 s of one core (g++ through
 `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
 kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its source, the
 torch version and the CPU's features, so later starts load it in milliseconds. Where it cannot be
@@ -77,7 +79,8 @@ def load(build: bool = True) -> bool:
                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__, directory)
                 return False
         torch.ops.load_library(str(library))
-        torch.library.register_fake("tokenmill::int8_linear")(_linear_shape)
+        torch.library.register_fake("tokenmill::int8_linear")(_int8_shape)
+        torch.library.register_fake("tokenmill::int4_linear")(_int4_shape)
         _loaded = True
         return True
 
@@ -109,6 +112,11 @@ def _compile(directory: Path) -> None:
                        verbose=False)
 
 
-def _linear_shape(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor | None,
-                  max_gemv_rows: int) -> torch.Tensor:
+def _int8_shape(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor | None,
+                max_gemv_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _int4_shape(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                dense: torch.Tensor | None, max_packed_rows: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales_zeros.shape[1])

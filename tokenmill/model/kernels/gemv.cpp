@@ -1,4 +1,4 @@
-// Weight-only int8 matrix products for a few activation rows (decode steps), on CPU.
+// Weight-only quantized matrix products whose means depend on the number of activation rows, on CPU.
 //
 // A decode step reads every weight once per token, so it runs at the speed the weight bytes stream
 // from memory. PyTorch's `_weight_int8pack_mm` streams them at ~10 GB/s on a 2-core AVX-512 machine
@@ -95,12 +95,24 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y.mul_(scale);
 }
 
+// The int4 counterpart (PyTorch's packed kernel below the crossover, the dense copy above it):
+// written here only so that the choice is made at run time, inside one compiled graph.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                       int64_t group_size, const c10::optional<at::Tensor>& dense, int64_t max_packed_rows) {
+  if (x.size(0) <= max_packed_rows || !dense.has_value())
+    return at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros);
+  return at::linear(x, *dense);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, Tensor? dense, "
+        "int max_packed_rows) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
 }
