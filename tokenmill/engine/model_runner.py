@@ -137,6 +137,10 @@ class ModelRunner:
             self._kernel_build.join()  # graphs traced before the kernels load would not use them
         self._set_threads(self.max_threads)  # inductor builds its kernels for the current thread count
         try:
+            # The KV pool never changes size: as symbols, its tensors' lengths (one per layer and K/V)
+            # were graph arguments boxed into tensors on every call, each with guards of its own.
+            for tensor in self.cache.k + self.cache.v:
+                torch._dynamo.mark_static(tensor, 0)
             compiled = torch.compile(self._decode_logits, dynamic=True, options={"cpp_wrapper": True})
             # no "duck sizing": a warm-up batch size equal to some other size (say, the KV heads)
             # would otherwise be assumed equal to it, and the first real batch would recompile.
