@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.llm_engine import LLMEngine, _default_kv_budget
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams
@@ -210,3 +210,9 @@ def test_bad_requests_are_refused_and_leave_nothing(tiny_loaded) -> None:
     with pytest.raises(InvalidRequestError, match="top_p"):
         engine.add_request(None, [5, 6], SamplingParams(top_p=2.0))
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("free_gib, budget_gib", [(40, 4), (16, 4), (11, 2), (10, 2), (9, 2), (5, 1), (3, 0.5)])
+def test_default_kv_budget_is_a_power_of_two_of_a_quarter_of_free_ram(free_gib, budget_gib) -> None:
+    """Small changes in free memory must not change the pool size: compiled graphs depend on it."""
+    assert _default_kv_budget(int(free_gib * 2**30)) == int(budget_gib * 2**30)

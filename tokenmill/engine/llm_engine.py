@@ -33,13 +33,21 @@ GiB = 1 << 30
 log = logging.getLogger("tokenmill.engine")
 
 
+def _default_kv_budget(available: int) -> int:
+    """A quarter of the free RAM, at most 4 GiB, rounded down to a power of two: the compiled decode
+    graphs are specialized to the pool's size, and a size that followed the free memory exactly
+    would need a new graph (minutes of compilation) on almost every start."""
+    quarter = max(available // 4, 1)
+    return min(4 * GiB, 1 << (quarter.bit_length() - 1))
+
+
 @dataclass
 class EngineConfig:
     dtype: str = "fp32"
     quantization: str = "auto"  # see load_model: GGUF weights stay packed by default
     dense_min_tokens: int | None = None
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for the KV pool; default: a quarter of free RAM, at most 4 GiB
+    kv_cache_memory: int | None = None  # bytes for the KV pool; default: see _default_kv_budget
     num_kv_blocks: int | None = None  # exact pool size (overrides kv_cache_memory; tests use it)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -137,7 +145,7 @@ class LLMEngine:
 
     def _blocks_for_budget(self) -> int:
         mc, cfg = self.loaded.config, self.config
-        budget = cfg.kv_cache_memory or min(4 * GiB, psutil.virtual_memory().available // 4)
+        budget = cfg.kv_cache_memory or _default_kv_budget(psutil.virtual_memory().available)
         per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                             self.loaded.dtype)
         if budget < per_block:
