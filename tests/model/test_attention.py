@@ -1,11 +1,13 @@
-"""The decode attention of compiled graphs computes what the batched-matmul formulation computes."""
+"""Paged attention against plain per-sequence attention; the compiled decode form against the eager one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenmill.model.attention import AttentionBatch, KVCache, _fused_decode_attention, _matmul_decode_attention
+from tokenmill.model.attention import (
+    QUERY_BLOCK, AttentionBatch, KVCache, _fused_decode_attention, _matmul_decode_attention, paged_attention,
+)
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
@@ -22,3 +24,43 @@ def test_fused_decode_attention_matches_batched_matmuls(window: int | None, soft
     q = torch.randn(3, heads, head_dim)
     args = (q, cache.k[0], cache.v[0], batch.context_slots, mask, 0.35, softcap)
     torch.testing.assert_close(_fused_decode_attention(*args), _matmul_decode_attention(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 20.0)])
+def test_prompt_attention_in_query_blocks_matches_per_sequence_attention(window: int | None,
+                                                                           softcap: float | None) -> None:
+    """A fresh long prompt, a prompt chunk after cached context and a short one, in one step: each
+    block of query rows attends to a prefix of the keys only, which must not change any result."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, scale = 4, 2, 8, 16, 0.3
+    query_lens, context_lens = [QUERY_BLOCK * 2 + 44, QUERY_BLOCK + 22, 5], [QUERY_BLOCK * 2 + 44, 400, 20]
+    cache = KVCache(num_layers=1, num_blocks=80, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim)
+    cache.k[0][:-1].normal_()
+    cache.v[0][:-1].normal_()
+    order = torch.randperm(79).tolist()
+    tables, used = [], 0
+    for kv in context_lens:
+        count = -(-kv // block_size)
+        tables.append(order[used:used + count])
+        used += count
+    batch = AttentionBatch.build(query_lens, context_lens, tables, block_size, cache.pad_slot)
+    assert len(batch.query_blocks) == 3 and batch.query_blocks[0][2] < max(context_lens)
+    tokens = sum(query_lens)
+    q, k, v = torch.randn(tokens, heads, head_dim), torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), scale, softcap)
+
+    start = 0
+    for q_len, kv_len, table in zip(query_lens, context_lens, tables):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(kv_len)])
+        keys = cache.k[0][slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (heads, kv, d)
+        values = cache.v[0][slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = q[start:start + q_len].transpose(0, 1) @ keys.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        query_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+        allowed = torch.arange(kv_len)[None, :] <= query_pos
+        if window is not None:
+            allowed &= query_pos - torch.arange(kv_len)[None, :] < window
+        expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(0, 1)
+        torch.testing.assert_close(out[start:start + q_len], expected, rtol=1e-4, atol=1e-4)
+        start += q_len

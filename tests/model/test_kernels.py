@@ -69,3 +69,24 @@ def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int)
     out = torch.ops.tokenmill.int4_linear(x, layer.packed, layer.scales_zeros, 32, dense, 3)
     packed = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scales_zeros)
     torch.testing.assert_close(out, packed if tokens <= 3 else x @ dense.t())
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, width", [(1, 16), (7, 37), (300, 2048)])  # 37: a partial vector at each row's end
+def test_gated_activation_matches_eager(kind: str, dtype: torch.dtype, tokens: int, width: int) -> None:
+    torch.manual_seed(tokens)
+    gate_up = (torch.randn(tokens, 2 * width) * 4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) if kind == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+    out = torch.ops.tokenmill.gated_activation(gate_up, kind)
+    assert out.dtype == dtype and out.shape == (tokens, width)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(out.float(), act * up, **tolerance)
+
+
+def test_gated_activation_refuses_what_it_cannot_compute() -> None:
+    with pytest.raises(RuntimeError, match="unknown activation"):
+        torch.ops.tokenmill.gated_activation(torch.zeros(2, 8), "relu")
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.tokenmill.gated_activation(torch.zeros(8, 4).t(), "silu")

@@ -21,6 +21,11 @@ import torch.nn.functional as F
 # sequences 119 -> 134-144 ms), so it keeps the batched matmuls.
 FUSED_DECODE_MAX_HEAD_DIM = 128
 
+# Prompts attend in blocks of this many query rows, each over only the keys its rows can see: PyTorch's
+# CPU flash kernel computes a causal mask's upper triangle anyway. Measured on single 512-token
+# prompts, per layer: Gemma 3 7.2 -> 5.4 ms, SmolLM2 5.3 -> 3.9 ms (2048 tokens: 99 -> 70, 76 -> 47).
+QUERY_BLOCK = 128
+
 
 class KVCache:
     """One pool of cache slots per layer: `k[layer]` has shape (num_slots + 1, kv_heads, head_dim).
@@ -78,6 +83,7 @@ class AttentionBatch:
     query_positions: torch.Tensor  # (B, max_q) position of each padded query, -1 where padding
     num_seqs: int
     max_q: int
+    query_blocks: tuple[tuple[int, int, int], ...]  # (first row, end row, keys any of them sees)
 
     @classmethod
     def build(
@@ -122,6 +128,7 @@ class AttentionBatch:
             query_positions=query_positions.to(device),
             num_seqs=num_seqs,
             max_q=max_q,
+            query_blocks=_query_blocks(query_lens, context_lens),
         )
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -134,6 +141,20 @@ class AttentionBatch:
         # Padded query rows would be all-masked (NaN in SDPA); let them see slot 0 instead.
         allowed[:, :, 0] |= (q < 0)[:, :, 0]
         return allowed[:, None]
+
+
+def _query_blocks(query_lens: list[int], context_lens: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """Split the padded query rows into `QUERY_BLOCK`s, each with the number of leading keys that
+    any of its rows may attend to (row j of sequence i is at position context - query + j)."""
+    max_q, max_kv = max(query_lens), max(context_lens)
+    if max_q <= QUERY_BLOCK:
+        return ((0, max_q, max_kv),)
+    blocks = []
+    for first in range(0, max_q, QUERY_BLOCK):
+        end = min(max_q, first + QUERY_BLOCK)
+        seen = max(min(kv, kv - q + end) for q, kv in zip(query_lens, context_lens))
+        blocks.append((first, end, max(seen, 1)))  # padded rows see key 0 (see `mask`)
+    return tuple(blocks)
 
 
 def paged_attention(
@@ -161,10 +182,16 @@ def paged_attention(
     padded = q.new_zeros(batch.num_seqs * batch.max_q, num_heads, head_dim)
     padded.index_copy_(0, batch.token_index, q)
     padded = padded.view(batch.num_seqs, batch.max_q, num_heads, head_dim).transpose(1, 2)
-    if softcap is None:
-        out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    else:
-        out = _softcapped_attention(padded, keys, values, mask, scale, softcap)
+    parts = []
+    for first, end, seen in batch.query_blocks:
+        q_part, k_part, v_part = padded[:, :, first:end], keys[:, :, :seen], values[:, :, :seen]
+        mask_part = mask[:, :, first:end, :seen]
+        if softcap is None:
+            parts.append(F.scaled_dot_product_attention(q_part, k_part, v_part, attn_mask=mask_part, scale=scale,
+                                                        enable_gqa=True))
+        else:
+            parts.append(_softcapped_attention(q_part, k_part, v_part, mask_part, scale, softcap))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     out = out.transpose(1, 2).reshape(batch.num_seqs * batch.max_q, num_heads, head_dim)
     return out.index_select(0, batch.token_index)
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, paged_attention
 from tokenmill.model.config import ModelConfig, RopeSettings
 
@@ -87,10 +88,20 @@ class MLP(nn.Module):
             self.act = lambda t: F.gelu(t, approximate="tanh")
         else:
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
+        self.act_name = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if _fused_activation_fits(gate_up):
+            return self.down_proj(torch.ops.tokenmill.gated_activation(gate_up, self.act_name))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+def _fused_activation_fits(gate_up: torch.Tensor) -> bool:
+    """Whether the C++ act(gate) * up applies: eager CPU steps (a compiled graph fuses it itself)."""
+    return (not torch.compiler.is_compiling() and gate_up.device.type == "cpu" and kernels.loaded()
+            and gate_up.dtype in (torch.bfloat16, torch.float32) and gate_up.dim() == 2 and gate_up.is_contiguous())
 
 
 class DecoderLayer(nn.Module):

@@ -3,7 +3,8 @@
 `int8_linear` multiplies a few activation rows by an int8 weight at about twice the speed of
 PyTorch's `_weight_int8pack_mm` (see gemv.cpp). It and `int4_linear` pick their means (a
 weight-only kernel or a bf16 matmul) by the number of rows when they run, so one compiled graph
-serves every batch size with the best of both. Building takes ~10 s of one core (g++ through
+serves every batch size with the best of both. `gated_activation` is the MLP's act(gate) * up in
+one pass, for eager steps (activation.cpp). Building takes ~10 s of one core (g++ through
 `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
 kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its source, the
 torch version and the CPU's features, so later starts load it in milliseconds. Where it cannot be
@@ -25,7 +26,7 @@ import torch
 from tokenmill.catalog import cache_root
 
 log = logging.getLogger("tokenmill.kernels")
-SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.cpp", "activation.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
 _lock = threading.Lock()
@@ -39,7 +40,7 @@ def loaded() -> bool:
 
 
 def build_directory() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     for part in (torch.__version__, platform.machine(), _cpu_flags(), *CFLAGS):
         key.update(part.encode())
     return cache_root() / "kernels" / key.hexdigest()[:16]
@@ -81,6 +82,7 @@ def load(build: bool = True) -> bool:
         torch.ops.load_library(str(library))
         torch.library.register_fake("tokenmill::int8_linear")(_int8_shape)
         torch.library.register_fake("tokenmill::int4_linear")(_int4_shape)
+        torch.library.register_fake("tokenmill::gated_activation")(_gated_shape)
         _loaded = True
         return True
 
@@ -107,7 +109,7 @@ def _compile(directory: Path) -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     directory.mkdir(parents=True, exist_ok=True)
     log.info("building the CPU kernels in %s (once, ~10 s)", directory)
-    cpp_extension.load(name="tokenmill_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+    cpp_extension.load(name="tokenmill_kernels", sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
                        extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
                        verbose=False)
 
@@ -120,3 +122,7 @@ def _int8_shape(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dens
 def _int4_shape(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
                 dense: torch.Tensor | None, max_packed_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], scales_zeros.shape[1])
+
+
+def _gated_shape(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
