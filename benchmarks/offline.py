@@ -3,9 +3,9 @@
 Figures, each the mean over --reps timed repetitions after an untimed warm-up:
   pp512      prompt processing, tokens/s: one 512-token forward pass of one sequence
   tg128      batch-1 decode, tokens/s: 128 steps of one token each after a 16-token prompt,
-             including the greedy pick (torch.argmax on the logits) that feeds the next step
+             including the greedy pick (the engine's `greedy_ids`) that feeds the next step
   decode@B   batched decode, tokens/s = B * 64 / time: B sequences, each with a 128-token prompt
-             (prefilled untimed), decode one token per step for 64 steps (argmax per sequence)
+             (prefilled untimed), decode one token per step for 64 steps (greedy pick per sequence)
   peak RSS   the process's peak resident memory (ru_maxrss) after pp/tg and after batched decode
 
 llama.cpp: `llama-bench -p 512 -n 128` (pp512, tg128; random tokens, warm-up run included) and
@@ -52,6 +52,7 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
 
     from tokenmill.engine.model_runner import ModelRunner, blocks_needed
     from tokenmill.model.loader import load_model
+    from tokenmill.sample.sampler import greedy_ids
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -90,7 +91,7 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
         for _ in range(args.reps):
             t = time.perf_counter()
             logits = runner.forward([ids], [args.pp], table)
-            int(torch.argmax(logits[0]))
+            int(greedy_ids(logits[:1]))
             rates.append(args.pp / (time.perf_counter() - t))
         out[f"pp{args.pp}"] = summarize(rates)
         log(f"tokenmill: pp{args.pp} {out[f'pp{args.pp}']['avg_ts']:.1f} tok/s")
@@ -103,10 +104,10 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
             token = first
             for i in range(steps):
                 logits = runner.forward([[token]], [PROMPT_FOR_TG + i + 1], table)
-                token = int(torch.argmax(logits[0]))
+                token = int(greedy_ids(logits[:1]))
 
         logits = runner.forward([random_ids(PROMPT_FOR_TG)], [PROMPT_FOR_TG], table)
-        first = int(torch.argmax(logits[0]))
+        first = int(greedy_ids(logits[:1]))
         decode(first, 8)  # warm-up
         rates = []
         for _ in range(args.reps):
@@ -126,13 +127,13 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
         for i in range(0, b, chunk):
             logits = runner.forward(prompts[i:i + chunk], [args.batch_prompt] * len(prompts[i:i + chunk]),
                                     tables[i:i + chunk])
-            firsts += torch.argmax(logits, dim=-1).tolist()
+            firsts += greedy_ids(logits).tolist()
 
         def decode_batch(steps: int) -> None:
             tokens = firsts
             for s in range(steps):
                 logits = runner.forward([[t] for t in tokens], [args.batch_prompt + s + 1] * b, tables)
-                tokens = torch.argmax(logits, dim=-1).tolist()
+                tokens = greedy_ids(logits).tolist()
 
         decode_batch(4)  # warm-up
         rates = []
