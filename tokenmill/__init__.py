@@ -4,24 +4,23 @@ __version__ = "0.1.0"
 
 import os  # noqa: E402
 
-# PyTorch's CPU allocator backs large tensors (the weights) with 2 MB pages when this is set before
-# its first allocation: a decode step streams every weight, and with 4 kB pages its speed varied
-# from process to process (Gemma 3's batch-1 step: 12-19 ms, against 11.7-12.6 ms with huge pages).
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+def _configure_cpu_allocator() -> None:
+    """Large tensors on 2 MB pages, and their memory reused rather than mapped anew.
 
-def _keep_freed_blocks() -> None:
-    """Let glibc reuse freed blocks of up to 32 MB instead of unmapping them.
-
-    With 2 MB-aligned allocations, each multi-MB temporary of a step (a chunk of the dequantized
-    output head, a wide batch's activations) was mapped anew and faulted in page by page on every
-    use: SmolLM2's decode at batch 32 ran at 430 tok/s against 520-535 without huge pages. Keeping
-    blocks below 32 MB in the heap, and up to 64 MB of free heap mapped, removes that (the 16-row
-    Gemma 3 head: 69 -> 31 ms) at the cost of a few tens of MB of resident memory.
+    PyTorch's CPU allocator backs large tensors (the weights) with 2 MB pages when
+    THP_MEM_ALLOC_ENABLE is set before its first allocation: a decode step streams every weight,
+    and with 4 kB pages its speed varied from process to process (Gemma 3's batch-1 step: 12-19 ms,
+    against 11.7-12.6 ms with huge pages). Those 2 MB-aligned blocks are then mapped anew and
+    faulted in on every use unless glibc keeps freed blocks of up to 32 MB in its heap (and up to
+    64 MB of free heap mapped): without that, SmolLM2's decode at batch 32 ran at 430 tok/s against
+    520-535 with 4 kB pages, and the 16-row Gemma 3 head took 69 ms against 31. The cost is a few
+    tens of MB of resident memory.
     """
     import ctypes
     import sys
 
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -33,7 +32,7 @@ def _keep_freed_blocks() -> None:
     mallopt(m_trim_threshold, 64 << 20)
 
 
-_keep_freed_blocks()
+_configure_cpu_allocator()
 
 from tokenmill.catalog import cache_root  # noqa: E402
 

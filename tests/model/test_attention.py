@@ -46,7 +46,8 @@ def test_prompt_attention_in_query_blocks_matches_per_sequence_attention(window:
     batch = AttentionBatch.build(query_lens, context_lens, tables, block_size, cache.pad_slot)
     assert len(batch.query_blocks) == 3 and batch.query_blocks[0][2] < max(context_lens)
     tokens = sum(query_lens)
-    q, k, v = torch.randn(tokens, heads, head_dim), torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    q = torch.randn(tokens, heads, head_dim)
+    k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
     out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), scale, softcap)
 
     start = 0

@@ -22,7 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="GiB for the KV cache (default: a quarter of free RAM rounded down to a power of two, at most 4)")
+                   help="GiB for the KV cache (default: a quarter of free RAM, rounded down to a power of two, "
+                        "at most 4)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,

@@ -182,15 +182,8 @@ def paged_attention(
     padded = q.new_zeros(batch.num_seqs * batch.max_q, num_heads, head_dim)
     padded.index_copy_(0, batch.token_index, q)
     padded = padded.view(batch.num_seqs, batch.max_q, num_heads, head_dim).transpose(1, 2)
-    parts = []
-    for first, end, seen in batch.query_blocks:
-        q_part, k_part, v_part = padded[:, :, first:end], keys[:, :, :seen], values[:, :, :seen]
-        mask_part = mask[:, :, first:end, :seen]
-        if softcap is None:
-            parts.append(F.scaled_dot_product_attention(q_part, k_part, v_part, attn_mask=mask_part, scale=scale,
-                                                        enable_gqa=True))
-        else:
-            parts.append(_softcapped_attention(q_part, k_part, v_part, mask_part, scale, softcap))
+    parts = [_attend(padded[:, :, first:end], keys[:, :, :seen], values[:, :, :seen], mask[:, :, first:end, :seen],
+                     scale, softcap) for first, end, seen in batch.query_blocks]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     out = out.transpose(1, 2).reshape(batch.num_seqs * batch.max_q, num_heads, head_dim)
     return out.index_select(0, batch.token_index)
@@ -252,6 +245,13 @@ def _fused_decode_attention(
     scores = scores.masked_fill(~mask.view(b, -1, 1, 1), float("-inf"))
     out = (torch.softmax(scores, dim=1)[..., None] * values).sum(1)  # (B, kv_heads, group, head_dim)
     return out.to(q.dtype).view(b, num_heads, head_dim)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return _softcapped_attention(q, k, v, mask, scale, softcap)
 
 
 def _softcapped_attention(

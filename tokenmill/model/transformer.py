@@ -75,6 +75,10 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
+# The MLP activations by config name; tokenmill::gated_activation knows the same names.
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
 class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up in one matmul."""
 
@@ -82,11 +86,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        if cfg.hidden_act == "silu":
-            self.act = F.silu
-        elif cfg.hidden_act == "gelu_tanh":
-            self.act = lambda t: F.gelu(t, approximate="tanh")
-        else:
+        if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
         self.act_name = cfg.hidden_act
 
@@ -95,7 +95,7 @@ class MLP(nn.Module):
         if _fused_activation_fits(gate_up):
             return self.down_proj(torch.ops.tokenmill.gated_activation(gate_up, self.act_name))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(ACTIVATIONS[self.act_name](gate) * up)
 
 
 def _fused_activation_fits(gate_up: torch.Tensor) -> bool:
