@@ -6,9 +6,10 @@ weight-only kernel or a bf16 matmul) by the number of rows when they run, so one
 serves every batch size with the best of both. `gated_activation` is the MLP's act(gate) * up in
 one pass, for eager steps (activation.cpp). Building takes ~10 s of one core (g++ through
 `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
-kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its source, the
+kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the
 torch version and the CPU's features, so later starts load it in milliseconds. Where it cannot be
-built (no compiler, no AVX-512), everything keeps using PyTorch's kernels.
+built (no compiler, an x86 CPU without AVX2 and FMA, another architecture), everything keeps using
+PyTorch's kernels. simd.h holds their vector operations for AVX-512 and for AVX2.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tokenmill.catalog import cache_root
 
 log = logging.getLogger("tokenmill.kernels")
 SOURCES = [Path(__file__).with_name(name) for name in ("gemv.cpp", "activation.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
 _lock = threading.Lock()
@@ -40,7 +42,7 @@ def loaded() -> bool:
 
 
 def build_directory() -> Path:
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
     for part in (torch.__version__, platform.machine(), _cpu_flags(), *CFLAGS):
         key.update(part.encode())
     return cache_root() / "kernels" / key.hexdigest()[:16]
@@ -74,7 +76,7 @@ def load(build: bool = True) -> bool:
                 return False
             try:
                 _compile(directory)
-            except Exception as exc:  # noqa: BLE001 - no compiler or no AVX-512: PyTorch's kernels serve
+            except Exception as exc:  # noqa: BLE001 - no compiler or no AVX2: PyTorch's kernels serve
                 (directory / FAILED_MARKER).write_text(f"{exc}\n")
                 log.warning("building the CPU kernels failed, using PyTorch's instead (%s; details in %s)",
                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__, directory)

@@ -3,17 +3,17 @@
 // A decode step reads every weight once per token, so it runs at the speed the weight bytes stream
 // from memory. PyTorch's `_weight_int8pack_mm` streams them at ~10 GB/s on a 2-core AVX-512 machine
 // whose memory gives ~30; this kernel reaches ~25: each output row is one pass over its int8 row,
-// widened to fp32 and multiplied with the (fp32) activations by AVX-512 FMAs. Rows are split across
+// widened to fp32 and multiplied with the (fp32) activations by FMAs (simd.h). Rows are split across
 // PyTorch's intra-op threads, and up to 4 activation rows share each widened weight vector.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -23,22 +23,20 @@ constexpr int kMaxActivationRows = 4;
 template <int M>
 void int8_rows(const float* x, int64_t K, const int8_t* weight, const at::BFloat16* scale, at::BFloat16* y,
                int64_t N, int64_t row0, int64_t row1) {
+  using namespace simd;
   for (int64_t o = row0; o < row1; ++o) {
     const int8_t* row = weight + o * K;
-    __m512 acc[M][2];
-    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+    Vec acc[M][2];
+    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = zero();
+    for (int64_t k = 0; k < K; k += 2 * kWidth) {  // K is a multiple of 32, two vectors or more
+      const Vec w0 = load(row + k), w1 = load(row + k + kWidth);
       for (int i = 0; i < M; ++i) {
-        acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * K + k), acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * K + k + 16), acc[i][1]);
+        acc[i][0] = fmadd(w0, load(x + i * K + k), acc[i][0]);
+        acc[i][1] = fmadd(w1, load(x + i * K + k + kWidth), acc[i][1]);
       }
     }
     const float s = static_cast<float>(scale[o]);
-    for (int i = 0; i < M; ++i)
-      y[i * N + o] = at::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) * s);
+    for (int i = 0; i < M; ++i) y[i * N + o] = at::BFloat16(sum(add(acc[i][0], acc[i][1])) * s);
   }
 }
 

@@ -1,0 +1,112 @@
+// The few fp32 vector operations the kernels are written in, on AVX-512 where the CPU has it, else
+// on AVX2 with FMA: one kernel source for both kinds of x86 machine this project runs on.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace simd {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+constexpr int kWidth = 16;
+using Vec = __m512;
+
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec set1(float v) { return _mm512_set1_ps(v); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec min(Vec a, Vec b) { return _mm512_min_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); } // c - a * b
+inline Vec round(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec times_pow2(Vec a, Vec n) { return _mm512_scalef_ps(a, n); }  // a * 2^n, n integral
+inline float sum(Vec a) { return _mm512_reduce_add_ps(a); }
+
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec load(const c10::BFloat16* p) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline void store(c10::BFloat16* p, Vec v) {  // rounded to nearest even, NaN kept NaN
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+constexpr int kWidth = 8;
+using Vec = __m256;
+
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec set1(float v) { return _mm256_set1_ps(v); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec min(Vec a, Vec b) { return _mm256_min_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Vec round(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec times_pow2(Vec a, Vec n) {  // n within the normal exponents, as exp() keeps it
+  const __m256i exponent = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(a, _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23)));
+}
+inline float sum(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec load(const c10::BFloat16* p) {
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline void store(c10::BFloat16* p, Vec v) {
+  __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC0), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+#else
+#error "tokenmill's CPU kernels need AVX2 with FMA, or AVX-512"
+#endif
+
+// exp(x) for x in about [-87, 88]: 2^n * p(r), r = x - n ln2, |r| <= ln2/2 (rel. error ~2e-7).
+inline Vec exp(Vec x) {
+  x = max(min(x, set1(88.0f)), set1(-87.0f));
+  const Vec n = round(mul(x, set1(1.44269504088896341f)));
+  const Vec r = fnmadd(n, set1(0.693147180559945309f), x);
+  Vec p = set1(1.0f / 720);
+  p = fmadd(p, r, set1(1.0f / 120));
+  p = fmadd(p, r, set1(1.0f / 24));
+  p = fmadd(p, r, set1(1.0f / 6));
+  p = fmadd(p, r, set1(0.5f));
+  p = fmadd(p, r, set1(1.0f));
+  p = fmadd(p, r, set1(1.0f));
+  return times_pow2(p, n);
+}
+
+}  // namespace simd
