@@ -9,7 +9,7 @@
 #   MODELS          models to run (default: "smollm2-135m-instruct gemma-3-270m")
 #   REPS            offline repetitions (default: 3)
 #   THREADS         threads for both engines (default: 2)
-#   DTYPE           tokenmill dtype (default: bf16)
+#   DTYPE           tokenmill dtype (default: auto: bf16 where the CPU multiplies it natively, else fp32)
 #   OFFLINE_ARGS    extra offline.py flags, e.g. "--dense-min-tokens 64"
 #   SERVING_ARGS    extra serving.py flags, e.g. "--concurrency 1,8,32 --prompts-per-concurrency 3"
 #   PREFIX_ARGS     extra prefix_cache.py flags
@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 MODELS=${MODELS:-"smollm2-135m-instruct gemma-3-270m"}
 REPS=${REPS:-3}
 THREADS=${THREADS:-2}
-DTYPE=${DTYPE:-bf16}
+DTYPE=${DTYPE:-auto}
 PYTHON=${PYTHON:-python}
 SKIP=${SKIP:-}
 export BENCH_RESULTS=${BENCH_RESULTS:-benchmarks/results}

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from tokenmill.model import kernels
-from tokenmill.model.quant_linear import QuantLinear, dense_packed_form
+from tokenmill.model.quant_linear import QuantLinear, dense_packed_form, pack_int4_rows, unpack_int4_rows
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler to build the kernels with")
 
 
-def _int8_layer(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_layer(rows: int, cols: int, seed: int, dtype: torch.dtype = torch.bfloat16
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
-    return torch.randint(-127, 128, (rows, cols), dtype=torch.int8), (torch.rand(rows) / 100).to(torch.bfloat16)
+    return torch.randint(-127, 128, (rows, cols), dtype=torch.int8), (torch.rand(rows) / 100).to(dtype)
 
 
 def test_kernels_build_and_load(cpu_kernels: bool) -> None:
@@ -25,36 +26,41 @@ def test_kernels_build_and_load(cpu_kernels: bool) -> None:
     assert cpu_kernels and kernels.loaded(), marker.read_text() if marker.exists() else "not loaded"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("means", ["gemv", "dense copy", "chunks"])
-def test_int8_linear_matches_a_float_reference(tokens: int, means: str) -> None:
-    weight, scale = _int8_layer(8197, 96, tokens)  # rows: not a multiple of the threads' share nor of a chunk
-    x = torch.randn(tokens, 96).to(torch.bfloat16)
+def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: torch.dtype) -> None:
+    weight, scale = _int8_layer(8197, 96, tokens, dtype)  # rows: not a multiple of the threads' share nor of a chunk
+    x = torch.randn(tokens, 96).to(dtype)
     reference = (x.float() @ weight.float().t()) * scale.float()
     dense = None
-    if means == "dense copy":  # what the loader keeps: the dequantized weight, rounded to bf16
-        dense = (weight.float() * scale.float()[:, None]).to(torch.bfloat16)
+    if means == "dense copy":  # what the loader keeps: the dequantized weight, rounded to the dtype
+        dense = (weight.float() * scale.float()[:, None]).to(dtype)
         reference = x.float() @ dense.float().t()
     out = torch.ops.tokenmill.int8_linear(x, weight, scale, dense, 16 if means == "gemv" else 0)
-    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 8197)
-    torch.testing.assert_close(out.float(), reference, atol=2e-3, rtol=2e-2)  # bf16 rounding
+    assert out.dtype == dtype and out.shape == (tokens, 8197)
+    tolerance = dict(atol=2e-3, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float(), reference, **tolerance)
 
 
 def test_int8_linear_rejects_what_it_cannot_multiply() -> None:
     weight, scale = _int8_layer(8, 96, 0)
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        torch.ops.tokenmill.int8_linear(torch.randn(1, 96).half(), weight, scale, None, 4)
+    with pytest.raises(RuntimeError, match="of x's dtype"):
         torch.ops.tokenmill.int8_linear(torch.randn(1, 96), weight, scale, None, 4)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.tokenmill.int8_linear(torch.randn(1, 80).bfloat16(), weight[:, :80].contiguous(), scale, None, 4)
 
 
-def test_quant_linear_uses_the_kernel_for_bf16() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quant_linear_uses_the_kernel(dtype: torch.dtype) -> None:
     torch.manual_seed(4)
     kind, data = dense_packed_form(torch.randn(64, 128), "int8")
-    layer = QuantLinear(64, 128, torch.bfloat16, **{kind: data}, bias=torch.randn(64))
-    x = torch.randn(3, 128).to(torch.bfloat16)
+    layer = QuantLinear(64, 128, dtype, **{kind: data}, bias=torch.randn(64))
+    x = torch.randn(3, 128).to(dtype)
     assert layer._kernel(3, layer._native_fits(x)) == "native"
-    assert not layer._native_fits(x.float())  # fp32 activations keep PyTorch's kernels
+    assert not layer._native_fits(x.half())  # other dtypes keep PyTorch's kernels
     packed = torch.ops.aten._weight_int8pack_mm(x, layer.weight_int8, layer.scales) + layer.bias
     torch.testing.assert_close(layer(x).float(), packed.float(), atol=2e-2, rtol=1e-2)
 
@@ -63,12 +69,59 @@ def test_quant_linear_uses_the_kernel_for_bf16() -> None:
 def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int) -> None:
     torch.manual_seed(5)
     kind, data = dense_packed_form(torch.randn(64, 128), "int4")
-    layer = QuantLinear(64, 128, torch.float32, **{kind: data})
+    layer = QuantLinear(64, 128, torch.float32, **{kind: data}, int4_rows=False)
     dense = torch.randn(64, 128)  # unrelated to the packed weight: shows which one was used
     x = torch.randn(tokens, 128)
     out = torch.ops.tokenmill.int4_linear(x, layer.packed, layer.scales_zeros, 32, dense, 3)
-    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scales_zeros)
+    assert layer.scales_zeros.dtype == torch.bfloat16  # an fp32 model runs the int4 kernel in bf16
+    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), layer.packed, 32, layer.scales_zeros).float()
+    assert out.dtype == torch.float32
     torch.testing.assert_close(out, packed if tokens <= 3 else x @ dense.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("dense", [False, True])
+def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dtype, dense: bool) -> None:
+    torch.manual_seed(tokens)
+    rows, cols = 1037, 160  # rows: not a multiple of the threads' share; 5 groups of 32 per row
+    q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
+    scale, zero = torch.rand(rows, cols // 32) / 10, torch.randn(rows, cols // 32) / 10
+    nibbles, scale_min = pack_int4_rows(q, scale, zero)
+    weight = unpack_int4_rows(nibbles, scale_min)
+    d, m = scale_min.float().unbind(-1)  # the float16 (d, m) the kernel reads
+    expected = (q.float().view(rows, -1, 32) * d[..., None] + m[..., None]).view(rows, cols)
+    assert torch.equal(weight, expected)
+    assert torch.allclose(weight, ((q.float() - 8).view(rows, -1, 32) * scale[..., None] + zero[..., None]).view(rows, cols),
+                          atol=1e-3)  # (d, m) are the float16 forms of scale and zero - 8 scale
+    x = torch.randn(tokens, cols).to(dtype)
+    copy = torch.randn(rows, cols).to(dtype) if dense else None  # unrelated: shows which one was used
+    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_min, copy, 4)
+    assert out.dtype == dtype and out.shape == (tokens, rows)
+    reference = x.float() @ (copy.float() if dense and tokens > 4 else weight).t()
+    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float(), reference, **tolerance)
+
+
+def test_int4_rows_linear_rejects_what_it_cannot_multiply() -> None:
+    nibbles, scale_min = pack_int4_rows(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64).half(), nibbles, scale_min, None, 4)
+    with pytest.raises(RuntimeError, match="K / 2"):
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 96), nibbles, scale_min, None, 4)
+    with pytest.raises(RuntimeError, match="float16"):
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_min.float(), None, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quant_linear_int4_layouts_agree(dtype: torch.dtype) -> None:
+    torch.manual_seed(6)
+    kind, data = dense_packed_form(torch.randn(96, 128), "int4")
+    rows, tiles = (QuantLinear(96, 128, dtype, **{kind: data}, int4_rows=flag) for flag in (True, False))
+    x = torch.randn(3, 128).to(dtype)
+    assert rows._kernel(3, rows._native_fits(x)) == ("packed" if dtype == torch.float16 else "native")
+    out, reference = rows(x).float(), tiles(x).float()
+    assert ((out - reference).norm() / reference.norm()).item() < 1e-2  # tiles run in bf16 for fp32
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])

@@ -49,7 +49,8 @@ def test_kernel_choice_by_batch_size_gives_the_same_numbers() -> None:
     x = torch.randn(6, 64)
     packed_rows = torch.cat([layer(x[i:i + 1]) for i in range(6)])  # one token: the int4 kernel
     dense_rows = layer(x)  # six tokens: the dense copy
-    torch.testing.assert_close(packed_rows, dense_rows, atol=1e-4, rtol=1e-4)
+    # the int4 kernel runs in bf16 (int4_kernel_dtype): the two agree to bf16's precision
+    assert ((packed_rows - dense_rows).norm() / dense_rows.norm()).item() < 1e-2
 
 
 def test_large_int8_matrix_goes_in_chunks_without_a_dense_copy(monkeypatch) -> None:

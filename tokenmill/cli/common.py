@@ -15,8 +15,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--model", "-m", default=None,
         help=f"catalog alias (pulled on first use), GGUF file or HF directory (default: {DEFAULT_MODEL})",
     )
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                        help="compute dtype for the weights (default: fp32)")
+    parser.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="compute dtype for the weights (default: fp32; auto: bf16 where the CPU "
+                             "multiplies it natively, else fp32)")
     add_quantization_args(parser)
     parser.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
 

@@ -16,8 +16,9 @@ GiB = 1 << 30
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine knobs shared by every command that runs the batching engine."""
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
-                   help="activation and dense-weight dtype (default: bf16, which uses AMX where the CPU has it)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="activation and dense-weight dtype (default: auto, bf16 where the CPU multiplies it "
+                        "natively (AVX-512, AMX), else fp32)")
     add_quantization_args(p)
     p.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")

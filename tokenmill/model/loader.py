@@ -44,12 +44,27 @@ class LoadedModel:
     dtype: torch.dtype
 
 
+def preferred_dtype() -> torch.dtype:
+    """bf16 where oneDNN multiplies it natively (AVX-512 and newer, AMX), else fp32: without that
+    support its bf16 matmul is emulated, ~50x slower than fp32 (a 512x576x1536 product on a Zen 3
+    with AVX2: 815 ms against 16.5 ms)."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype by name; "auto" is `preferred_dtype()`."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return preferred_dtype()
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (choose from fp32, bf16, fp16)")
+        raise ValueError(f"unknown dtype {dtype!r} (choose from auto, fp32, bf16, fp16)")
     return DTYPES[dtype]
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The short name (fp32, bf16, fp16) of a dtype or dtype name, "auto" resolved."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[parse_dtype(dtype)]
 
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")

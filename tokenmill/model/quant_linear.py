@@ -1,12 +1,13 @@
 """Linear layers whose weights stay quantized in memory, with the kernel picked by batch size.
 
 Decoding a few tokens is bound by the bytes of weight read per step, so small batches use
-weight-only kernels that read the packed bytes directly: PyTorch's for int4, tokenmill's own for
-int8 on CPUs with AVX-512 (tokenmill/model/kernels, twice the speed of PyTorch's). Large batches
-(prefill, wide decode) are bound by arithmetic, where oneDNN's bf16 matmul (AMX on recent Xeons)
-wins; for them a layer may also hold a dense copy (`dense_min_tokens`).
+weight-only kernels that read the packed bytes directly: tokenmill's own for int8 (tokenmill/model/
+kernels, twice the speed of PyTorch's) and, on CPUs without AVX-512, for int4; PyTorch's for int4 on
+AVX-512. Large batches (prefill, wide decode) are bound by arithmetic, where a dense matmul wins
+(oneDNN's bf16 with AMX on recent Xeons, fp32 on AVX2); for them a layer may also hold a dense copy
+(`dense_min_tokens`).
 
-GGUF formats map onto the int4 kernel's layout (group of 32, w = scale * (q - 8) + zero) without
+GGUF formats map onto the int4 kernels' form (group of 32, w = scale * (q - 8) + zero) without
 loss for Q4_0, Q4_1 and Q4_K; other formats are re-quantized to int8 with one scale per output row,
 which costs a little accuracy (reported by `tokenmill perplexity`).
 """
@@ -37,6 +38,41 @@ CHUNK_ROWS = 8192  # 10 MB of bf16 for a 640-wide head: the dequantized chunk st
 # against chunks dequantized on the fly (its 262k-row head).
 GEMV_MAX_TOKENS = 4
 GEMV_MAX_TOKENS_NO_COPY = 8
+
+
+def int4_rows_layout() -> bool:
+    """Whether int4 weights take tokenmill's row layout and kernel (`tokenmill::int4_rows_linear`,
+    built here if need be): on CPUs without AVX-512, where PyTorch's int4 kernel streams 4-7 GB/s
+    and ours 6-11 (SmolLM2's and Gemma 3's layer shapes at batch 1, 2 threads, Zen 3: 1.6x faster).
+    AVX-512 CPUs keep PyTorch's kernel, which has an AVX-512 path and was the faster one measured there."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and kernels.load()
+
+
+def pack_int4_rows(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale, zero) in the row layout of `int4_rows_linear`: 16 bytes per group of 32, byte j
+    holding element j (low nibble) and element 16 + j (high), and (d, m) in float16 per group for
+    w = d * q + m (exact for Q4_0 and Q4_1, whose d and m are float16 in the file)."""
+    rows, cols = q.shape
+    halves = q.reshape(rows, cols // INT4_GROUP, 2, INT4_GROUP // 2).to(torch.uint8)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
+    scale_min = torch.stack((scale, zero - 8 * scale), dim=-1).to(torch.float16)
+    return nibbles.contiguous(), scale_min.contiguous()
+
+
+def unpack_int4_rows(nibbles: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+    """The float32 weight of `pack_int4_rows`' output."""
+    rows = nibbles.shape[0]
+    groups = nibbles.view(rows, -1, 1, INT4_GROUP // 2)
+    q = torch.cat((groups & 0xF, groups >> 4), dim=2).view(rows, -1, INT4_GROUP).float()
+    d, m = scale_min.float().unbind(-1)
+    return (q * d[..., None] + m[..., None]).view(rows, -1)
+
+
+def int4_kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype PyTorch's int4 kernel runs in for a model in `dtype`: it is vectorized for bf16
+    and not for fp32 (a 1536x576 layer at batch 1 on an AVX2 Zen 3: 0.11 ms in bf16, 1.9 ms in
+    fp32), so an fp32 model rounds its activations to bf16 for it."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
 def is_large_int8(kind: str, weights: int) -> bool:
@@ -151,17 +187,25 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None = None,
         dense: torch.Tensor | None = None,
         dense_min_tokens: int = 1 << 30,
+        int4_rows: bool | None = None,
     ) -> None:
+        """int4_rows: the layout of int4 weights (default: `int4_rows_layout()`)."""
         super().__init__()
         if (int4 is None) == (int8 is None):
             raise ValueError("give exactly one of int4 and int8")
         self.out_features, self.in_features = out_features, in_features
         self.kind = "int4" if int4 is not None else "int8"
-        if int4 is not None:
+        self.int4_rows = int4 is not None and (int4_rows_layout() if int4_rows is None else int4_rows)
+        if self.int4_rows:
+            nibbles, scale_min = pack_int4_rows(*int4)
+            self.register_buffer("nibbles", nibbles)
+            self.register_buffer("scale_min", scale_min)
+        elif int4 is not None:
             q, scale, zero = int4
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
             # kernel layout: (groups, out_features, 2) holding (scale, zero)
-            self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
+            self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1)
+                                 .to(int4_kernel_dtype(dtype)).contiguous())
         else:
             q8, scale = int8
             self.register_buffer("weight_int8", q8.contiguous())
@@ -177,7 +221,10 @@ class QuantLinear(nn.Module):
             return F.linear(x, self.dense, self.bias)
         if kernel == "native":
             dense = self.dense if self.dense_min_tokens > 0 else None
-            if self.kind == "int4":
+            if self.int4_rows:
+                y = torch.ops.tokenmill.int4_rows_linear(x, self.nibbles, self.scale_min, dense,
+                                                         self.dense_min_tokens - 1)
+            elif self.kind == "int4":
                 y = torch.ops.tokenmill.int4_linear(x, self.packed, self.scales_zeros, INT4_GROUP, dense,
                                                     self.dense_min_tokens - 1)
             else:
@@ -190,8 +237,11 @@ class QuantLinear(nn.Module):
             chunks = [F.linear(x, self.weight_int8[start:start + CHUNK_ROWS].to(x.dtype))
                       for start in range(0, self.out_features, CHUNK_ROWS)]
             y = torch.cat(chunks, dim=-1) * self.scales
+        elif self.int4_rows:  # a dtype or device the kernel does not take
+            y = F.linear(x, unpack_int4_rows(self.nibbles, self.scale_min).to(x.dtype))
         elif self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.scales_zeros.dtype), self.packed, INT4_GROUP,
+                                                           self.scales_zeros).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
@@ -201,8 +251,8 @@ class QuantLinear(nn.Module):
         if not kernels.loaded() or x.device.type != "cpu":
             return False
         if self.kind == "int4":
-            return True
-        return x.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16 and self.in_features % 32 == 0
+            return not self.int4_rows or x.dtype in (torch.bfloat16, torch.float32)
+        return x.dtype in (torch.bfloat16, torch.float32) and self.scales.dtype == x.dtype and self.in_features % 32 == 0
 
     def _kernel(self, tokens: int, native_fits: bool = False) -> str:
         """'native' (`tokenmill::int8_linear|int4_linear`, which pick their means by batch size), 'dense',
@@ -225,7 +275,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         dense = f", dense for >= {self.dense_min_tokens} tokens" if self.dense is not None else ""
-        return f"{self.in_features} -> {self.out_features}, {self.kind}{dense}"
+        rows = " (row layout)" if self.int4_rows else ""
+        return f"{self.in_features} -> {self.out_features}, {self.kind}{rows}{dense}"
 
 
 class QuantEmbedding(nn.Module):

@@ -84,6 +84,7 @@ def load(build: bool = True) -> bool:
         torch.ops.load_library(str(library))
         torch.library.register_fake("tokenmill::int8_linear")(_int8_shape)
         torch.library.register_fake("tokenmill::int4_linear")(_int4_shape)
+        torch.library.register_fake("tokenmill::int4_rows_linear")(_int4_rows_shape)
         torch.library.register_fake("tokenmill::gated_activation")(_gated_shape)
         _loaded = True
         return True
@@ -124,6 +125,11 @@ def _int8_shape(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dens
 def _int4_shape(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
                 dense: torch.Tensor | None, max_packed_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], scales_zeros.shape[1])
+
+
+def _int4_rows_shape(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, dense: torch.Tensor | None,
+                     max_gemv_rows: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], nibbles.shape[0])
 
 
 def _gated_shape(gate_up: torch.Tensor, kind: str) -> torch.Tensor:

@@ -3,7 +3,7 @@
 // A decode step reads every weight once per token, so it runs at the speed the weight bytes stream
 // from memory. PyTorch's `_weight_int8pack_mm` streams them at ~10 GB/s on a 2-core AVX-512 machine
 // whose memory gives ~30; this kernel reaches ~25: each output row is one pass over its int8 row,
-// widened to fp32 and multiplied with the (fp32) activations by FMAs (simd.h). Rows are split across
+// widened to fp32 and multiplied with the activations (bf16 or fp32, widened to fp32) by FMAs (simd.h). Rows are split across
 // PyTorch's intra-op threads, and up to 4 activation rows share each widened weight vector.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -20,8 +21,8 @@ namespace {
 constexpr int64_t kRowsPerTask = 16;
 constexpr int kMaxActivationRows = 4;
 
-template <int M>
-void int8_rows(const float* x, int64_t K, const int8_t* weight, const at::BFloat16* scale, at::BFloat16* y,
+template <int M, typename T>
+void int8_rows(const float* x, int64_t K, const int8_t* weight, const T* scale, T* y,
                int64_t N, int64_t row0, int64_t row1) {
   using namespace simd;
   for (int64_t o = row0; o < row1; ++o) {
@@ -36,31 +37,34 @@ void int8_rows(const float* x, int64_t K, const int8_t* weight, const at::BFloat
       }
     }
     const float s = static_cast<float>(scale[o]);
-    for (int i = 0; i < M; ++i) y[i * N + o] = at::BFloat16(sum(add(acc[i][0], acc[i][1])) * s);
+    for (int i = 0; i < M; ++i) y[i * N + o] = T(sum(add(acc[i][0], acc[i][1])) * s);
   }
 }
 
-// y = x W^T * scale, for x (M, K) bfloat16, W (N, K) int8 and scale (N) bfloat16 (one per row).
-at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int8_gemv: x must be a 2-D bfloat16 tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
-              "int8_gemv: the weight must be a contiguous 2-D int8 tensor");
+// y = x W^T * scale, for x (M, K), W (N, K) int8 and scale (N) (one per row); x, scale and y are
+// all T, bfloat16 or float32.
+template <typename T>
+at::Tensor int8_gemv_as(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x.size(1) == K && K % 32 == 0, "int8_gemv: x's width must equal the weight's, a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == N && scale.is_contiguous(),
-              "int8_gemv: scale must hold one contiguous bfloat16 per weight row");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  std::vector<float> xf(M * K);  // widened once here: a tensor op would cost more than it saves
   const at::Tensor xc = x.contiguous();
-  const at::BFloat16* xs = xc.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xs[i]);
+  const T* xs = xc.data_ptr<T>();
+  std::vector<float> widened;  // bf16 rows widened once here: a tensor op would cost more than it saves
+  const float* xf;
+  if constexpr (std::is_same_v<T, float>) {
+    xf = xs;
+  } else {
+    widened.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(xs[i]);
+    xf = widened.data();
+  }
   const int8_t* w = weight.data_ptr<int8_t>();
-  const at::BFloat16* s = scale.data_ptr<at::BFloat16>();
+  const T* s = scale.data_ptr<T>();
   for (int64_t m0 = 0; m0 < M; m0 += kMaxActivationRows) {
     const int64_t rows = std::min<int64_t>(kMaxActivationRows, M - m0);
-    const float* xp = xf.data() + m0 * K;
-    at::BFloat16* yp = y.data_ptr<at::BFloat16>() + m0 * N;
+    const float* xp = xf + m0 * K;
+    T* yp = y.data_ptr<T>() + m0 * N;
     at::parallel_for(0, N, kRowsPerTask, [&](int64_t r0, int64_t r1) {
       switch (rows) {
         case 1: int8_rows<1>(xp, K, w, s, yp, N, r0, r1); break;
@@ -71,6 +75,108 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
     });
   }
   return y;
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "int8_gemv: x must be a 2-D bfloat16 or float32 tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_gemv: the weight must be a contiguous 2-D int8 tensor");
+  TORCH_CHECK(x.size(1) == weight.size(1) && weight.size(1) % 32 == 0,
+              "int8_gemv: x's width must equal the weight's, a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == dtype && scale.numel() == weight.size(0) && scale.is_contiguous(),
+              "int8_gemv: scale must hold one contiguous value per weight row, of x's dtype");
+  return dtype == at::kFloat ? int8_gemv_as<float>(x, weight, scale) : int8_gemv_as<at::BFloat16>(x, weight, scale);
+}
+
+// y = x W^T for W (N, K) in 4-bit groups of 32 along K, w = d * q + m with q in 0..15: row o's group
+// g is the 16 bytes nibbles[o][16 g:], byte j holding q of element 32 g + j in its low nibble and of
+// element 32 g + 16 + j in its high one; (d, m) are scale_min[o][g]. The sums of q x are taken per
+// group (scaled by d once), and the m terms come from the group sums of x: two FMAs per weight pair.
+template <int M, typename T>
+void int4_rows(const float* x, const float* group_sums, int64_t K, const uint8_t* nibbles, const at::Half* scale_min,
+               T* y, int64_t N, int64_t row0, int64_t row1) {
+  using namespace simd;
+  const int64_t groups = K / 32;
+  for (int64_t o = row0; o < row1; ++o) {
+    const uint8_t* row = nibbles + o * groups * 16;
+    const at::Half* dm = scale_min + o * groups * 2;
+    Vec acc[M];
+    float offset[M];
+    for (int i = 0; i < M; ++i) acc[i] = zero(), offset[i] = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      Vec dot[M][2];
+      for (int i = 0; i < M; ++i) dot[i][0] = dot[i][1] = zero();
+      for (int b = 0; b < 16; b += kWidth) {
+        Vec low, high;
+        load_nibbles(row + g * 16 + b, low, high);
+        for (int i = 0; i < M; ++i) {
+          const float* xg = x + i * K + g * 32 + b;
+          dot[i][0] = fmadd(low, load(xg), dot[i][0]);
+          dot[i][1] = fmadd(high, load(xg + 16), dot[i][1]);
+        }
+      }
+      const Vec d = set1(to_float(dm[2 * g]));
+      const float m = to_float(dm[2 * g + 1]);
+      for (int i = 0; i < M; ++i) {
+        acc[i] = fmadd(add(dot[i][0], dot[i][1]), d, acc[i]);
+        offset[i] += m * group_sums[i * groups + g];
+      }
+    }
+    for (int i = 0; i < M; ++i) y[i * N + o] = T(sum(acc[i]) + offset[i]);
+  }
+}
+
+template <typename T>
+at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_min) {
+  const int64_t M = x.size(0), N = nibbles.size(0), K = x.size(1), groups = K / 32;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // a no-op for float32
+  const float* xs = xf.data_ptr<float>();
+  std::vector<float> sums(M * groups);
+  for (int64_t i = 0; i < M * groups; ++i) {
+    float s = 0.0f;
+    for (int j = 0; j < 32; ++j) s += xs[i * 32 + j];
+    sums[i] = s;
+  }
+  const uint8_t* w = nibbles.data_ptr<uint8_t>();
+  const at::Half* dm = scale_min.data_ptr<at::Half>();
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxActivationRows) {
+    const int64_t rows = std::min<int64_t>(kMaxActivationRows, M - m0);
+    const float* xp = xs + m0 * K;
+    const float* sp = sums.data() + m0 * groups;
+    T* yp = y.data_ptr<T>() + m0 * N;
+    at::parallel_for(0, N, kRowsPerTask, [&](int64_t r0, int64_t r1) {
+      switch (rows) {
+        case 1: int4_rows<1>(xp, sp, K, w, dm, yp, N, r0, r1); break;
+        case 2: int4_rows<2>(xp, sp, K, w, dm, yp, N, r0, r1); break;
+        case 3: int4_rows<3>(xp, sp, K, w, dm, yp, N, r0, r1); break;
+        default: int4_rows<4>(xp, sp, K, w, dm, yp, N, r0, r1); break;
+      }
+    });
+  }
+  return y;
+}
+
+// The int4 product for any number of rows: the kernel above up to max_gemv_rows (bound by weight
+// bytes), the layer's dense copy beyond (bound by arithmetic), or the kernel again, four rows at a
+// time, for a layer without one.
+at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_min,
+                            const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows) {
+  if (x.size(0) > max_gemv_rows && dense.has_value()) return at::linear(x, *dense);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "int4_rows_linear: x must be a 2-D bfloat16 or float32 tensor");
+  const int64_t N = nibbles.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && nibbles.dim() == 2 && nibbles.size(1) * 2 == K &&
+                  nibbles.scalar_type() == at::kByte && nibbles.is_contiguous(),
+              "int4_rows_linear: nibbles must be contiguous uint8 (N, K / 2), K a multiple of 32");
+  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() && scale_min.numel() == N * K / 16,
+              "int4_rows_linear: scale_min must be contiguous float16 (N, K / 32, 2)");
+  return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, scale_min)
+                             : int4_gemv_as<at::BFloat16>(x, nibbles, scale_min);
 }
 
 // The same product for any number of rows, by the fastest means at hand for that number: the
@@ -94,12 +200,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 // The int4 counterpart (PyTorch's packed kernel below the crossover, the dense copy above it):
-// written here only so that the choice is made at run time, inside one compiled graph.
+// written here only so that the choice is made at run time, inside one compiled graph. The packed
+// kernel runs in the dtype of the scales: fp32 activations are rounded to bf16 for it (see
+// QuantLinear).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                        int64_t group_size, const c10::optional<at::Tensor>& dense, int64_t max_packed_rows) {
-  if (x.size(0) <= max_packed_rows || !dense.has_value())
+  if (x.size(0) > max_packed_rows && dense.has_value()) return at::linear(x, *dense);
+  if (x.scalar_type() == scales_zeros.scalar_type())
     return at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros);
-  return at::linear(x, *dense);
+  return at::_weight_int4pack_mm_for_cpu(x.to(scales_zeros.scalar_type()), packed, group_size, scales_zeros)
+      .to(x.scalar_type());
 }
 
 }  // namespace
@@ -108,9 +218,11 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, Tensor? dense, "
         "int max_packed_rows) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows) -> Tensor");
+  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor scale_min, Tensor? dense, int max_gemv_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int4_rows_linear", &int4_rows_linear);
 }

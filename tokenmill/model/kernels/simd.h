@@ -3,6 +3,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -35,6 +36,12 @@ inline Vec load(const int8_t* p) {
 inline Vec load(const c10::BFloat16* p) {
   const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+// kWidth bytes of packed 4-bit values, as floats: the low nibbles and the high nibbles
+inline void load_nibbles(const uint8_t* p, Vec& low, Vec& high) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
+  high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
 }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline void store(c10::BFloat16* p, Vec v) {  // rounded to nearest even, NaN kept NaN
@@ -79,6 +86,11 @@ inline Vec load(const c10::BFloat16* p) {
   const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
+inline void load_nibbles(const uint8_t* p, Vec& low, Vec& high) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
+  high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+}
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline void store(c10::BFloat16* p, Vec v) {
   __m256i bits = _mm256_castps_si256(v);
@@ -93,6 +105,8 @@ inline void store(c10::BFloat16* p, Vec v) {
 #else
 #error "tokenmill's CPU kernels need AVX2 with FMA, or AVX-512"
 #endif
+
+inline float to_float(c10::Half h) { return _cvtsh_ss(h.x); }  // F16C, which every AVX2 CPU has
 
 // exp(x) for x in about [-87, 88]: 2^n * p(r), r = x - n ln2, |r| <= ln2/2 (rel. error ~2e-7).
 inline Vec exp(Vec x) {
