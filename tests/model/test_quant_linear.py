@@ -56,7 +56,7 @@ def test_kernel_choice_by_batch_size_gives_the_same_numbers() -> None:
 def test_large_int8_matrix_goes_in_chunks_without_a_dense_copy(monkeypatch) -> None:
     torch.manual_seed(3)
     monkeypatch.setattr(quant_linear, "LARGE_INT8_WEIGHTS", 100 * 64)
-    monkeypatch.setattr(quant_linear, "CHUNK_ROWS", 32)  # 100 rows: three whole chunks and a part
+    monkeypatch.setitem(quant_linear.CHUNK_ROWS, torch.float32, 32)  # 100 rows: three whole chunks and a part
     kind, data = dense_packed_form(torch.randn(100, 64), "int8")
     layer = QuantLinear(100, 64, torch.float32, **{kind: data})
     x = torch.randn(5, 64)

@@ -32,7 +32,8 @@ INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 # to ~32 tokens (Gemma 3's head: 49 vs 47 ms at 32 tokens, 86 vs 77 at 64) without the copy's
 # memory (336 MB for that head), so such a matrix never gets a dense copy.
 LARGE_INT8_WEIGHTS = 1 << 24
-CHUNK_ROWS = 8192  # 10 MB of bf16 for a 640-wide head: the dequantized chunk stays in cache
+# rows of such a matrix dequantized at a time, by activation dtype (the same as int8_linear's in gemv.cpp)
+CHUNK_ROWS = {torch.bfloat16: 8192, torch.float32: 2048}
 # Up to these many tokens `tokenmill::int8_linear` streams the int8 bytes (gemv.cpp), beyond them
 # it multiplies in bf16: measured crossovers against a layer's dense copy (Gemma 3's layers) and
 # against chunks dequantized on the fly (its 262k-row head).
@@ -234,8 +235,9 @@ class QuantLinear(nn.Module):
         if kernel == "streamed":  # a plain reduction that inductor turns into one pass over the int8 bytes
             y = ((self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()).to(x.dtype)[None]
         elif kernel == "chunked":  # int8 values are exact in bf16; the row scales apply to the output
-            chunks = [F.linear(x, self.weight_int8[start:start + CHUNK_ROWS].to(x.dtype))
-                      for start in range(0, self.out_features, CHUNK_ROWS)]
+            rows = CHUNK_ROWS.get(x.dtype, 2048)
+            chunks = [F.linear(x, self.weight_int8[start:start + rows].to(x.dtype))
+                      for start in range(0, self.out_features, rows)]
             y = torch.cat(chunks, dim=-1) * self.scales
         elif self.int4_rows:  # a dtype or device the kernel does not take
             y = F.linear(x, unpack_int4_rows(self.nibbles, self.scale_min).to(x.dtype))
