@@ -5,6 +5,7 @@ Nothing here is part of the tokenmill package; the scripts import it as a siblin
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -29,6 +30,15 @@ BUILD_SCRIPT = Path(os.environ.get("LLAMA_CPP_BUILD_SCRIPT", "/work/shared/peers
 
 
 # ---------------------------------------------------------------- models
+
+def add_dtype_arg(parser: argparse.ArgumentParser, what: str = "tokenmill's dtype") -> None:
+    """--dtype, kept resolved ("auto" becomes this CPU's bf16 or fp32) so that results record what ran."""
+    from tokenmill.model.loader import dtype_name
+
+    parser.add_argument("--dtype", default="auto", type=dtype_name, choices=["fp32", "bf16", "fp16"],
+                        metavar="{auto,fp32,bf16,fp16}",
+                        help=f"{what} (default: auto, bf16 where the CPU multiplies it natively, else fp32)")
+
 
 def resolve_model(name: str) -> Path:
     """A catalog alias (pulled on first use, as `tokenmill pull` does) or a GGUF path."""

@@ -27,8 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-from tokenmill.model.loader import dtype_name
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
@@ -244,7 +242,7 @@ def format_table(data: dict, args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"])
+    common.add_dtype_arg(p)
     p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none", "int8", "int4"])
     p.add_argument("--dense-min-tokens", type=int, default=None,
                    help="keep dense copies of quantized layers for batches of at least this many tokens")
@@ -261,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per llama.cpp run")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline-<model>.json)")
     args = p.parse_args(argv)
-    args.dtype = dtype_name(args.dtype)  # recorded and passed on resolved
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
 

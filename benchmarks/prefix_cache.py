@@ -21,8 +21,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from tokenmill.model.loader import dtype_name
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
@@ -50,7 +48,7 @@ def scrape_prefix_counters(url: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"])
+    common.add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the server")
     p.add_argument("--prefix-len", type=int, default=1000, help="shared prefix tokens")
     p.add_argument("--question-len", type=int, default=24, help="distinct tokens after the prefix")
@@ -63,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=1800)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/prefix-cache-<model>.json)")
     args = p.parse_args(argv)
-    args.dtype = dtype_name(args.dtype)  # recorded and passed on resolved
 
     from tokenmill.bench.serving import BenchConfig, format_comparison, run_benchmark
 

@@ -23,8 +23,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from tokenmill.model.loader import dtype_name
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
@@ -109,7 +107,7 @@ def summary_table(data: dict, concurrency: list[int]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"], help="tokenmill serve --dtype")
+    common.add_dtype_arg(p, "tokenmill serve --dtype")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t, OMP_NUM_THREADS for tokenmill")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--prompts-per-concurrency", type=int, default=3, help="prompts per level: this times C ...")
@@ -131,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="also print the full report of every run")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/serving-<model>.json)")
     args = p.parse_args(argv)
-    args.dtype = dtype_name(args.dtype)  # recorded and passed on resolved
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - set(NAMES)

@@ -37,7 +37,7 @@ def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: t
     if means == "dense copy":  # what the loader keeps: the dequantized weight, rounded to the dtype
         dense = (weight.float() * scale.float()[:, None]).to(dtype)
         reference = x.float() @ dense.float().t()
-    out = torch.ops.tokenmill.int8_linear(x, weight, scale, dense, 16 if means == "gemv" else 0)
+    out = torch.ops.tokenmill.int8_linear(x, weight, scale, dense, 16 if means == "gemv" else 0, 2048)
     assert out.dtype == dtype and out.shape == (tokens, 8197)
     tolerance = dict(atol=2e-3, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float(), reference, **tolerance)
@@ -46,11 +46,12 @@ def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: t
 def test_int8_linear_rejects_what_it_cannot_multiply() -> None:
     weight, scale = _int8_layer(8, 96, 0)
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        torch.ops.tokenmill.int8_linear(torch.randn(1, 96).half(), weight, scale, None, 4)
+        torch.ops.tokenmill.int8_linear(torch.randn(1, 96).half(), weight, scale, None, 4, 2048)
     with pytest.raises(RuntimeError, match="of x's dtype"):
-        torch.ops.tokenmill.int8_linear(torch.randn(1, 96), weight, scale, None, 4)
+        torch.ops.tokenmill.int8_linear(torch.randn(1, 96), weight, scale, None, 4, 2048)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.tokenmill.int8_linear(torch.randn(1, 80).bfloat16(), weight[:, :80].contiguous(), scale, None, 4)
+        torch.ops.tokenmill.int8_linear(torch.randn(1, 80).bfloat16(), weight[:, :80].contiguous(), scale, None, 4,
+                                        2048)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -86,17 +87,15 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
     torch.manual_seed(tokens)
     rows, cols = 1037, 160  # rows: not a multiple of the threads' share; 5 groups of 32 per row
     q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
-    scale, zero = torch.rand(rows, cols // 32) / 10, torch.randn(rows, cols // 32) / 10
-    nibbles, scale_min = pack_int4_rows(q, scale, zero)
-    weight = unpack_int4_rows(nibbles, scale_min)
-    d, m = scale_min.float().unbind(-1)  # the float16 (d, m) the kernel reads
-    expected = (q.float().view(rows, -1, 32) * d[..., None] + m[..., None]).view(rows, cols)
-    assert torch.equal(weight, expected)
-    assert torch.allclose(weight, ((q.float() - 8).view(rows, -1, 32) * scale[..., None] + zero[..., None]).view(rows, cols),
-                          atol=1e-3)  # (d, m) are the float16 forms of scale and zero - 8 scale
+    # float16 values, as Q4_0/Q4_1 files hold them: the packed form keeps them exactly
+    scale = (torch.rand(rows, cols // 32) / 10).half().float()
+    low = (torch.randn(rows, cols // 32) / 10).half().float()
+    nibbles, scale_low = pack_int4_rows(q, scale, low)
+    weight = unpack_int4_rows(nibbles, scale_low)
+    assert torch.equal(weight, (q.float().view(rows, -1, 32) * scale[..., None] + low[..., None]).view(rows, cols))
     x = torch.randn(tokens, cols).to(dtype)
     copy = torch.randn(rows, cols).to(dtype) if dense else None  # unrelated: shows which one was used
-    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_min, copy, 4)
+    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, copy, 4)
     assert out.dtype == dtype and out.shape == (tokens, rows)
     reference = x.float() @ (copy.float() if dense and tokens > 4 else weight).t()
     tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
@@ -104,13 +103,13 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
 
 
 def test_int4_rows_linear_rejects_what_it_cannot_multiply() -> None:
-    nibbles, scale_min = pack_int4_rows(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
+    nibbles, scale_low = pack_int4_rows(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64).half(), nibbles, scale_min, None, 4)
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64).half(), nibbles, scale_low, None, 4)
     with pytest.raises(RuntimeError, match="K / 2"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 96), nibbles, scale_min, None, 4)
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 96), nibbles, scale_low, None, 4)
     with pytest.raises(RuntimeError, match="float16"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_min.float(), None, 4)
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_low.float(), None, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
+from tests.model.test_gguf import random_blocks
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
 from tokenmill.model import quant_linear
-from tokenmill.model.quant_linear import QuantLinear, dense_packed_form, merge_packed
+from tokenmill.model.quant import GGMLWeight
+from tokenmill.model.quant_linear import (
+    QuantLinear,
+    dense_packed_form,
+    int4_groups,
+    merge_packed,
+    pack_int4_rows,
+    unpack_int4_rows,
+)
 
 PROMPTS = [[5, 9, 30, 71, 12, 44, 8], list(range(40, 60))]
 
@@ -82,6 +93,23 @@ def test_merging_int4_with_int8_parts_brings_them_to_int8() -> None:
     torch.testing.assert_close(q8.float() * scales[:, None], torch.cat([a, b]), atol=0.35, rtol=0)
 
 
-def _int4_dense(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def _int4_dense(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     groups = q.float().view(q.shape[0], -1, 32)
-    return ((groups - 8) * scale[..., None] + zero[..., None]).view(q.shape)
+    return (groups * scale[..., None] + low[..., None]).view(q.shape)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_gguf_int4_formats_keep_their_values(qtype: Q) -> None:
+    """int4_groups gives ggml's own dequantization, and the row layout keeps it (Q4_K's products of
+    a float16 and a 6-bit scale are rounded to float16 there)."""
+    shape = (6, 512)
+    raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(int(qtype))))
+    weight = GGMLWeight(raw, qtype, shape)
+    q, scale, low = int4_groups(weight)
+    torch.testing.assert_close(_int4_dense(q, scale, low), weight.dequantize(), rtol=1e-6, atol=1e-6)
+    rows = unpack_int4_rows(*pack_int4_rows(q, scale, low))
+    if qtype == Q.Q4_K:  # each term off by at most float16's half step, 2^-11 of it
+        bound = _int4_dense(torch.full_like(q, 15), scale.abs(), low.abs()) * 2.0**-11
+        assert ((rows - weight.dequantize()).abs() <= bound).all()
+    else:
+        assert torch.equal(rows, weight.dequantize())

@@ -7,9 +7,9 @@ AVX-512. Large batches (prefill, wide decode) are bound by arithmetic, where a d
 (oneDNN's bf16 with AMX on recent Xeons, fp32 on AVX2); for them a layer may also hold a dense copy
 (`dense_min_tokens`).
 
-GGUF formats map onto the int4 kernels' form (group of 32, w = scale * (q - 8) + zero) without
-loss for Q4_0, Q4_1 and Q4_K; other formats are re-quantized to int8 with one scale per output row,
-which costs a little accuracy (reported by `tokenmill perplexity`).
+GGUF formats map onto the int4 kernels' form (group of 32, w = scale * q + low, q in 0..15, as
+ggml writes them) without loss for Q4_0, Q4_1 and Q4_K; other formats are re-quantized to int8 with
+one scale per output row, which costs a little accuracy (reported by `tokenmill perplexity`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 # to ~32 tokens (Gemma 3's head: 49 vs 47 ms at 32 tokens, 86 vs 77 at 64) without the copy's
 # memory (336 MB for that head), so such a matrix never gets a dense copy.
 LARGE_INT8_WEIGHTS = 1 << 24
-# rows of such a matrix dequantized at a time, by activation dtype (the same as int8_linear's in gemv.cpp)
-CHUNK_ROWS = {torch.bfloat16: 8192, torch.float32: 2048}
+# Rows of such a matrix dequantized at a time (here and in `tokenmill::int8_linear`), measured on
+# Gemma 3's 262k x 640 head: 8192 in bf16 (10 MB, stays in cache; AVX-512 EPYC), 2048 in fp32 and
+# other dtypes (32 tokens on an AVX2 Zen 3: 149 ms against 326 for 8192).
+CHUNK_ROWS = {torch.bfloat16: 8192}
+DEFAULT_CHUNK_ROWS = 2048
 # Up to these many tokens `tokenmill::int8_linear` streams the int8 bytes (gemv.cpp), beyond them
 # it multiplies in bf16: measured crossovers against a layer's dense copy (Gemma 3's layers) and
 # against chunks dequantized on the fly (its 262k-row head).
@@ -45,28 +48,28 @@ def int4_rows_layout() -> bool:
     """Whether int4 weights take tokenmill's row layout and kernel (`tokenmill::int4_rows_linear`,
     built here if need be): on CPUs without AVX-512, where PyTorch's int4 kernel streams 4-7 GB/s
     and ours 6-11 (SmolLM2's and Gemma 3's layer shapes at batch 1, 2 threads, Zen 3: 1.6x faster).
-    AVX-512 CPUs keep PyTorch's kernel, which has an AVX-512 path and was the faster one measured there."""
+    AVX-512 CPUs keep PyTorch's kernel, which has an AVX-512 path there; ours is unmeasured on them."""
     return torch.backends.cpu.get_cpu_capability() == "AVX2" and kernels.load()
 
 
-def pack_int4_rows(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale, zero) in the row layout of `int4_rows_linear`: 16 bytes per group of 32, byte j
-    holding element j (low nibble) and element 16 + j (high), and (d, m) in float16 per group for
-    w = d * q + m (exact for Q4_0 and Q4_1, whose d and m are float16 in the file)."""
+def pack_int4_rows(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale, low) in the row layout of `int4_rows_linear`: 16 bytes per group of 32, byte j
+    holding element j (low nibble) and element 16 + j (high), and (scale, low) in float16 per group
+    (exact for Q4_0 and Q4_1, whose scales and lows are float16 in the file)."""
     rows, cols = q.shape
     halves = q.reshape(rows, cols // INT4_GROUP, 2, INT4_GROUP // 2).to(torch.uint8)
     nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
-    scale_min = torch.stack((scale, zero - 8 * scale), dim=-1).to(torch.float16)
-    return nibbles.contiguous(), scale_min.contiguous()
+    scale_low = torch.stack((scale, low), dim=-1).to(torch.float16)
+    return nibbles.contiguous(), scale_low.contiguous()
 
 
-def unpack_int4_rows(nibbles: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+def unpack_int4_rows(nibbles: torch.Tensor, scale_low: torch.Tensor) -> torch.Tensor:
     """The float32 weight of `pack_int4_rows`' output."""
     rows = nibbles.shape[0]
     groups = nibbles.view(rows, -1, 1, INT4_GROUP // 2)
     q = torch.cat((groups & 0xF, groups >> 4), dim=2).view(rows, -1, INT4_GROUP).float()
-    d, m = scale_min.float().unbind(-1)
-    return (q * d[..., None] + m[..., None]).view(rows, -1)
+    scale, low = scale_low.float().unbind(-1)
+    return (q * scale[..., None] + low[..., None]).view(rows, -1)
 
 
 def int4_kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,29 +85,27 @@ def is_large_int8(kind: str, weights: int) -> bool:
 
 
 def int4_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, zero) of a Q4_0/Q4_1/Q4_K weight: q (rows, cols) in 0..15, scale and zero
-    (rows, cols / 32) float32, with w = scale * (q - 8) + zero exactly as ggml dequantizes."""
+    """(q, scale, low) of a Q4_0/Q4_1/Q4_K weight: q (rows, cols) in 0..15, scale and low
+    (rows, cols / 32) float32, with w = scale * q + low exactly as ggml dequantizes."""
     rows, cols = w.shape
     _, type_size = quant.GGML_QUANT_SIZES[w.qtype]
     b = w.data.contiguous().view(-1, type_size)
     if w.qtype == Q.Q4_0:
         q = quant._unpack(b[:, 2:18], 1, 4).view(-1, 32)
         scale = quant._f16(b, 0)
-        zero = torch.zeros_like(scale)
+        low = -8 * scale
     elif w.qtype == Q.Q4_1:
         q = quant._unpack(b[:, 4:20], 1, 4).view(-1, 32)
         scale, low = quant._f16(b, 0), quant._f16(b, 2)
-        zero = low + 8 * scale
     elif w.qtype == Q.Q4_K:
         n = b.shape[0]
         sc, mn = quant._k_scale_min(b[:, 4:16])
         scale = (quant._f16(b, 0) * sc).view(-1, 1)
         low = -(quant._f16(b, 2) * mn).view(-1, 1)
         q = quant._unpack(b[:, 16:144], 4, 4).view(n * 8, 32)
-        zero = low + 8 * scale
     else:
         raise ValueError(f"{w.qtype.name} has no exact int4 form")
-    return q.reshape(rows, cols), scale.reshape(rows, cols // 32), zero.reshape(rows, cols // 32)
+    return q.reshape(rows, cols), scale.reshape(rows, cols // 32), low.reshape(rows, cols // 32)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,7 +115,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp(min=1e-12)
     q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-    return q.reshape(rows, cols), scale, lo + 8 * scale
+    return q.reshape(rows, cols), scale, lo
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +125,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-Packed = tuple[str, tuple[torch.Tensor, ...]]  # ("int4", (q, scale, zero)) or ("int8", (q8, scale))
+Packed = tuple[str, tuple[torch.Tensor, ...]]  # ("int4", (q, scale, low)) or ("int8", (q8, scale))
 
 
 def packed_form(w: GGMLWeight) -> Packed:
@@ -169,10 +170,10 @@ def merge_packed(parts: list[Packed]) -> Packed:
     return merge_packed(as_int8)
 
 
-def _int4_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def _int4_weight(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     rows, cols = q.shape
     groups = q.float().view(rows, cols // INT4_GROUP, INT4_GROUP)
-    return ((groups - 8) * scale[..., None] + zero[..., None]).view(rows, cols)
+    return (groups * scale[..., None] + low[..., None]).view(rows, cols)
 
 
 class QuantLinear(nn.Module):
@@ -198,13 +199,14 @@ class QuantLinear(nn.Module):
         self.kind = "int4" if int4 is not None else "int8"
         self.int4_rows = int4 is not None and (int4_rows_layout() if int4_rows is None else int4_rows)
         if self.int4_rows:
-            nibbles, scale_min = pack_int4_rows(*int4)
+            nibbles, scale_low = pack_int4_rows(*int4)
             self.register_buffer("nibbles", nibbles)
-            self.register_buffer("scale_min", scale_min)
+            self.register_buffer("scale_low", scale_low)
         elif int4 is not None:
-            q, scale, zero = int4
+            q, scale, low = int4
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-            # kernel layout: (groups, out_features, 2) holding (scale, zero)
+            # kernel layout: (groups, out_features, 2) holding (scale, zero), w = scale * (q - 8) + zero
+            zero = low + 8 * scale
             self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1)
                                  .to(int4_kernel_dtype(dtype)).contiguous())
         else:
@@ -223,24 +225,25 @@ class QuantLinear(nn.Module):
         if kernel == "native":
             dense = self.dense if self.dense_min_tokens > 0 else None
             if self.int4_rows:
-                y = torch.ops.tokenmill.int4_rows_linear(x, self.nibbles, self.scale_min, dense,
+                y = torch.ops.tokenmill.int4_rows_linear(x, self.nibbles, self.scale_low, dense,
                                                          self.dense_min_tokens - 1)
             elif self.kind == "int4":
                 y = torch.ops.tokenmill.int4_linear(x, self.packed, self.scales_zeros, INT4_GROUP, dense,
                                                     self.dense_min_tokens - 1)
             else:
                 y = torch.ops.tokenmill.int8_linear(x, self.weight_int8, self.scales, dense,
-                                                    GEMV_MAX_TOKENS if dense is not None else GEMV_MAX_TOKENS_NO_COPY)
+                                                    GEMV_MAX_TOKENS if dense is not None else GEMV_MAX_TOKENS_NO_COPY,
+                                                    CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS))
             return y if self.bias is None else y + self.bias
         if kernel == "streamed":  # a plain reduction that inductor turns into one pass over the int8 bytes
             y = ((self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()).to(x.dtype)[None]
         elif kernel == "chunked":  # int8 values are exact in bf16; the row scales apply to the output
-            rows = CHUNK_ROWS.get(x.dtype, 2048)
+            rows = CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS)
             chunks = [F.linear(x, self.weight_int8[start:start + rows].to(x.dtype))
                       for start in range(0, self.out_features, rows)]
             y = torch.cat(chunks, dim=-1) * self.scales
         elif self.int4_rows:  # a dtype or device the kernel does not take
-            y = F.linear(x, unpack_int4_rows(self.nibbles, self.scale_min).to(x.dtype))
+            y = F.linear(x, unpack_int4_rows(self.nibbles, self.scale_low).to(x.dtype))
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.scales_zeros.dtype), self.packed, INT4_GROUP,
                                                            self.scales_zeros).to(x.dtype)
@@ -254,12 +257,13 @@ class QuantLinear(nn.Module):
             return False
         if self.kind == "int4":
             return not self.int4_rows or x.dtype in (torch.bfloat16, torch.float32)
-        return x.dtype in (torch.bfloat16, torch.float32) and self.scales.dtype == x.dtype and self.in_features % 32 == 0
+        return (x.dtype in (torch.bfloat16, torch.float32) and self.scales.dtype == x.dtype
+                and self.in_features % 32 == 0)
 
     def _kernel(self, tokens: int, native_fits: bool = False) -> str:
-        """'native' (`tokenmill::int8_linear|int4_linear`, which pick their means by batch size), 'dense',
-        'streamed' (compiled batch-1 of a large int8 matrix), 'chunked' (more tokens of a large
-        int8 matrix) or 'packed'."""
+        """'native' (`tokenmill::int8_linear|int4_linear|int4_rows_linear`, which pick their means by
+        batch size), 'dense', 'streamed' (compiled batch-1 of a large int8 matrix), 'chunked' (more
+        tokens of a large int8 matrix) or 'packed'."""
         if native_fits:
             return "native"
         compiling = torch.compiler.is_compiling()

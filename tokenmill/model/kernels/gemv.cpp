@@ -3,8 +3,9 @@
 // A decode step reads every weight once per token, so it runs at the speed the weight bytes stream
 // from memory. PyTorch's `_weight_int8pack_mm` streams them at ~10 GB/s on a 2-core AVX-512 machine
 // whose memory gives ~30; this kernel reaches ~25: each output row is one pass over its int8 row,
-// widened to fp32 and multiplied with the activations (bf16 or fp32, widened to fp32) by FMAs (simd.h). Rows are split across
-// PyTorch's intra-op threads, and up to 4 activation rows share each widened weight vector.
+// widened to fp32 and multiplied with the activations (bf16 or fp32, widened to fp32) by FMAs
+// (simd.h). Rows are split across PyTorch's intra-op threads, and up to 4 activation rows share each
+// widened weight vector. The int4 kernel below works the same way on 4-bit groups.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -104,18 +105,39 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return dtype == at::kFloat ? int8_gemv_as<float>(x, weight, scale) : int8_gemv_as<at::BFloat16>(x, weight, scale);
 }
 
-// y = x W^T for W (N, K) in 4-bit groups of 32 along K, w = d * q + m with q in 0..15: row o's group
-// g is the 16 bytes nibbles[o][16 g:], byte j holding q of element 32 g + j in its low nibble and of
-// element 32 g + 16 + j in its high one; (d, m) are scale_min[o][g]. The sums of q x are taken per
-// group (scaled by d once), and the m terms come from the group sums of x: two FMAs per weight pair.
+// The same product for any number of rows, by the fastest means at hand for that number: the
+// kernel above for a few rows (bound by weight bytes), else a dense matmul (bound by arithmetic) with
+// the layer's dense copy, or with chunks of chunk_rows int8 rows dequantized one at a time (a large
+// output head keeps no dense copy). Deciding here, at run time, lets one compiled graph serve every
+// batch size without a guard on it.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows, int64_t chunk_rows) {
+  if (x.size(0) <= max_gemv_rows) return int8_gemv(x, weight, scale);
+  if (dense.has_value()) return at::linear(x, *dense);
+  TORCH_CHECK(chunk_rows > 0, "int8_linear: chunk_rows must be positive");
+  const int64_t N = weight.size(0);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  for (int64_t r0 = 0; r0 < N; r0 += chunk_rows) {
+    const int64_t r1 = std::min(N, r0 + chunk_rows);
+    at::Tensor part = y.narrow(1, r0, r1 - r0);
+    at::mm_out(part, x, weight.slice(0, r0, r1).to(x.scalar_type()).t());  // int8 values are exact in bf16
+  }
+  return y.mul_(scale);
+}
+
+// y = x W^T for W (N, K) in 4-bit groups of 32 along K, w = scale * q + low with q in 0..15: row o's
+// group g is the 16 bytes nibbles[o][16 g:], byte j holding q of element 32 g + j in its low nibble
+// and of element 32 g + 16 + j in its high one; (scale, low) are scale_low[o][g]. The sums of q x
+// are taken per group (scaled once), and the low terms come from the group sums of x: two FMAs per
+// weight pair.
 template <int M, typename T>
-void int4_rows(const float* x, const float* group_sums, int64_t K, const uint8_t* nibbles, const at::Half* scale_min,
+void int4_rows(const float* x, const float* group_sums, int64_t K, const uint8_t* nibbles, const at::Half* scale_low,
                T* y, int64_t N, int64_t row0, int64_t row1) {
   using namespace simd;
   const int64_t groups = K / 32;
   for (int64_t o = row0; o < row1; ++o) {
     const uint8_t* row = nibbles + o * groups * 16;
-    const at::Half* dm = scale_min + o * groups * 2;
+    const at::Half* sl = scale_low + o * groups * 2;
     Vec acc[M];
     float offset[M];
     for (int i = 0; i < M; ++i) acc[i] = zero(), offset[i] = 0.0f;
@@ -123,19 +145,19 @@ void int4_rows(const float* x, const float* group_sums, int64_t K, const uint8_t
       Vec dot[M][2];
       for (int i = 0; i < M; ++i) dot[i][0] = dot[i][1] = zero();
       for (int b = 0; b < 16; b += kWidth) {
-        Vec low, high;
-        load_nibbles(row + g * 16 + b, low, high);
+        Vec q_low, q_high;  // elements b.. and 16 + b.. of the group
+        load_nibbles(row + g * 16 + b, q_low, q_high);
         for (int i = 0; i < M; ++i) {
           const float* xg = x + i * K + g * 32 + b;
-          dot[i][0] = fmadd(low, load(xg), dot[i][0]);
-          dot[i][1] = fmadd(high, load(xg + 16), dot[i][1]);
+          dot[i][0] = fmadd(q_low, load(xg), dot[i][0]);
+          dot[i][1] = fmadd(q_high, load(xg + 16), dot[i][1]);
         }
       }
-      const Vec d = set1(to_float(dm[2 * g]));
-      const float m = to_float(dm[2 * g + 1]);
+      const Vec scale = set1(to_float(sl[2 * g]));
+      const float low = to_float(sl[2 * g + 1]);
       for (int i = 0; i < M; ++i) {
-        acc[i] = fmadd(add(dot[i][0], dot[i][1]), d, acc[i]);
-        offset[i] += m * group_sums[i * groups + g];
+        acc[i] = fmadd(add(dot[i][0], dot[i][1]), scale, acc[i]);
+        offset[i] += low * group_sums[i * groups + g];
       }
     }
     for (int i = 0; i < M; ++i) y[i * N + o] = T(sum(acc[i]) + offset[i]);
@@ -143,7 +165,7 @@ void int4_rows(const float* x, const float* group_sums, int64_t K, const uint8_t
 }
 
 template <typename T>
-at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_min) {
+at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_low) {
   const int64_t M = x.size(0), N = nibbles.size(0), K = x.size(1), groups = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -157,9 +179,9 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at
     sums[i] = s;
   }
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
-  const at::Half* dm = scale_min.data_ptr<at::Half>();
+  const at::Half* sl = scale_low.data_ptr<at::Half>();
   over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
-    int4_rows<decltype(rows)::value>(xs + m0 * K, sums.data() + m0 * groups, K, w, dm, y.data_ptr<T>() + m0 * N, N,
+    int4_rows<decltype(rows)::value>(xs + m0 * K, sums.data() + m0 * groups, K, w, sl, y.data_ptr<T>() + m0 * N, N,
                                      r0, r1);
   });
   return y;
@@ -168,7 +190,7 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at
 // The int4 product for any number of rows: the kernel above up to max_gemv_rows (bound by weight
 // bytes), the layer's dense copy beyond (bound by arithmetic), or the kernel again, four rows at a
 // time, for a layer without one.
-at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_min,
+at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_low,
                             const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows) {
   if (x.size(0) > max_gemv_rows && dense.has_value()) return at::linear(x, *dense);
   const auto dtype = x.scalar_type();
@@ -178,32 +200,10 @@ at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, cons
   TORCH_CHECK(K % 32 == 0 && nibbles.dim() == 2 && nibbles.size(1) * 2 == K &&
                   nibbles.scalar_type() == at::kByte && nibbles.is_contiguous(),
               "int4_rows_linear: nibbles must be contiguous uint8 (N, K / 2), K a multiple of 32");
-  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() && scale_min.numel() == N * K / 16,
-              "int4_rows_linear: scale_min must be contiguous float16 (N, K / 32, 2)");
-  return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, scale_min)
-                             : int4_gemv_as<at::BFloat16>(x, nibbles, scale_min);
-}
-
-// The same product for any number of rows, by the fastest means at hand for that number: the
-// kernel above for a few rows (bound by weight bytes), else a bf16 matmul (bound by arithmetic) with
-// the layer's dense copy, or with bf16 chunks of the int8 rows dequantized one at a time (a large
-// output head keeps no dense copy). Deciding here, at run time, lets one compiled graph serve every
-// batch size without a guard on it.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows) {
-  if (x.size(0) <= max_gemv_rows) return int8_gemv(x, weight, scale);
-  if (dense.has_value()) return at::linear(x, *dense);
-  // rows dequantized at a time, measured on Gemma 3's 262k x 640 head: 8192 in bf16 (10 MB: stays
-  // in cache, AVX-512 EPYC), 2048 in fp32 (32 tokens on an AVX2 Zen 3: 149 ms against 326 for 8192)
-  const int64_t chunk_rows = x.scalar_type() == at::kFloat ? 2048 : 8192;
-  const int64_t N = weight.size(0);
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  for (int64_t r0 = 0; r0 < N; r0 += chunk_rows) {
-    const int64_t r1 = std::min(N, r0 + chunk_rows);
-    at::Tensor part = y.narrow(1, r0, r1 - r0);
-    at::mm_out(part, x, weight.slice(0, r0, r1).to(x.scalar_type()).t());  // int8 values are exact in bf16
-  }
-  return y.mul_(scale);
+  TORCH_CHECK(scale_low.scalar_type() == at::kHalf && scale_low.is_contiguous() && scale_low.numel() == N * K / 16,
+              "int4_rows_linear: scale_low must be contiguous float16 (N, K / 32, 2)");
+  return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, scale_low)
+                             : int4_gemv_as<at::BFloat16>(x, nibbles, scale_low);
 }
 
 // The int4 counterpart (PyTorch's packed kernel below the crossover, the dense copy above it):
@@ -213,10 +213,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                        int64_t group_size, const c10::optional<at::Tensor>& dense, int64_t max_packed_rows) {
   if (x.size(0) > max_packed_rows && dense.has_value()) return at::linear(x, *dense);
-  if (x.scalar_type() == scales_zeros.scalar_type())
-    return at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros);
   return at::_weight_int4pack_mm_for_cpu(x.to(scales_zeros.scalar_type()), packed, group_size, scales_zeros)
-      .to(x.scalar_type());
+      .to(x.scalar_type());  // both no-ops where the dtypes agree
 }
 
 }  // namespace
@@ -224,8 +222,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, Tensor? dense, "
         "int max_packed_rows) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows) -> Tensor");
-  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor scale_min, Tensor? dense, int max_gemv_rows) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows, int chunk_rows) "
+        "-> Tensor");
+  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor scale_low, Tensor? dense, int max_gemv_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
