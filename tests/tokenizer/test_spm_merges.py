@@ -10,7 +10,9 @@ from __future__ import annotations
 import heapq
 import random
 
-from tokenmill.tokenizer import Tokenizer
+import pytest
+
+from tokenmill.tokenizer import Tokenizer, gguf_vocab
 
 SPECIAL = ["<unk>", "<s>", "</s>"]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
@@ -51,18 +53,49 @@ def llama_cpp_spm(text: str) -> list[int]:
     return out
 
 
+METADATA = {
+    "tokenizer.ggml.model": "llama",
+    "tokenizer.ggml.tokens": TOKENS,
+    "tokenizer.ggml.scores": SCORES,
+    "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(NORMAL),
+    "tokenizer.ggml.add_space_prefix": False,
+}
+
+
 def test_merges_match_llama_cpp_including_ties() -> None:
-    tokenizer = Tokenizer.from_gguf_metadata(
-        {
-            "tokenizer.ggml.model": "llama",
-            "tokenizer.ggml.tokens": TOKENS,
-            "tokenizer.ggml.scores": SCORES,
-            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(NORMAL),
-            "tokenizer.ggml.add_space_prefix": False,
-        }
-    )
+    tokenizer = Tokenizer.from_gguf_metadata(METADATA)
     rng = random.Random(0)
     random_texts = ["".join(rng.choice(" ab c") for _ in range(rng.randint(1, 30))) for _ in range(300)]
     texts = ["     ", "a     b", "ab  ab"] + random_texts
     for text in texts:
         assert tokenizer.encode(text, add_bos=False) == llama_cpp_spm(text.replace(" ", "▁")), text
+
+
+def test_splits_are_cached_per_vocabulary_and_a_damaged_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    text = "ab  ab ▁a b"
+    expected = llama_cpp_spm(text.replace(" ", "▁"))
+    assert Tokenizer.from_gguf_metadata(METADATA).encode(text, add_bos=False) == expected
+    [entry] = (tmp_path / "tokenmill" / "tokenizers").glob("*.splits")
+    computed = entry.read_bytes()
+
+    def not_again(*args):
+        raise AssertionError("the splits were computed again instead of read from the cache")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_vocab, "_ranked_splits", not_again)
+        assert Tokenizer.from_gguf_metadata(METADATA).encode(text, add_bos=False) == expected
+        with pytest.raises(AssertionError, match="computed again"):  # other scores: another entry
+            Tokenizer.from_gguf_metadata(METADATA | {"tokenizer.ggml.scores": SCORES[:-1] + [-8.0]})
+
+    entry.write_bytes(computed[:-3])  # truncated
+    assert Tokenizer.from_gguf_metadata(METADATA).encode(text, add_bos=False) == expected
+    assert entry.read_bytes() == computed
+
+
+def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    text = "ab  ab ▁a b"
+    assert Tokenizer.from_gguf_metadata(METADATA).encode(text, add_bos=False) == llama_cpp_spm(text.replace(" ", "▁"))
