@@ -22,6 +22,7 @@ def runner(tiny_model_dir, tmp_path_factory):
     patch = pytest.MonkeyPatch()
     patch.setattr(quant_linear, "LARGE_INT8_WEIGHTS", 320 * 64)
     patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))  # no decode graphs cached yet
     loaded = load_model(tiny_model_dir, progress=False, quantization="int8", dense_min_tokens=2)
     assert {m.out_features for m in loaded.model.modules() if getattr(m, "large_int8", False)} == {320}
     runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
@@ -50,13 +51,13 @@ def test_pad_slot_is_clean_after_warmup(runner) -> None:
 
 
 def test_batch_without_a_graph_runs_eagerly(runner, monkeypatch, caplog) -> None:
-    # a graph specialized to batch 1 (dynamo's eager backend: nothing to build) stands in for a
-    # warm-up that missed a shape; the step must not recompile on the engine thread
-    static = torch.compile(runner._decode_logits, dynamic=False, backend="eager")
+    # a graph specialized to batch 2 (dynamo's eager backend: nothing to build) stands in for a
+    # warm-up that missed a shape; its guards reject batch 3 and the step must not recompile
+    static = torch.compile(model_runner.decode_logits, fullgraph=True, dynamic=False, backend="eager")
     with torch.inference_mode():
-        static(*runner._warmup_inputs(1))
-        runner.cache.zero_pad_slot()
-    monkeypatch.setattr(runner, "_compiled_decode", static)
+        graph = static.aot_compile(((runner.model, runner.cache, *runner._warmup_inputs(2)), {}))
+    monkeypatch.setattr(runner, "_compiled_decode", {1: graph, 2: graph})
+    monkeypatch.setattr(runner, "_checked_graphs", set())
     prompts, tables = PROMPTS, TABLES
     runner.forward(prompts, [len(p) for p in prompts], tables)
     step = ([[7]] * 3, [len(p) + 1 for p in prompts], tables)
@@ -81,12 +82,40 @@ def test_context_past_the_graphs_runs_eagerly_without_fallback(runner) -> None:
     torch.testing.assert_close(logits, eager)
 
 
+def test_a_second_runner_loads_the_graphs_and_a_damaged_entry_is_compiled_again(runner, monkeypatch) -> None:
+    # the module's runner compiled the graphs and cached them (XDG_CACHE_HOME is still its folder)
+    entries = sorted((model_runner.cache_root() / "decode-graphs").glob("*.bin"))
+    assert [p.name.split("-")[-1] for p in entries] == ["batch1.bin", "batch2.bin"]
+
+    def no_tracing(self):
+        raise AssertionError("traced again instead of loading the cached graphs")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelRunner, "_trace_graphs", no_tracing)
+        second = ModelRunner(runner.loaded, num_blocks=8, block_size=16, compile=True)
+        assert second.wait_compiled(timeout=900), f"loading failed: {second.compile_error!r}"
+    prompts, tables = PROMPTS, TABLES
+    second.forward(prompts, [len(p) for p in prompts], tables)
+    for size in (1, 3):
+        step = ([[7]] * size, [len(p) + 1 for p in prompts[:size]], tables[:size])
+        compiled = second.forward(*step)
+        eager = second.model.compute_logits(second.forward(*step, hidden_only=True))
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert second.uncompiled_decode_steps == 0
+
+    entries[1].write_bytes(entries[1].read_bytes()[:1000])  # damaged: traced and saved again
+    third = ModelRunner(runner.loaded, num_blocks=8, block_size=16, compile=True)
+    assert third.wait_compiled(timeout=900), f"compilation failed: {third.compile_error!r}"
+    assert entries[1].stat().st_size > 1000
+
+
 @pytest.fixture(scope="module")
 def bf16_runner(tiny_model_dir, tmp_path_factory, cpu_kernels):
     # bf16 int8 layers: the dtype tokenmill's int8 kernel takes, inside the batch-1 graph
     assert cpu_kernels, "the C++ kernels did not build"
     patch = pytest.MonkeyPatch()
     patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-bf16")))
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-bf16")))
     loaded = load_model(tiny_model_dir, dtype="bf16", progress=False, quantization="int8", dense_min_tokens=2)
     runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
     assert runner.wait_compiled(timeout=900), f"compilation failed: {runner.compile_error!r}"

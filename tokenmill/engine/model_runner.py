@@ -10,16 +10,22 @@ serve; the compiled graph takes over when it is ready.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
+from pathlib import Path
 
 import torch
+from torch._dynamo.aot_compile import AOTCompiledFunction
 from torch.fx.experimental import _config as shape_config
 
+import tokenmill
+from tokenmill.catalog import cache_root
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache
 from tokenmill.model.loader import LoadedModel
+from tokenmill.model.transformer import Transformer
 
 log = logging.getLogger("tokenmill.engine")
 # Inductor accumulates float sums longer than 4096 in chunks, and guards a graph traced with a
@@ -36,7 +42,8 @@ class ModelRunner:
         self.model = loaded.model
         self.block_size = block_size
         self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype)
-        self._compiled_decode = None  # set once every decode graph is compiled
+        self._compiled_decode: dict[int, AOTCompiledFunction] | None = None  # by batch size: 1, and 2 for 2 or more
+        self._checked_graphs: set[int] = set()  # keys of the graphs whose guards held on a real step
         self.compile_error: BaseException | None = None
         self.compile_seconds: float | None = None
         self._compile_thread: threading.Thread | None = None
@@ -92,23 +99,30 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _run_compiled(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
-        """The compiled step's logits, or None for a batch no warm-up graph covers.
+        """The compiled step's logits, or None for a batch its graph's guards reject.
 
-        Compiling a new graph here would stall every request for minutes, so such a step runs
-        eagerly instead (the warm-up leaves batch size and context length dynamic: this should
-        not happen, and is logged once if it does).
+        Dynamo's guards (~2,700 checks per graph: every weight's shape, dtype and identity, the
+        cache, the input shapes) took 1.7 ms of a 12-15 ms batch-1 step when checked on every
+        call. What varies between steps is the batch size, which picks the graph here, and the
+        context length, which `_is_decode` keeps within the graphs' range; the rest is fixed once
+        the model is loaded. So each graph's guards are checked in full on its first real step
+        only. A graph that fails them (it should not happen; logged once) leaves its steps to the
+        eager path: compiling a new graph here would stall every request for minutes.
         """
-        try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self._compiled_decode(flat, batch)[0]
-        except RuntimeError as exc:
-            if "fail_on_recompile" not in str(exc):
-                raise
-            self.uncompiled_decode_steps += 1
-            if self.uncompiled_decode_steps == 1:
-                log.warning("a decode batch of %d runs eagerly: no compiled graph fits it (%s)",
-                            batch.num_seqs, str(exc).splitlines()[-1].strip())
-            return None
+        key = min(batch.num_seqs, 2)
+        graph = self._compiled_decode[key]
+        args = (self.model, self.cache, flat, batch)
+        if key not in self._checked_graphs:
+            if not graph.guard_check(*args):
+                self.uncompiled_decode_steps += 1
+                if self.uncompiled_decode_steps == 1:
+                    reason = graph._artifacts.guard_manager.check_verbose(graph.prepare_f_locals(*args))
+                    log.warning("a decode batch of %d runs eagerly: its compiled graph does not fit it (%s)",
+                                batch.num_seqs, reason.verbose_code_parts)
+                return None
+            graph.disable_guard_check()
+            self._checked_graphs.add(key)
+        return graph(*args)[0]
 
     @staticmethod
     def _is_decode(query_lens: list[int], context_lens: list[int]) -> bool:
@@ -122,43 +136,82 @@ class ModelRunner:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
-    def _decode_logits(self, flat: torch.Tensor, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits, and the final hidden states as a second output: an output is stored once, where
-        inductor would otherwise recompute the last norms inside the output head's fused reduction
-        for every one of its rows (Gemma 3's batch-1 step: 36 ms against 17 ms)."""
-        hidden = self.model(flat, self.cache, batch)
-        return self.model.compute_logits(hidden), hidden
-
     def _compile_decode(self) -> None:
-        """Compile the decode graphs: one for batch 1 (size-1 dims are specialized) and one for
-        every larger batch (see `QuantLinear._kernel`)."""
+        """Compile the decode graphs, or load them from the cache of an earlier run: one for batch
+        1 (size-1 dims are specialized) and one for every larger batch (see `QuantLinear._kernel`).
+
+        `aot_compile`d graphs run without dynamo's per-call guards (see `_run_compiled`), but
+        inductor's caches do not serve them (their key holds a random name), so they are saved
+        whole, keyed by everything that shapes them: tokenmill's sources, torch, the CPU, the
+        threads, the model's structure and the KV cache's size. Their guards are checked on the
+        warm-up step after loading as after compiling.
+        """
         start = time.perf_counter()
         if self._kernel_build is not None:
             self._kernel_build.join()  # graphs traced before the kernels load would not use them
         self._set_threads(self.max_threads)  # inductor builds its kernels for the current thread count
+        folder = cache_root() / "decode-graphs"
+        paths = {size: folder / f"{self._graph_key()}-batch{size}.bin" for size in (1, 2)}
         try:
-            # The KV pool never changes size: as symbols, its tensors' lengths (one per layer and K/V)
-            # were graph arguments boxed into tensors on every call, each with guards of its own.
-            for tensor in self.cache.k + self.cache.v:
-                torch._dynamo.mark_static(tensor, 0)
-            compiled = torch.compile(self._decode_logits, dynamic=True, options={"cpp_wrapper": True})
-            # no "duck sizing": a warm-up batch size equal to some other size (say, the KV heads)
-            # would otherwise be assumed equal to it, and the first real batch would recompile.
-            # Specialized floats: the layers' constants (norm eps, softmax scale) would otherwise
-            # be graph inputs, boxed into tensors on every call (~1.5 ms of a 12 ms step).
-            with torch.inference_mode(), shape_config.patch(use_duck_shape=False), \
-                    torch._dynamo.config.patch(specialize_float=True):
-                for batch_size in (1, 2):
-                    compiled(*self._warmup_inputs(batch_size))
+            graphs = self._load_graphs(paths)
+            if graphs is None:
+                graphs = self._trace_graphs()
+                for size, graph in graphs.items():
+                    _save_graph(graph, paths[size])
         except Exception as exc:  # noqa: BLE001 - eager steps keep serving; say why once
             self.compile_error = exc
             log.warning("compiling the decode step failed; decoding stays eager: %r", exc)
             return
         finally:
-            self.cache.zero_pad_slot()  # the warm-up wrote its K/V there
+            self.cache.zero_pad_slot()  # the warm-ups wrote their K/V there
         self.compile_seconds = time.perf_counter() - start
         log.info("compiled decode step ready after %.1f s", self.compile_seconds)
-        self._compiled_decode = compiled
+        self._compiled_decode = graphs
+
+    def _trace_graphs(self) -> dict[int, AOTCompiledFunction]:
+        # The KV pool never changes size: as symbols, its tensors' lengths (one per layer and K/V)
+        # were graph arguments boxed into tensors on every call, each with guards of its own.
+        for tensor in self.cache.k + self.cache.v:
+            torch._dynamo.mark_static(tensor, 0)
+        compiled = torch.compile(decode_logits, fullgraph=True, dynamic=True, options={"cpp_wrapper": True})
+        # no "duck sizing": a warm-up batch size equal to some other size (say, the KV heads)
+        # would otherwise be assumed equal to it, and the first real batch would recompile.
+        # Specialized floats: the layers' constants (norm eps, softmax scale) would otherwise
+        # be graph inputs, boxed into tensors on every call (~1.5 ms of a 12 ms step).
+        graphs = {}
+        with torch.inference_mode(), shape_config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(specialize_float=True):
+            for size in (1, 2):
+                args = (self.model, self.cache, *self._warmup_inputs(size))
+                graphs[size] = compiled.aot_compile((args, {}))
+                graphs[size](*args)  # a first run, guards checked
+        return graphs
+
+    def _load_graphs(self, paths: dict[int, Path]) -> dict[int, AOTCompiledFunction] | None:
+        """The cached graphs, each run once with its guards checked; None if any is missing or unfit."""
+        if not all(path.is_file() for path in paths.values()):
+            return None
+        graphs = {}
+        try:
+            with torch.inference_mode():  # the guards expect inference tensors, as when traced
+                for size, path in paths.items():
+                    with path.open("rb") as f:
+                        graphs[size] = torch.compiler.load_compiled_function(f)
+                    graphs[size](self.model, self.cache, *self._warmup_inputs(size))
+        except Exception as exc:  # noqa: BLE001 - a stale or damaged entry: compile afresh
+            log.info("cached decode graphs unusable (%r); compiling them again", exc)
+            return None
+        return graphs
+
+    def _graph_key(self) -> str:
+        key = hashlib.sha256()
+        for source in sorted(Path(tokenmill.__file__).parent.rglob("*.py")):
+            key.update(source.read_bytes())
+        shapes = [f"{name}{tuple(t.shape)}{t.dtype}" for name, t in self.model.state_dict(keep_vars=True).items()]
+        for part in (torch.__version__, kernels.build_directory().name, str(self.max_threads), repr(self.loaded.config),
+                     repr(self.model), *shapes, f"{len(self.cache.k)}x{tuple(self.cache.k[0].shape)}{self.cache.k[0].dtype}"):
+            key.update(part.encode())
+        return key.hexdigest()[:24]
 
     def _warmup_inputs(self, batch_size: int) -> tuple[torch.Tensor, AttentionBatch]:
         """A decode batch whose K/V writes land in the pad slot (zeroed again afterwards), so the
@@ -170,6 +223,25 @@ class ModelRunner:
         batch.slot_mapping.fill_(pad)
         batch.context_slots.fill_(pad)
         return torch.zeros(batch_size, dtype=torch.int64), batch
+
+
+def _save_graph(graph: AOTCompiledFunction, path: Path) -> None:
+    """Cache a compiled graph; one that cannot be saved only costs the next start a compile."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        graph.save_compiled_function(str(path))  # written to a temporary file, then renamed
+    except Exception as exc:  # noqa: BLE001 - pickling can fail in many ways
+        log.info("could not cache the decode graph at %s (%r)", path, exc)
+
+
+def decode_logits(model: Transformer, cache: KVCache, flat: torch.Tensor,
+                  batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits, and the final hidden states as a second output: an output is stored once, where
+    inductor would otherwise recompute the last norms inside the output head's fused reduction
+    for every one of its rows (Gemma 3's batch-1 step: 36 ms against 17 ms). A function of its
+    arguments only, as `aot_compile` needs: it pickles what the guards look at."""
+    hidden = model(flat, cache, batch)
+    return model.compute_logits(hidden), hidden
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
