@@ -243,9 +243,13 @@ def _assemble(entry: CatalogEntry, out: BinaryIO, progress: bool) -> tuple[int, 
     return size, digest.hexdigest()
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write through a temporary file and rename it: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    if isinstance(data, bytes):
+        tmp.write_bytes(data)
+    else:
+        tmp.write_text(data)
     os.replace(tmp, path)
 
 
@@ -282,7 +286,7 @@ def pull(alias: str, models_dir: str | Path | None = None, progress: bool = True
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
-    _write_atomic(_marker(final), f"{got}  {entry.filename}\n")
+    write_atomic(_marker(final), f"{got}  {entry.filename}\n")
     if expected is None and progress:
         print(f"recorded sha256 {got} for {entry.filename} in {_marker(final)}", file=sys.stderr)
     return final

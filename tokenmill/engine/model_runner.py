@@ -112,17 +112,21 @@ class ModelRunner:
         key = min(batch.num_seqs, 2)
         graph = self._compiled_decode[key]
         args = (self.model, self.cache, flat, batch)
-        if key not in self._checked_graphs:
-            if not graph.guard_check(*args):
-                self.uncompiled_decode_steps += 1
-                if self.uncompiled_decode_steps == 1:
-                    reason = graph._artifacts.guard_manager.check_verbose(graph.prepare_f_locals(*args))
-                    log.warning("a decode batch of %d runs eagerly: its compiled graph does not fit it (%s)",
-                                batch.num_seqs, reason.verbose_code_parts)
-                return None
-            graph.disable_guard_check()
-            self._checked_graphs.add(key)
-        return graph(*args)[0]
+        if key in self._checked_graphs:
+            return graph(*args)[0]
+        try:
+            logits = graph(*args)[0]  # guards checked before anything runs
+        except RuntimeError as exc:
+            if "GuardManager check failed" not in str(exc):
+                raise
+            self.uncompiled_decode_steps += 1
+            if self.uncompiled_decode_steps == 1:
+                log.warning("a decode batch of %d runs eagerly: its compiled graph does not fit it (%s)",
+                            batch.num_seqs, exc)
+            return None
+        graph.disable_guard_check()
+        self._checked_graphs.add(key)
+        return logits
 
     @staticmethod
     def _is_decode(query_lens: list[int], context_lens: list[int]) -> bool:

@@ -24,7 +24,7 @@ _DENSE_DTYPES: dict[GGMLQuantizationType, torch.dtype] = {
 
 # Elements dequantized per chunk: big enough to amortize per-op overhead, small enough
 # that the float32 intermediates of one chunk stay in cache.
-_CHUNK_ELEMENTS = 1 << 18
+CHUNK_ELEMENTS = 1 << 18
 
 # Byte value -> its 8 bits spread over 8 bytes (bit i in byte i, shifted to 16), as one int64:
 # a table lookup expands Q5_0/Q5_1 high bits in element order far faster than shifts would.
@@ -197,7 +197,7 @@ def dequantize(
         return data.view(-1).view(_DENSE_DTYPES[qtype]).to(dtype).view(shape)
     kernel = _KERNELS[qtype]
     blocks = data.view(-1, type_size)
-    step = max(1, _CHUNK_ELEMENTS // block_size)
+    step = max(1, CHUNK_ELEMENTS // block_size)
     if blocks.shape[0] <= step:  # one chunk, no loop: a loop over a size would freeze it in a compiled graph
         return kernel(blocks).to(dtype).view(shape)
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype)

@@ -140,7 +140,7 @@ def packed_form(w: GGMLWeight) -> Packed:
     rows, cols = w.shape
     q8 = torch.empty(rows, cols, dtype=torch.int8)
     scales = torch.empty(rows)
-    step = max(1, (1 << 18) // cols)
+    step = max(1, quant.CHUNK_ELEMENTS // cols)
     for start in range(0, rows, step):
         part = GGMLWeight(w.data[start:start + step], w.qtype, (min(step, rows - start), cols))
         q8[start:start + step], scales[start:start + step] = quantize_int8(part.dequantize())

@@ -18,7 +18,6 @@ special, so they are only matched when special tokens are parsed, and skipped wh
 from __future__ import annotations
 
 import hashlib
-import os
 from array import array
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from tokenmill.catalog import cache_root
+from tokenmill.catalog import cache_root, write_atomic
 from tokenmill.tokenizer.errors import TokenizerError
 from tokenmill.tokenizer.pretokenize import PRE_TOKENIZERS
 
@@ -176,9 +175,7 @@ def _write_splits(path: Path, splits: array) -> None:
     """Cache the splits; a cache that cannot be written only costs the next start the time again."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_bytes(splits.tobytes())
-        partial.replace(path)  # atomic: a reader never sees half a file
+        write_atomic(path, splits.tobytes())
     except OSError:
         pass
 
