@@ -139,3 +139,17 @@ def test_compiled_bf16_decode_with_the_int8_kernels_matches_eager(bf16_runner, b
     # deliberately chaotic model that moves the logits by ~2% (as much as bf16 vs fp32 eager does)
     error = ((compiled.float() - eager.float()).norm() / eager.float().norm()).item()
     assert error < 0.05
+
+
+def test_deferred_compile_starts_on_request(tiny_loaded, monkeypatch) -> None:
+    # `serve` defers the compilation until it listens; /health says "compiling" meanwhile, so
+    # that clients (and the benchmarks) wait for the compiled graphs rather than time eager steps
+    calls: list[bool] = []
+    monkeypatch.setattr(ModelRunner, "_compile_decode", lambda self: calls.append(True))
+    runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True, defer_compile=True)
+    assert runner.decode_mode == "compiling" and calls == []
+    runner.start_compile()
+    runner.start_compile()  # once only
+    assert not runner.wait_compiled(timeout=30)
+    assert calls == [True] and runner.decode_mode == "eager"  # the stand-in compiled nothing
+    assert ModelRunner(tiny_loaded, num_blocks=8, block_size=16).decode_mode == "eager"

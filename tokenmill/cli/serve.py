@@ -78,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.async_engine import AsyncLLMEngine
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.app import ServerConfig, build_app
+    from tokenmill.server.listening import ListeningServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
     async_engine = AsyncLLMEngine(lambda: LLMEngine(  # loaded on the thread that runs it: see AsyncLLMEngine
         path, progress=sys.stderr.isatty(), max_queue_len=args.max_queue_len, compile=args.compile,
+        defer_compile=True,  # started by ListeningServer once the socket is open
         **engine_options(args)))
     engine = async_engine.engine
     name = args.served_model_name or args.model or DEFAULT_MODEL
@@ -98,9 +100,13 @@ def run(args: argparse.Namespace) -> int:
     # that was installed before it started: make that one a no-op so shutdown ends with exit code 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=10,
+                            lifespan="off")  # no startup/shutdown hooks: the engine is ready before uvicorn starts
+    server = ListeningServer(config, on_listening=engine.runner.start_compile)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10,
-                    lifespan="off")  # no startup/shutdown hooks: the engine is ready before uvicorn starts
+        server.run()
     finally:
         async_engine.shutdown()
-    return 0
+    return 0 if server.started else 1
+

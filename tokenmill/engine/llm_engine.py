@@ -57,6 +57,7 @@ class EngineConfig:
     models_dir: str | None = None
     max_queue_len: int | None = None  # waiting requests beyond this are refused (QueueFullError)
     compile: bool = False  # compile the decode step in the background (see ModelRunner)
+    defer_compile: bool = False  # ... from `runner.start_compile()` on, which the caller calls when ready
 
 
 @dataclass
@@ -131,7 +132,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         num_blocks = cfg.num_kv_blocks or self._blocks_for_budget()
-        self.runner = ModelRunner(self.loaded, num_blocks=num_blocks, block_size=cfg.block_size, compile=cfg.compile)
+        self.runner = ModelRunner(self.loaded, num_blocks=num_blocks, block_size=cfg.block_size, compile=cfg.compile,
+                                  defer_compile=cfg.defer_compile)
         limit = min(mc.max_position_embeddings, num_blocks * cfg.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)

@@ -20,7 +20,7 @@ import torch
 from torch._dynamo.aot_compile import AOTCompiledFunction
 from torch.fx.experimental import _config as shape_config
 
-import tokenmill
+from tokenmill import model as model_package
 from tokenmill.catalog import cache_root
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache
@@ -35,7 +35,10 @@ COMPILED_CONTEXT_MAX = 4096
 class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, compile: bool = False) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, compile: bool = False,
+                 defer_compile: bool = False) -> None:
+        """compile: build (or load) the compiled decode graphs on a background thread, from now on or,
+        with defer_compile, from `start_compile`."""
         self.max_threads = torch.get_num_threads()  # as configured on the thread that builds the runner
         cfg = loaded.config
         self.loaded = loaded
@@ -46,20 +49,27 @@ class ModelRunner:
         self._checked_graphs: set[int] = set()  # keys of the graphs whose guards held on a real step
         self.compile_error: BaseException | None = None
         self.compile_seconds: float | None = None
+        self.compile_requested = compile
         self._compile_thread: threading.Thread | None = None
         self.uncompiled_decode_steps = 0  # decode steps no compiled graph fitted (run eagerly)
         self._kernel_build = kernels.build_in_background() if self.cache.k[0].device.type == "cpu" else None
-        if compile:
+        if compile and not defer_compile:
+            self.start_compile()
+
+    def start_compile(self) -> None:
+        """Start the requested compilation, once. Tracing holds the GIL for seconds at a time, so a
+        server starts it only once it listens (loading saved graphs, too, delayed its start by ~2 s)."""
+        if self.compile_requested and self._compile_thread is None:
             self._compile_thread = threading.Thread(target=self._compile_decode, name="tokenmill-compile", daemon=True)
             self._compile_thread.start()
 
     @property
     def decode_mode(self) -> str:
-        """'compiled', 'compiling' (eager until ready) or 'eager'."""
+        """'compiled', 'compiling' (eager until ready, or until the compilation starts) or 'eager'."""
         if self._compiled_decode is not None:
             return "compiled"
-        alive = self._compile_thread is not None and self._compile_thread.is_alive()
-        return "compiling" if alive else "eager"
+        pending = self.compile_requested and (self._compile_thread is None or self._compile_thread.is_alive())
+        return "compiling" if pending else "eager"
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compilation ends (True if the compiled graph is in use)."""
@@ -209,7 +219,7 @@ class ModelRunner:
 
     def _graph_key(self) -> str:
         key = hashlib.sha256()
-        for source in sorted(Path(tokenmill.__file__).parent.rglob("*.py")):
+        for source in _traced_sources():
             key.update(source.read_bytes())
         shapes = [f"{name}{tuple(t.shape)}{t.dtype}" for name, t in self.model.state_dict(keep_vars=True).items()]
         for part in (torch.__version__, kernels.build_directory().name, str(self.max_threads), repr(self.loaded.config),
@@ -227,6 +237,12 @@ class ModelRunner:
         batch.slot_mapping.fill_(pad)
         batch.context_slots.fill_(pad)
         return torch.zeros(batch_size, dtype=torch.int64), batch
+
+
+def _traced_sources() -> list[Path]:
+    """The sources a decode graph is traced from: the model package and this module (the server,
+    CLI and scheduler can change without costing the next start a compile)."""
+    return sorted(Path(model_package.__file__).parent.rglob("*.py")) + [Path(__file__)]
 
 
 def _save_graph(graph: AOTCompiledFunction, path: Path) -> None:
