@@ -20,6 +20,7 @@ from tokenmill.model.quant_linear import (
     Int8HeadEmbedding,
     QuantEmbedding,
     QuantLinear,
+    dense_crossover,
     dense_packed_form,
     is_large_int8,
     merge_packed,
@@ -74,9 +75,6 @@ FUSED = {"attn.qkv_proj": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
          "attn.o_proj": ("attn.o_proj",),
          "mlp.down_proj": ("mlp.down_proj",)}
 Weight = torch.Tensor | GGMLWeight
-# batch sizes (tokens) from which a dense bf16 matmul beats each weight-only kernel, measured on
-# this project's reference CPU (AVX-512 + AMX): the int8 kernel scales worse with batch than int4
-DENSE_CROSSOVER = {"int4": 16, "int8": 8}
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True,
@@ -87,8 +85,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bo
     weights packed (exact int4 for Q4_0/Q4_1/Q4_K, int8 per row otherwise); "int8"/"int4"
     quantize every linear layer; "auto" is "gguf" for GGUF files and "none" otherwise.
     dense_min_tokens: quantized layers also keep a dense copy, used for batches of at least that
-    many tokens (prefill, wide decode), where dense bf16 matmuls beat the weight-only kernels.
-    None picks the measured crossover per kernel (int4: 16 tokens, int8: 8); 0 keeps no copies.
+    many tokens (prefill, wide decode), where dense matmuls beat the weight-only kernels. None
+    picks the measured crossover (`quant_linear.dense_crossover`: 33 tokens in fp32; in bf16, 16
+    for int4 and 8 for int8); 0 keeps no copies.
     """
     path = Path(path)
     dtype = parse_dtype(dtype)
@@ -207,7 +206,7 @@ class _Builder:
             kind, data = merge_packed([packed_form(w) for w in weights])
         else:
             kind, data = merge_packed([dense_packed_form(_dense(w, torch.float32), q) for w in weights])
-        threshold = self.dense_min_tokens if self.dense_min_tokens is not None else DENSE_CROSSOVER[kind]
+        threshold = self.dense_min_tokens if self.dense_min_tokens is not None else dense_crossover(kind, self.dtype)
         if is_large_int8(kind, rows * cols):
             threshold = 0  # an output head: multiplied in dequantized chunks instead (see QuantLinear)
         dense = _cat_rows([_dense(w, self.dtype) for w in weights]) if threshold > 0 else None

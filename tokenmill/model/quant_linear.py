@@ -42,6 +42,26 @@ DEFAULT_CHUNK_ROWS = 2048
 # against chunks dequantized on the fly (its 262k-row head).
 GEMV_MAX_TOKENS = 4
 GEMV_MAX_TOKENS_NO_COPY = 8
+# For fp32 activations (CPUs without native bf16 matmuls), batches beyond the GEMVs' range (8
+# tokens: from 6 to 12 the two are even) and up to these many tokens take the blocked product
+# (gemv.cpp: each block of 4 weight rows dequantized once into L1, then multiplied with every
+# activation row), which reads the packed bytes once and needs no dense copy. Measured on an AVX2
+# Zen 3, 2 threads: Gemma 3's 262k x 640 int8 head at 9 / 16 / 32 / 64 tokens took 42 / 65 / 95 /
+# 240 ms against 72 / 91 / 125 / 211 for dequantized chunks; the layers of both models at 16-32
+# tokens ran at 87-131 GFLOP/s against 63-117 for a dense fp32 copy, which wins from ~48 tokens.
+BLOCKED_MAX_TOKENS = {torch.float32: 32}
+BLOCKED_MAX_TOKENS_NO_COPY = {torch.float32: 48}
+FP32_GEMV_MAX_TOKENS = 8
+# Batch sizes from which a dense copy beats PyTorch's weight-only kernels (bf16 on an AVX-512 + AMX
+# Xeon), which serve until tokenmill's kernels are built, or where they cannot be
+PACKED_DENSE_CROSSOVER = {"int4": 16, "int8": 8}
+
+
+def dense_crossover(kind: str, dtype: torch.dtype) -> int:
+    """The batch size (tokens) from which a dense copy of a layer beats its kind's kernels."""
+    if dtype in BLOCKED_MAX_TOKENS:
+        return BLOCKED_MAX_TOKENS[dtype] + 1
+    return PACKED_DENSE_CROSSOVER[kind]
 
 
 def int4_rows_layout() -> bool:
@@ -227,13 +247,13 @@ class QuantLinear(nn.Module):
             dense = self.dense if self.dense_min_tokens > 0 else None
             if self.int4_rows:
                 y = torch.ops.tokenmill.int4_rows_linear(x, self.nibbles, self.scale_low, dense,
-                                                         self.dense_min_tokens - 1)
+                                                         *self._native_limits(x.dtype))
             elif self.kind == "int4":
                 y = torch.ops.tokenmill.int4_linear(x, self.packed, self.scales_zeros, INT4_GROUP, dense,
                                                     self.dense_min_tokens - 1)
             else:
                 y = torch.ops.tokenmill.int8_linear(x, self.weight_int8, self.scales, dense,
-                                                    GEMV_MAX_TOKENS if dense is not None else GEMV_MAX_TOKENS_NO_COPY,
+                                                    *self._native_limits(x.dtype),
                                                     CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS))
             return y if self.bias is None else y + self.bias
         if kernel == "streamed":  # a plain reduction that inductor turns into one pass over the int8 bytes
@@ -251,6 +271,19 @@ class QuantLinear(nn.Module):
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
+
+    def _native_limits(self, dtype: torch.dtype) -> tuple[int, int]:
+        """The most tokens `int8_linear` and `int4_rows_linear` multiply by their GEMV, and by their
+        blocked product (fp32 only; see BLOCKED_MAX_TOKENS); beyond, the dense copy or, for a layer
+        without one, chunks (int8) or the blocked product again (int4)."""
+        has_dense = self.dense is not None and self.dense_min_tokens > 0
+        if dtype in BLOCKED_MAX_TOKENS:
+            if has_dense:
+                return min(FP32_GEMV_MAX_TOKENS, self.dense_min_tokens - 1), self.dense_min_tokens - 1
+            return FP32_GEMV_MAX_TOKENS, (BLOCKED_MAX_TOKENS_NO_COPY[dtype] if self.kind == "int8" else 0)
+        if self.kind == "int8":
+            return (GEMV_MAX_TOKENS if has_dense else GEMV_MAX_TOKENS_NO_COPY), 0
+        return (self.dense_min_tokens - 1 if has_dense else 1 << 30), 0
 
     def _native_fits(self, x: torch.Tensor) -> bool:
         """Whether tokenmill's ops (built in the background, CPU only) take this input."""
@@ -272,7 +305,7 @@ class QuantLinear(nn.Module):
             # One compiled graph serves every batch of 2+ tokens: a switch at each kernel's own
             # crossover would need a graph per range, minutes of compilation each. Between 2 tokens
             # and the crossover the two kernels are within ~20% of each other.
-            if tokens >= (2 if compiling else self.dense_min_tokens):
+            if tokens >= (2 if compiling else min(self.dense_min_tokens, PACKED_DENSE_CROSSOVER[self.kind])):
                 return "dense"
         if self.large_int8 and tokens > 1:
             return "chunked"
