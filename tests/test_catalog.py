@@ -356,3 +356,17 @@ def test_cli_reports_errors_in_one_line(cache: Path, capsys, monkeypatch: pytest
     assert run_cli(["pull", "nope"], monkeypatch) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: unknown model 'nope'; known: ") and err.count("\n") == 1
+
+
+def test_prune_cache_keeps_the_most_recently_used(tmp_path) -> None:
+    from tokenmill.catalog import mark_used, prune_cache
+
+    for age, name in enumerate(["d.bin", "c.bin", "b.bin", "a.bin"]):  # a.bin the oldest
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (1_000_000 - age * 100, 1_000_000 - age * 100))
+    (tmp_path / "other.txt").write_text("not an entry")
+    mark_used(tmp_path / "a.bin")  # used just now: the newest
+    prune_cache(tmp_path, "*.bin", keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "d.bin", "other.txt"]
+    prune_cache(tmp_path / "missing", "*.bin", keep=0)  # nothing to prune: no error
+    mark_used(tmp_path / "missing.bin")

@@ -253,6 +253,29 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def mark_used(path: Path) -> None:
+    """Record a use of a cache entry in its modification time, which `prune_cache` ranks by."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def prune_cache(folder: Path, pattern: str, keep: int) -> None:
+    """Delete all but the `keep` most recently used entries matching `pattern` in `folder`. Caches
+    keyed by sources, versions or sizes leave their old entries behind on every change; nothing
+    else would ever remove them. An entry that cannot be removed is left."""
+    try:
+        entries = sorted(folder.glob(pattern), key=lambda entry: entry.stat().st_mtime, reverse=True)
+    except OSError:  # an entry removed meanwhile, by another process pruning
+        return
+    for entry in entries[keep:]:
+        try:
+            entry.unlink()
+        except OSError:
+            pass
+
+
 def pull(alias: str, models_dir: str | Path | None = None, progress: bool = True,
          force: bool = False) -> Path:
     """Download, verify and cache the catalog model `alias`; return its path.

@@ -21,7 +21,7 @@ from torch._dynamo.aot_compile import AOTCompiledFunction
 from torch.fx.experimental import _config as shape_config
 
 from tokenmill import model as model_package
-from tokenmill.catalog import cache_root
+from tokenmill.catalog import cache_root, mark_used, prune_cache
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache
 from tokenmill.model.loader import LoadedModel
@@ -31,6 +31,9 @@ log = logging.getLogger("tokenmill.engine")
 # Inductor accumulates float sums longer than 4096 in chunks, and guards a graph traced with a
 # shorter context on staying at or below it; longer contexts would need graphs of their own.
 COMPILED_CONTEXT_MAX = 4096
+# Saved decode graphs (~5 MB each, two per model and KV size) kept: a change of tokenmill's model
+# code, of torch or of the KV pool's size leaves the old ones unused
+KEEP_GRAPHS = 16
 
 class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
@@ -172,6 +175,7 @@ class ModelRunner:
                 graphs = self._trace_graphs()
                 for size, graph in graphs.items():
                     _save_graph(graph, paths[size])
+                prune_cache(folder, "*.bin", KEEP_GRAPHS)
         except Exception as exc:  # noqa: BLE001 - eager steps keep serving; say why once
             self.compile_error = exc
             log.warning("compiling the decode step failed; decoding stays eager: %r", exc)
@@ -212,6 +216,7 @@ class ModelRunner:
                     with path.open("rb") as f:
                         graphs[size] = torch.compiler.load_compiled_function(f)
                     graphs[size](self.model, self.cache, *self._warmup_inputs(size))
+                    mark_used(path)
         except Exception as exc:  # noqa: BLE001 - a stale or damaged entry: compile afresh
             log.info("cached decode graphs unusable (%r); compiling them again", exc)
             return None

@@ -27,12 +27,14 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from tokenmill.catalog import cache_root, write_atomic
+from tokenmill.catalog import cache_root, mark_used, prune_cache, write_atomic
 from tokenmill.tokenizer.errors import TokenizerError
 from tokenmill.tokenizer.pretokenize import PRE_TOKENIZERS
 
 # tokenizer.ggml.token_type values used here (5 is unused, 6 a byte token like <0x0A>)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
+
+KEEP_SPLITS = 8  # vocabularies whose cached merge splits (~4 MB each) outlive a new one's
 
 # llama.cpp treats a control token with one of these texts as end-of-generation, whatever the file's ids say.
 EOG_TEXTS = frozenset(
@@ -140,6 +142,9 @@ def _merges_by_score(tokens: Sequence[str], scores: Sequence[float], vocab: Mapp
     if splits is None:
         splits = _ranked_splits(tokens, scores, vocab)
         _write_splits(path, splits)
+        prune_cache(path.parent, "*.splits", KEEP_SPLITS)
+    else:
+        mark_used(path)
     return [(tokens[index][:cut], tokens[index][cut:]) for index, cut in zip(splits[::2], splits[1::2])]
 
 
