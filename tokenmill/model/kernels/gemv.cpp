@@ -138,9 +138,17 @@ inline void dot_tile(const float* x, int64_t K, const float* w, float* out) {
     for (int j = 0; j < kBlockRows; ++j) out[i * kBlockRows + j] = sum(acc[i][j]);
 }
 
-// y (M, N) = x (M, K) W^T, where dequantize(o, w) writes weight row o as K floats at w.
+// y (M, N) = x (M, K) W^T for x bfloat16 or float32 (y the same), where dequantize(o, w) writes
+// weight row o as K floats at w.
 template <typename T, typename Dequantize>
-void blocked_product(const float* x, int64_t M, int64_t K, int64_t N, T* y, const Dequantize& dequantize) {
+at::Tensor blocked_product(const at::Tensor& x, int64_t N, const Dequantize& dequantize) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  std::vector<float> widened;
+  const float* xf = float_rows<T>(xc, widened);
+  T* out_rows = y.data_ptr<T>();
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     std::vector<float> w(kBlockRows * K);
@@ -153,45 +161,35 @@ void blocked_product(const float* x, int64_t M, int64_t K, int64_t N, T* y, cons
       }
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int64_t mr = std::min<int64_t>(kTileRows, M - m0);
-        if (mr == 3) dot_tile<3>(x + m0 * K, K, w.data(), out);
-        else if (mr == 2) dot_tile<2>(x + m0 * K, K, w.data(), out);
-        else dot_tile<1>(x + m0 * K, K, w.data(), out);
+        if (mr == 3) dot_tile<3>(xf + m0 * K, K, w.data(), out);
+        else if (mr == 2) dot_tile<2>(xf + m0 * K, K, w.data(), out);
+        else dot_tile<1>(xf + m0 * K, K, w.data(), out);
         for (int64_t i = 0; i < mr; ++i)
-          for (int64_t j = 0; j < rows; ++j) y[(m0 + i) * N + o0 + j] = T(out[i * kBlockRows + j]);
+          for (int64_t j = 0; j < rows; ++j) out_rows[(m0 + i) * N + o0 + j] = T(out[i * kBlockRows + j]);
       }
     }
-  });
-}
-
-template <typename T>
-at::Tensor int8_blocked_as(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const at::Tensor xc = x.contiguous();
-  std::vector<float> widened;
-  const float* xf = float_rows<T>(xc, widened);
-  const int8_t* wq = weight.data_ptr<int8_t>();
-  const T* s = scale.data_ptr<T>();
-  blocked_product(xf, M, K, N, y.data_ptr<T>(), [&](int64_t o, float* w) {
-    using namespace simd;
-    const Vec so = set1(static_cast<float>(s[o]));
-    for (int64_t k = 0; k < K; k += kWidth) store(w + k, mul(load(wq + o * K + k), so));
   });
   return y;
 }
 
 template <typename T>
+at::Tensor int8_blocked_as(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  const int64_t K = weight.size(1);
+  const int8_t* wq = weight.data_ptr<int8_t>();
+  const T* s = scale.data_ptr<T>();
+  return blocked_product<T>(x, weight.size(0), [&](int64_t o, float* w) {
+    using namespace simd;
+    const Vec so = set1(static_cast<float>(s[o]));
+    for (int64_t k = 0; k < K; k += kWidth) store(w + k, mul(load(wq + o * K + k), so));
+  });
+}
+
+template <typename T>
 at::Tensor int4_blocked_as(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_low) {
-  const int64_t M = x.size(0), N = nibbles.size(0), K = x.size(1), groups = K / 32;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const at::Tensor xc = x.contiguous();
-  std::vector<float> widened;
-  const float* xf = float_rows<T>(xc, widened);
+  const int64_t groups = x.size(1) / 32;
   const uint8_t* q = nibbles.data_ptr<uint8_t>();
   const at::Half* sl = scale_low.data_ptr<at::Half>();
-  blocked_product(xf, M, K, N, y.data_ptr<T>(), [&](int64_t o, float* w) {
+  return blocked_product<T>(x, nibbles.size(0), [&](int64_t o, float* w) {
     using namespace simd;
     const uint8_t* row = q + o * groups * 16;
     const at::Half* row_sl = sl + o * groups * 2;
@@ -205,7 +203,6 @@ at::Tensor int4_blocked_as(const at::Tensor& x, const at::Tensor& nibbles, const
       }
     }
   });
-  return y;
 }
 
 // The same product for any number of rows, by the fastest means at hand for that number: the GEMV
