@@ -109,4 +109,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         async_engine.shutdown()
     return 0 if server.started else 1
-

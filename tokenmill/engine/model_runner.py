@@ -159,8 +159,8 @@ class ModelRunner:
 
         `aot_compile`d graphs run without dynamo's per-call guards (see `_run_compiled`), but
         inductor's caches do not serve them (their key holds a random name), so they are saved
-        whole, keyed by everything that shapes them: tokenmill's sources, torch, the CPU, the
-        threads, the model's structure and the KV cache's size. Their guards are checked on the
+        whole, keyed by everything that shapes them: the sources they are traced from, torch,
+        the CPU, the threads, the model's structure and the KV cache's size. Their guards are checked on the
         warm-up step after loading as after compiling.
         """
         start = time.perf_counter()
