@@ -53,12 +53,14 @@ def test_generate_rejects_bad_options(tiny_model_dir, capsys) -> None:
     assert "max_tokens" in capsys.readouterr().err
 
 
-def test_perplexity_matches_a_reference_computation(tiny_model_dir, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("decode", [False, True])
+def test_perplexity_matches_a_reference_computation(tiny_model_dir, tmp_path, capsys, decode: bool) -> None:
     text = " ".join(f"{TEXT} {i}" for i in range(40))
     path = tmp_path / "text.txt"
     path.write_text(text, encoding="utf-8")
     ctx = 64
-    assert main(["perplexity", "--model", str(tiny_model_dir), "--file", str(path), "--ctx", str(ctx)]) == 0
+    assert main(["perplexity", "--model", str(tiny_model_dir), "--file", str(path), "--ctx", str(ctx)]
+                + ["--decode"] * decode) == 0
     printed = capsys.readouterr().out
     ours = float(printed.split("PPL = ")[1].split()[0])
 

@@ -3,6 +3,10 @@
 The text is tokenized once (with BOS when the model adds one), cut into non-overlapping chunks of
 `ctx` tokens whose first token is replaced by BOS, and only the second half of each chunk is
 scored, so every scored token has at least ctx/2 tokens of context.
+
+With `decode`, each scored token's logits come from a one-token decode step over the cached
+context, as in generation, instead of from one pass over the chunk: decode steps take other
+kernels (the quantized GEMVs, which round activations to int8), whose quality this measures.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def perplexity(
     ctx: int = 512,
     max_chunks: int | None = None,
     on_chunk: Callable[[int, float], None] | None = None,
+    decode: bool = False,
 ) -> PerplexityResult:
     if ctx < 4:
         raise InvalidRequestError("--ctx must be at least 4")
@@ -53,13 +58,10 @@ def perplexity(
         chunk = token_ids[i * ctx:(i + 1) * ctx]
         if bos is not None:
             chunk = [bos] + chunk[1:]
-        hidden = runner.forward([chunk], [ctx], [table], all_logits=False, hidden_only=True)
-        logits = runner.model.compute_logits(hidden[first:ctx - 1])
-        targets = torch.tensor(chunk[first + 1:])
-        nll = -torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).double()
+        nll = (_decoded_nll(runner, chunk, first, table) if decode else _prompt_nll(runner, chunk, first, table)).double()
         nll_sum += float(nll.sum())
         nll2_sum += float((nll * nll).sum())
-        count += len(targets)
+        count += len(nll)
         running.append(math.exp(nll_sum / count))
         if on_chunk:
             on_chunk(i, running[-1])
@@ -68,3 +70,21 @@ def perplexity(
     ppl = math.exp(mean)
     error = ppl * math.sqrt(variance / max(count - 1, 1))
     return PerplexityResult(ppl=ppl, ppl_error=error, num_chunks=num_chunks, num_scored=count, chunk_ppls=running)
+
+
+def _prompt_nll(runner: ModelRunner, chunk: list[int], first: int, table: list[int]) -> torch.Tensor:
+    """Negative log-likelihoods of chunk[first + 1:], from one pass over the chunk."""
+    hidden = runner.forward([chunk], [len(chunk)], [table], hidden_only=True)
+    logits = runner.model.compute_logits(hidden[first:len(chunk) - 1])
+    return _nll(logits, chunk[first + 1:])
+
+
+def _decoded_nll(runner: ModelRunner, chunk: list[int], first: int, table: list[int]) -> torch.Tensor:
+    """The same, from one decode step per token after a pass over chunk[:first]."""
+    runner.forward([chunk[:first]], [first], [table], hidden_only=True)
+    return torch.cat([_nll(runner.forward([[chunk[pos]]], [pos + 1], [table]), chunk[pos + 1:pos + 2])
+                      for pos in range(first, len(chunk) - 1)])
+
+
+def _nll(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    return -torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(targets)[:, None]).squeeze(1)

@@ -18,6 +18,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--file", "-f", required=True, help="text file to score")
     p.add_argument("--ctx", "-c", type=int, default=512, help="chunk length in tokens (default: 512)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
+    p.add_argument("--decode", action="store_true",
+                   help="score each token from a one-token decode step, the kernels generation runs, instead "
+                        "of from one pass over the chunk")
     p.set_defaults(run=run)
 
 
@@ -31,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     def show(i: int, running: float) -> None:
         print(f"[{i + 1}]{running:.4f},", end="", flush=True)
 
-    result = perplexity(loaded, ids, ctx=args.ctx, max_chunks=args.chunks, on_chunk=show)
+    result = perplexity(loaded, ids, ctx=args.ctx, max_chunks=args.chunks, on_chunk=show, decode=args.decode)
     elapsed = time.perf_counter() - start
     print(f"\nFinal estimate: PPL = {result.ppl:.4f} +/- {result.ppl_error:.5f}  "
           f"({result.num_scored} tokens scored in {elapsed:.1f} s)")
