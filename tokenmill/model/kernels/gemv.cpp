@@ -43,34 +43,89 @@ void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel) {
   }
 }
 
-// Each activation row sums into C independent accumulators: with one row, two chains of FMAs
-// (4 cycles each) bounded the kernel at ~4 bytes per cycle and core, half what it can stream.
+// Activation rows quantized for the GEMVs: q (M, K) int8 and side (M, K / 32, 2) floats, the
+// block's scale d and d times the sum of its q (the int4 GEMV's low terms then see the same x as
+// its scaled ones, so the rounding errors stay centred, as the weights are). With `paired`, blocks
+// 2p and 2p + 1 are stored as [2p: 0-15 | 2p+1: 0-15] [2p: 16-31 | 2p+1: 16-31], the order in
+// which the int4 GEMV unpacks two groups' nibbles with one 32-byte load (a last unpaired block
+// keeps its order).
+void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* side, bool paired) {
+  const int64_t row_blocks = K / 32;
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g < M * row_blocks; ++g) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + g * 32 + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 inverse = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+    __m256i words[4];
+    for (int j = 0; j < 4; ++j) words[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));  // nearest, ties even
+    // the packs work within 128-bit lanes; the permutation puts the 32 bytes back in order
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(words[0], words[1]), _mm256_packs_epi32(words[2], words[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const int64_t block = g % row_blocks;
+    int8_t* out = q + g * 32;
+    if (!paired) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
+    } else if (block % 2 == 0 && block + 1 < row_blocks) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm256_extracti128_si256(bytes, 1));
+    } else if (block % 2 == 1) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out - 16), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm256_extracti128_si256(bytes, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
+    }
+    const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+    const float d = m / 127.0f;
+    side[2 * g] = d;
+    side[2 * g + 1] = d * simd::sum(_mm256_cvtepi32_ps(sum));
+  }
+}
+
+// 32 products of unsigned weights q (4-bit, or the magnitudes of int8 ones) and int8 activations,
+// summed in pairs to int16 (at most 2 x 127 x 127: no saturation)
+inline __m256i products(__m256i q, const int8_t* x) {
+  return _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+
+// y = x W^T * scale for int8 W (N, K), one scale per row, and x quantized by quantize_blocks
+// (unpaired): per block of 32, the products of the weights' magnitudes and the activations with
+// the weights' signs (maddubs multiplies unsigned by signed bytes), scaled by the block's d. Each
+// activation row sums into C independent accumulators: with one row, a single chain of FMAs (4
+// cycles each) would bound the kernel.
 template <int M, typename T>
-void int8_rows(const float* x, int64_t K, const int8_t* weight, const T* scale, T* y,
+void int8_rows(const int8_t* xq, const float* side, int64_t K, const int8_t* weight, const T* scale, T* y,
                int64_t N, int64_t row0, int64_t row1) {
-  using namespace simd;
   constexpr int C = M == 1 ? 4 : 2;
+  const int64_t blocks = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t o = row0; o < row1; ++o) {
     const int8_t* row = weight + o * K;
-    Vec acc[M][C];
+    __m256 acc[M][C];
     for (int i = 0; i < M; ++i)
-      for (int c = 0; c < C; ++c) acc[i][c] = zero();
-    int64_t k = 0;
-    for (; k + C * kWidth <= K; k += C * kWidth) {
-      Vec w[C];
-      for (int c = 0; c < C; ++c) w[c] = load(row + k + c * kWidth);
-      for (int i = 0; i < M; ++i)
-        for (int c = 0; c < C; ++c) acc[i][c] = fmadd(w[c], load(x + i * K + k + c * kWidth), acc[i][c]);
-    }
-    for (; k < K; k += kWidth) {  // K is a multiple of 32: whole vectors are left
-      const Vec w = load(row + k);
-      for (int i = 0; i < M; ++i) acc[i][0] = fmadd(w, load(x + i * K + k), acc[i][0]);
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < blocks; ++g) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32));
+      const __m256i magnitudes = _mm256_sign_epi8(w, w);
+      for (int i = 0; i < M; ++i) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + g * 32));
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(xv, w)), ones);
+        acc[i][g % C] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(side + (i * blocks + g) * 2),
+                                        acc[i][g % C]);
+      }
     }
     const float s = static_cast<float>(scale[o]);
     for (int i = 0; i < M; ++i) {
-      Vec total = acc[i][0];
-      for (int c = 1; c < C; ++c) total = add(total, acc[i][c]);
-      y[i * N + o] = T(sum(total) * s);
+      __m256 total = acc[i][0];
+      for (int c = 1; c < C; ++c) total = _mm256_add_ps(total, acc[i][c]);
+      y[i * N + o] = T(simd::sum(total) * s);
     }
   }
 }
@@ -93,16 +148,19 @@ const float* float_rows(const at::Tensor& xc, std::vector<float>& buffer) {
 // all T, bfloat16 or float32.
 template <typename T>
 at::Tensor int8_gemv_as(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1), blocks = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const at::Tensor xc = x.contiguous();
   std::vector<float> widened;
-  const float* xf = float_rows<T>(xc, widened);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> side(M * blocks * 2);
+  quantize_blocks(float_rows<T>(xc, widened), M, K, xq.data(), side.data(), false);
   const int8_t* w = weight.data_ptr<int8_t>();
   const T* s = scale.data_ptr<T>();
   over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
-    int8_rows<decltype(rows)::value>(xf + m0 * K, K, w, s, y.data_ptr<T>() + m0 * N, N, r0, r1);
+    int8_rows<decltype(rows)::value>(xq.data() + m0 * K, side.data() + m0 * blocks * 2, K, w, s,
+                                     y.data_ptr<T>() + m0 * N, N, r0, r1);
   });
   return y;
 }
@@ -251,55 +309,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 // is 20-27 GB/s of weight bytes against 11-14. The rounding adds a relative error of ~0.5% per
 // product, as llama.cpp's Q8 activations do; `tokenmill perplexity --decode` measures its cost.
 //
-// Activation rows quantized for the int4 GEMV: q (M, K) int8 and side (M, K / 32, 2) floats, the
-// block's scale d and d times the sum of its q (the low terms then see the same x as the scaled
-// ones, so the rounding errors stay centred, as the weights are). Blocks 2p and 2p + 1 are stored
-// as [2p: 0-15 | 2p+1: 0-15] [2p: 16-31 | 2p+1: 16-31], the order in which the GEMV unpacks two
-// groups' nibbles with one 32-byte load; a last unpaired block keeps its order.
-void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* side) {
-  const int64_t row_blocks = K / 32;
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  for (int64_t g = 0; g < M * row_blocks; ++g) {
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(x + g * 32 + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const __m256 inverse = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
-    __m256i words[4];
-    for (int j = 0; j < 4; ++j) words[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));  // nearest, ties even
-    // the packs work within 128-bit lanes; the permutation puts the 32 bytes back in order
-    const __m256i bytes = _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(words[0], words[1]), _mm256_packs_epi32(words[2], words[3])),
-        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    const int64_t block = g % row_blocks;
-    int8_t* out = q + g * 32;
-    if (block % 2 == 0 && block + 1 < row_blocks) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm256_extracti128_si256(bytes, 1));
-    } else if (block % 2 == 1) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out - 16), _mm256_castsi256_si128(bytes));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm256_extracti128_si256(bytes, 1));
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
-    }
-    const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-    const float d = m / 127.0f;
-    side[2 * g] = d;
-    side[2 * g + 1] = d * simd::sum(_mm256_cvtepi32_ps(sum));
-  }
-}
-
-// 32 products of 4-bit weights q (unsigned) and int8 activations, summed in pairs to int16 (at most
-// 2 x 15 x 127: no saturation)
-inline __m256i products(__m256i q, const int8_t* x) {
-  return _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-
 // y = x W^T for W (N, K) in 4-bit groups of 32 along K, w = scale * q + low with q in 0..15: row o's
 // group g is the 16 bytes nibbles[o][16 g:], byte j holding q of element 32 g + j in its low nibble
 // and of element 32 g + 16 + j in its high one; (scale, low) are scale_low[o][g]. x comes quantized
@@ -374,7 +383,7 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at
   std::vector<float> widened;
   std::vector<int8_t> xq(M * K);
   std::vector<float> side(M * groups * 2);
-  quantize_blocks(float_rows<T>(xc, widened), M, K, xq.data(), side.data());
+  quantize_blocks(float_rows<T>(xc, widened), M, K, xq.data(), side.data(), true);
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
   const at::Half* sl = scale_low.data_ptr<at::Half>();
   over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
