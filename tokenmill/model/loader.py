@@ -17,7 +17,6 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
-    Int8HeadEmbedding,
     QuantEmbedding,
     QuantLinear,
     dense_crossover,
@@ -173,9 +172,10 @@ class _Builder:
             model.lm_head = self.linear([head], [None])
         elif keep_quantized or self.quantization in ("int8", "int4"):
             model.lm_head = self.linear([embed], [None])  # tied, but the head needs its own packed form
-        if keep_quantized and head is None and model.lm_head.kind == "int8":
-            model.embed = Int8HeadEmbedding(model.lm_head)  # one copy of the table, not two
-        elif keep_quantized:
+        if keep_quantized:
+            # looked up from the file's rows as they are: a tied head's re-quantized int8 rows
+            # would cost perplexity (SmolLM2, decode path: +0.1%) to save only the pages of rows
+            # never looked up
             model.embed = QuantEmbedding(embed, self.dtype)
         else:
             model.embed = nn.Embedding.from_pretrained(_dense(embed, self.dtype), freeze=True)

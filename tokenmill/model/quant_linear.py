@@ -332,20 +332,3 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.data.index_select(0, ids)
         return quant.dequantize(rows, self.qtype, (ids.shape[0], self.shape[1]), self.dtype)
-
-
-class Int8HeadEmbedding(nn.Module):
-    """Token embedding tied to an int8 output head: looks up the head's rows (and row scales),
-    so the embedding costs no memory of its own. Re-quantizing a ggml embedding (Q8_0, Q6_K, ...)
-    to int8 rows moves perplexity by less than 0.1% on the models measured (see the README)."""
-
-    def __init__(self, head: QuantLinear) -> None:
-        super().__init__()
-        if head.kind != "int8":
-            raise ValueError("the head has no int8 rows to share")
-        self.head = [head]  # a list: the head stays a submodule of the model only
-        self.dtype = head.scales.dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        head = self.head[0]
-        return (head.weight_int8[ids].float() * head.scales[ids, None].float()).to(self.dtype)
