@@ -132,9 +132,10 @@ def _logits(loaded, prompts: list[list[int]]) -> torch.Tensor:
 
 
 Q = gguf.GGMLQuantizationType
-# quantized-in-memory tolerance: Q4_0/Q4_1/Q4_K map exactly onto the int4 kernel; Q8_0 is re-quantized
-# to int8 with one scale per row, which moves these tiny models' logits by up to ~0.07
-KEPT_ATOL = {Q.F32: 1e-4, Q.Q4_1: 1e-4, Q.Q8_0: 1e-1}
+# quantized-in-memory tolerance: Q4_0/Q4_1/Q4_K map exactly onto the int4 kernel and Q8_0 is
+# re-quantized to int8 with one scale per row (~0.07), but the GEMVs round the activations to int8,
+# which moves these tiny models' logits by up to ~0.13
+KEPT_ATOL = {Q.F32: 1e-4, Q.Q4_1: 2e-1, Q.Q8_0: 2e-1}
 
 
 @pytest.mark.parametrize("quantization", ["none", "gguf"])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tokenmill.model import kernels
-from tokenmill.model.quant_linear import QuantLinear, dense_packed_form, pack_int4_rows, unpack_int4_rows
+from tokenmill.model.quant_linear import (QuantLinear, dense_crossover, dense_packed_form, pack_int4_rows,
+                                         unpack_int4_rows)
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler to build the kernels with")
@@ -167,14 +168,22 @@ def test_gated_activation_refuses_what_it_cannot_compute() -> None:
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_fp32_batches_take_the_blocked_product_below_the_dense_copy(kind: str) -> None:
+def test_fp32_batches_take_the_gemv_below_the_dense_copy(kind: str) -> None:
     torch.manual_seed(7)
     kind, data = dense_packed_form(torch.randn(96, 128), kind)
     copy = torch.randn(96, 128)  # unrelated to the packed weight: shows which one was used
-    layer = QuantLinear(96, 128, torch.float32, **{kind: data}, dense=copy, dense_min_tokens=33, int4_rows=True)
+    crossover = dense_crossover(kind, torch.float32)
+    layer = QuantLinear(96, 128, torch.float32, **{kind: data}, dense=copy, dense_min_tokens=crossover,
+                        int4_rows=True)
     packed = unpack_int4_rows(layer.nibbles, layer.scale_low) if kind == "int4" else data[0].float() * data[1][:, None]
-    assert layer._native_limits(torch.float32) == (8, 32)
-    for tokens in (1, 9, 32, 33):
+    assert crossover == 65 and layer._native_limits(torch.float32) == (64, 0)
+    for tokens in (1, 9, 64, 65):
         x = torch.randn(tokens, 128)
-        multiplied = int8_activations(x) if tokens <= 8 else x  # the GEMVs' rounding
-        torch.testing.assert_close(layer(x), multiplied @ (copy if tokens >= 33 else packed).t(), atol=1e-4, rtol=1e-4)
+        reference = x @ copy.t() if tokens >= crossover else int8_activations(x) @ packed.t()  # the GEMV's rounding
+        torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-4)
+    without_copy = QuantLinear(96, 128, torch.float32, **{kind: data}, int4_rows=True)
+    x = torch.randn(100, 128)
+    if kind == "int4":  # at any size
+        torch.testing.assert_close(without_copy(x), int8_activations(x) @ packed.t(), atol=1e-4, rtol=1e-4)
+    else:  # beyond 64 tokens, in chunks dequantized on the fly
+        torch.testing.assert_close(without_copy(x), x @ packed.t(), atol=1e-4, rtol=1e-4)

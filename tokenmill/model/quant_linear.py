@@ -42,16 +42,15 @@ DEFAULT_CHUNK_ROWS = 2048
 # against chunks dequantized on the fly (its 262k-row head).
 GEMV_MAX_TOKENS = 4
 GEMV_MAX_TOKENS_NO_COPY = 8
-# For fp32 activations (CPUs without native bf16 matmuls), batches beyond the GEMVs' range (8
-# tokens: from 6 to 12 the two are even) and up to these many tokens take the blocked product
-# (gemv.cpp: each block of 4 weight rows dequantized once into L1, then multiplied with every
-# activation row), which reads the packed bytes once and needs no dense copy. Measured on an AVX2
-# Zen 3, 2 threads: Gemma 3's 262k x 640 int8 head at 9 / 16 / 32 / 64 tokens took 42 / 65 / 95 /
-# 240 ms against 72 / 91 / 125 / 211 for dequantized chunks; the layers of both models at 16-32
-# tokens ran at 87-131 GFLOP/s against 63-117 for a dense fp32 copy, which wins from ~48 tokens.
-BLOCKED_MAX_TOKENS = {torch.float32: 32}
-BLOCKED_MAX_TOKENS_NO_COPY = {torch.float32: 48}
-FP32_GEMV_MAX_TOKENS = 8
+# For fp32 activations (CPUs without native bf16 matmuls), the GEMVs (on int8 activations) serve
+# up to these many tokens. Measured on an AVX2 Zen 3, 2 threads, cold weights, at 16 / 32 / 64
+# tokens: SmolLM2's 3072x576 int4 layer took 316 / 644 / 1236 us against 948 / 1246 / 1873 for a
+# dense fp32 copy (and 645 / 882 / 1709 for gemv.cpp's blocked product), a 4096x640 int8 layer 637
+# / 1252 / 2546 against 1353 / 1889 / 2824, Gemma 3's 262k x 640 int8 head 41 / 101 / 170 ms
+# against 50 / 89 / 192 for the blocked product and 211 (64 tokens) for dequantized chunks. At 128
+# tokens the int4 GEMV still wins by 1.3-1.4x and the int8 one is even; at 512 they are 1.04-1.1x
+# and 0.77x: an int4 layer without a dense copy takes the GEMV at any size.
+FP32_GEMV_MAX_TOKENS = 64
 # Batch sizes from which a dense copy beats PyTorch's weight-only kernels (bf16 on an AVX-512 + AMX
 # Xeon), which serve until tokenmill's kernels are built, or where they cannot be
 PACKED_DENSE_CROSSOVER = {"int4": 16, "int8": 8}
@@ -59,8 +58,8 @@ PACKED_DENSE_CROSSOVER = {"int4": 16, "int8": 8}
 
 def dense_crossover(kind: str, dtype: torch.dtype) -> int:
     """The batch size (tokens) from which a dense copy of a layer beats its kind's kernels."""
-    if dtype in BLOCKED_MAX_TOKENS:
-        return BLOCKED_MAX_TOKENS[dtype] + 1
+    if dtype == torch.float32:
+        return FP32_GEMV_MAX_TOKENS + 1
     return PACKED_DENSE_CROSSOVER[kind]
 
 
@@ -274,13 +273,13 @@ class QuantLinear(nn.Module):
 
     def _native_limits(self, dtype: torch.dtype) -> tuple[int, int]:
         """The most tokens `int8_linear` and `int4_rows_linear` multiply by their GEMV, and by their
-        blocked product (fp32 only; see BLOCKED_MAX_TOKENS); beyond, the dense copy or, for a layer
-        without one, chunks (int8) or the blocked product again (int4)."""
+        blocked product (none: the GEMVs on int8 activations beat it); beyond, the dense copy or,
+        for an int8 layer without one, chunks dequantized on the fly."""
         has_dense = self.dense is not None and self.dense_min_tokens > 0
-        if dtype in BLOCKED_MAX_TOKENS:
+        if dtype == torch.float32:
             if has_dense:
-                return min(FP32_GEMV_MAX_TOKENS, self.dense_min_tokens - 1), self.dense_min_tokens - 1
-            return FP32_GEMV_MAX_TOKENS, (BLOCKED_MAX_TOKENS_NO_COPY[dtype] if self.kind == "int8" else 0)
+                return min(FP32_GEMV_MAX_TOKENS, self.dense_min_tokens - 1), 0
+            return (FP32_GEMV_MAX_TOKENS if self.kind == "int8" else 1 << 30), 0
         if self.kind == "int8":
             return (GEMV_MAX_TOKENS if has_dense else GEMV_MAX_TOKENS_NO_COPY), 0
         return (self.dense_min_tokens - 1 if has_dense else 1 << 30), 0
