@@ -39,7 +39,7 @@ def test_kernels_build_and_load(cpu_kernels: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("means", ["gemv", "blocked", "dense copy", "chunks"])
+@pytest.mark.parametrize("means", ["gemv", "dense copy", "chunks"])
 def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: torch.dtype) -> None:
     weight, scale = _int8_layer(8197, 96, tokens, dtype)  # rows: not a multiple of the threads' share nor of a chunk
     x = torch.randn(tokens, 96).to(dtype)
@@ -49,8 +49,7 @@ def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: t
     if means == "dense copy":  # what the loader keeps: the dequantized weight, rounded to the dtype
         dense = (weight.float() * scale.float()[:, None]).to(dtype)
         reference = x.float() @ dense.float().t()
-    limits = {"gemv": (16, 0), "blocked": (0, 16)}.get(means, (0, 0))  # rows by GEMV / by blocked product
-    out = torch.ops.tokenmill.int8_linear(x, weight, scale, dense, *limits, 2048)
+    out = torch.ops.tokenmill.int8_linear(x, weight, scale, dense, 16 if means == "gemv" else 0, 2048)
     assert out.dtype == dtype and out.shape == (tokens, 8197)
     tolerance = dict(atol=2e-3, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float(), reference, **tolerance)
@@ -59,12 +58,12 @@ def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: t
 def test_int8_linear_rejects_what_it_cannot_multiply() -> None:
     weight, scale = _int8_layer(8, 96, 0)
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        torch.ops.tokenmill.int8_linear(torch.randn(1, 96).half(), weight, scale, None, 4, 0, 2048)
+        torch.ops.tokenmill.int8_linear(torch.randn(1, 96).half(), weight, scale, None, 4, 2048)
     with pytest.raises(RuntimeError, match="of x's dtype"):
-        torch.ops.tokenmill.int8_linear(torch.randn(1, 96), weight, scale, None, 4, 0, 2048)
+        torch.ops.tokenmill.int8_linear(torch.randn(1, 96), weight, scale, None, 4, 2048)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.tokenmill.int8_linear(torch.randn(1, 80).bfloat16(), weight[:, :80].contiguous(), scale, None, 4,
-                                        0, 2048)
+                                        2048)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -96,10 +95,8 @@ def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("dense", [False, True])
-@pytest.mark.parametrize("max_blocked", [0, 5])
 @pytest.mark.parametrize("cols", [160, 288])  # 5 and 9 groups of 32: quads, a pair and a single group left
-def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dtype, dense: bool,
-                                                    max_blocked: int, cols: int) -> None:
+def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dtype, dense: bool, cols: int) -> None:
     torch.manual_seed(tokens)
     rows = 1037  # not a multiple of the threads' share
     q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
@@ -112,11 +109,11 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
     x = torch.randn(tokens, cols).to(dtype)
     x[0, 32:64] = 0  # an all-zero block has no scale to divide by
     copy = torch.randn(rows, cols).to(dtype) if dense else None  # unrelated: shows which one was used
-    # the GEMV (on int8 activations) up to 4 rows, then the blocked product up to max_blocked rows or
-    # without a copy
-    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, copy, 4, max_blocked)
+    # the GEMV (on int8 activations) up to 4 rows, then the copy, or the GEMV still without one
+    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, copy, 4)
     assert out.dtype == dtype and out.shape == (tokens, rows)
-    gemv, by_copy = tokens <= 4, dense and tokens > max(4, max_blocked)
+    by_copy = dense and tokens > 4
+    gemv = not by_copy
     reference = (int8_activations(x) if gemv else x.float()) @ (copy.float() if by_copy else weight).t()
     tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float(), reference, **tolerance)
@@ -128,11 +125,11 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
 def test_int4_rows_linear_rejects_what_it_cannot_multiply() -> None:
     nibbles, scale_low = pack_int4_rows(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64).half(), nibbles, scale_low, None, 4, 0)
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64).half(), nibbles, scale_low, None, 4)
     with pytest.raises(RuntimeError, match="K / 2"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 96), nibbles, scale_low, None, 4, 0)
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 96), nibbles, scale_low, None, 4)
     with pytest.raises(RuntimeError, match="float16"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_low.float(), None, 4, 0)
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_low.float(), None, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -176,7 +173,7 @@ def test_fp32_batches_take_the_gemv_below_the_dense_copy(kind: str) -> None:
     layer = QuantLinear(96, 128, torch.float32, **{kind: data}, dense=copy, dense_min_tokens=crossover,
                         int4_rows=True)
     packed = unpack_int4_rows(layer.nibbles, layer.scale_low) if kind == "int4" else data[0].float() * data[1][:, None]
-    assert crossover == 65 and layer._native_limits(torch.float32) == (64, 0)
+    assert crossover == 65 and layer._gemv_max_tokens(torch.float32) == 64
     for tokens in (1, 9, 64, 65):
         x = torch.randn(tokens, 128)
         reference = x @ copy.t() if tokens >= crossover else int8_activations(x) @ packed.t()  # the GEMV's rounding

@@ -45,11 +45,12 @@ GEMV_MAX_TOKENS_NO_COPY = 8
 # For fp32 activations (CPUs without native bf16 matmuls), the GEMVs (on int8 activations) serve
 # up to these many tokens. Measured on an AVX2 Zen 3, 2 threads, cold weights, at 16 / 32 / 64
 # tokens: SmolLM2's 3072x576 int4 layer took 316 / 644 / 1236 us against 948 / 1246 / 1873 for a
-# dense fp32 copy (and 645 / 882 / 1709 for gemv.cpp's blocked product), a 4096x640 int8 layer 637
-# / 1252 / 2546 against 1353 / 1889 / 2824, Gemma 3's 262k x 640 int8 head 41 / 101 / 170 ms
-# against 50 / 89 / 192 for the blocked product and 211 (64 tokens) for dequantized chunks. At 128
-# tokens the int4 GEMV still wins by 1.3-1.4x and the int8 one is even; at 512 they are 1.04-1.1x
-# and 0.77x: an int4 layer without a dense copy takes the GEMV at any size.
+# dense fp32 copy (and 645 / 882 / 1709 for a blocked product since removed: blocks of 4 weight
+# rows dequantized into L1, multiplied by fp32 FMAs), a 4096x640 int8 layer 637 / 1252 / 2546
+# against 1353 / 1889 / 2824, Gemma 3's 262k x 640 int8 head 41 / 101 / 170 ms against 50 / 89 /
+# 192 (blocked) and 211 (64 tokens) for dequantized chunks. At 128 tokens the int4 GEMV still wins
+# by 1.3-1.4x and the int8 one is even; at 512 they are 1.04-1.1x and 0.77x: an int4 layer without
+# a dense copy takes the GEMV at any size.
 FP32_GEMV_MAX_TOKENS = 64
 # Batch sizes from which a dense copy beats PyTorch's weight-only kernels (bf16 on an AVX-512 + AMX
 # Xeon), which serve until tokenmill's kernels are built, or where they cannot be
@@ -246,13 +247,13 @@ class QuantLinear(nn.Module):
             dense = self.dense if self.dense_min_tokens > 0 else None
             if self.int4_rows:
                 y = torch.ops.tokenmill.int4_rows_linear(x, self.nibbles, self.scale_low, dense,
-                                                         *self._native_limits(x.dtype))
+                                                         self._gemv_max_tokens(x.dtype))
             elif self.kind == "int4":
                 y = torch.ops.tokenmill.int4_linear(x, self.packed, self.scales_zeros, INT4_GROUP, dense,
                                                     self.dense_min_tokens - 1)
             else:
                 y = torch.ops.tokenmill.int8_linear(x, self.weight_int8, self.scales, dense,
-                                                    *self._native_limits(x.dtype),
+                                                    self._gemv_max_tokens(x.dtype),
                                                     CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS))
             return y if self.bias is None else y + self.bias
         if kernel == "streamed":  # a plain reduction that inductor turns into one pass over the int8 bytes
@@ -271,18 +272,16 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
 
-    def _native_limits(self, dtype: torch.dtype) -> tuple[int, int]:
-        """The most tokens `int8_linear` and `int4_rows_linear` multiply by their GEMV, and by their
-        blocked product (none: the GEMVs on int8 activations beat it); beyond, the dense copy or,
-        for an int8 layer without one, chunks dequantized on the fly."""
+    def _gemv_max_tokens(self, dtype: torch.dtype) -> int:
+        """The most tokens `int8_linear` and `int4_rows_linear` multiply by their GEMV; beyond, the
+        dense copy or, for a layer without one, chunks dequantized on the fly (int8) or the GEMV
+        still (int4)."""
         has_dense = self.dense is not None and self.dense_min_tokens > 0
         if dtype == torch.float32:
-            if has_dense:
-                return min(FP32_GEMV_MAX_TOKENS, self.dense_min_tokens - 1), 0
-            return (FP32_GEMV_MAX_TOKENS if self.kind == "int8" else 1 << 30), 0
+            return min(FP32_GEMV_MAX_TOKENS, self.dense_min_tokens - 1) if has_dense else FP32_GEMV_MAX_TOKENS
         if self.kind == "int8":
-            return (GEMV_MAX_TOKENS if has_dense else GEMV_MAX_TOKENS_NO_COPY), 0
-        return (self.dense_min_tokens - 1 if has_dense else 1 << 30), 0
+            return GEMV_MAX_TOKENS if has_dense else GEMV_MAX_TOKENS_NO_COPY
+        return self.dense_min_tokens - 1 if has_dense else 1 << 30
 
     def _native_fits(self, x: torch.Tensor) -> bool:
         """Whether tokenmill's ops (built in the background, CPU only) take this input."""

@@ -118,7 +118,7 @@ def _compile(directory: Path) -> None:
 
 
 def _int8_shape(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor | None,
-                max_gemv_rows: int, max_blocked_rows: int, chunk_rows: int) -> torch.Tensor:
+                max_gemv_rows: int, chunk_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -128,7 +128,7 @@ def _int4_shape(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
 
 
 def _int4_rows_shape(x: torch.Tensor, nibbles: torch.Tensor, scale_low: torch.Tensor, dense: torch.Tensor | None,
-                     max_gemv_rows: int, max_blocked_rows: int) -> torch.Tensor:
+                     max_gemv_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], nibbles.shape[0])
 
 

@@ -1,14 +1,13 @@
-// Weight-only quantized matrix products whose means depend on the number of activation rows, on CPU.
+// Weight-only quantized matrix products for a few activation rows (GEMVs), on CPU.
 //
 // A decode step reads every weight once per token, so it runs at the speed the weight bytes stream
-// from memory. PyTorch's `_weight_int8pack_mm` streams them at ~10 GB/s on a 2-core AVX-512 machine
-// whose memory gives ~30; this kernel reaches ~25: each output row is one pass over its int8 row,
-// widened to fp32 and multiplied with the activations (bf16 or fp32, widened to fp32) by FMAs
-// (simd.h). Rows are split across PyTorch's intra-op threads, and up to 4 activation rows share each
-// widened weight vector. The int4 GEMV below multiplies 4-bit groups with activations rounded to
-// int8, in integers: there, widening both to fp32 cost more instructions than the bytes. Wider batches
-// are bound by arithmetic rather than bytes: for them the blocked product dequantizes a few weight
-// rows at a time and multiplies them with every activation row, as a dense matmul would.
+// from memory, if the kernel keeps up with them. These do as llama.cpp's do: the activation rows are
+// rounded to int8 in blocks of 32 (one scale each) and multiplied with the int8 or 4-bit weights in
+// integers (maddubs, madd: two instructions per 32 products), each block's sums scaled in fp32.
+// Widening both sides to fp32 for FMAs took ~25 instructions per 32 4-bit weights and held the int4
+// GEMV to 12-14 GB/s on a 2-core Zen 3, against 20-27 GB/s now. Weight rows are split across
+// PyTorch's intra-op threads, and up to 4 activation rows share each loaded weight vector; beyond the
+// batch sizes where this wins, the ops multiply by a layer's dense copy (bound by arithmetic).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -183,113 +182,14 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
                                        : int8_gemv_as<at::BFloat16>(x, weight, scale);
 }
 
-// Products with more activation rows than the GEMV serves, without a dense copy of the weight: each
-// block of kBlockRows weight rows is dequantized to fp32 once, into a buffer that stays in L1, and
-// multiplied with every activation row by a register-blocked tile of kTileRows x kBlockRows dot
-// products (12 accumulators, the weights loaded once per step for three rows). The int8 bytes are
-// read from memory once per call, where a chunked matmul converts them to fp32 in memory first.
-constexpr int kBlockRows = 4;
-constexpr int kTileRows = 3;
-
-template <int MR>
-inline void dot_tile(const float* x, int64_t K, const float* w, float* out) {
-  using namespace simd;
-  Vec acc[MR][kBlockRows];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kBlockRows; ++j) acc[i][j] = zero();
-  for (int64_t k = 0; k < K; k += kWidth) {
-    Vec wv[kBlockRows];
-    for (int j = 0; j < kBlockRows; ++j) wv[j] = load(w + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const Vec xv = load(x + i * K + k);
-      for (int j = 0; j < kBlockRows; ++j) acc[i][j] = fmadd(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kBlockRows; ++j) out[i * kBlockRows + j] = sum(acc[i][j]);
-}
-
-// y (M, N) = x (M, K) W^T for x bfloat16 or float32 (y the same), where dequantize(o, w) writes
-// weight row o as K floats at w.
-template <typename T, typename Dequantize>
-at::Tensor blocked_product(const at::Tensor& x, int64_t N, const Dequantize& dequantize) {
-  const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const at::Tensor xc = x.contiguous();
-  std::vector<float> widened;
-  const float* xf = float_rows<T>(xc, widened);
-  T* out_rows = y.data_ptr<T>();
-  const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    std::vector<float> w(kBlockRows * K);
-    float out[kTileRows * kBlockRows];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t o0 = b * kBlockRows, rows = std::min<int64_t>(kBlockRows, N - o0);
-      for (int64_t j = 0; j < kBlockRows; ++j) {
-        if (j < rows) dequantize(o0 + j, w.data() + j * K);
-        else std::fill_n(w.data() + j * K, K, 0.0f);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const int64_t mr = std::min<int64_t>(kTileRows, M - m0);
-        if (mr == 3) dot_tile<3>(xf + m0 * K, K, w.data(), out);
-        else if (mr == 2) dot_tile<2>(xf + m0 * K, K, w.data(), out);
-        else dot_tile<1>(xf + m0 * K, K, w.data(), out);
-        for (int64_t i = 0; i < mr; ++i)
-          for (int64_t j = 0; j < rows; ++j) out_rows[(m0 + i) * N + o0 + j] = T(out[i * kBlockRows + j]);
-      }
-    }
-  });
-  return y;
-}
-
-template <typename T>
-at::Tensor int8_blocked_as(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  const int64_t K = weight.size(1);
-  const int8_t* wq = weight.data_ptr<int8_t>();
-  const T* s = scale.data_ptr<T>();
-  return blocked_product<T>(x, weight.size(0), [&](int64_t o, float* w) {
-    using namespace simd;
-    const Vec so = set1(static_cast<float>(s[o]));
-    for (int64_t k = 0; k < K; k += kWidth) store(w + k, mul(load(wq + o * K + k), so));
-  });
-}
-
-template <typename T>
-at::Tensor int4_blocked_as(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_low) {
-  const int64_t groups = x.size(1) / 32;
-  const uint8_t* q = nibbles.data_ptr<uint8_t>();
-  const at::Half* sl = scale_low.data_ptr<at::Half>();
-  return blocked_product<T>(x, nibbles.size(0), [&](int64_t o, float* w) {
-    using namespace simd;
-    const uint8_t* row = q + o * groups * 16;
-    const at::Half* row_sl = sl + o * groups * 2;
-    for (int64_t g = 0; g < groups; ++g) {
-      const Vec scale = set1(to_float(row_sl[2 * g])), low = set1(to_float(row_sl[2 * g + 1]));
-      for (int b = 0; b < 16; b += kWidth) {
-        Vec q_low, q_high;
-        load_nibbles(row + g * 16 + b, q_low, q_high);
-        store(w + g * 32 + b, fmadd(q_low, scale, low));
-        store(w + g * 32 + 16 + b, fmadd(q_high, scale, low));
-      }
-    }
-  });
-}
-
 // The same product for any number of rows, by the fastest means at hand for that number: the GEMV
-// above for a few rows (bound by weight bytes), the blocked product up to max_blocked_rows, else a
-// dense matmul (bound by arithmetic) with the layer's dense copy, or with chunks of chunk_rows int8
-// rows dequantized one at a time (a large output head keeps no dense copy). Deciding here, at run
-// time, lets one compiled graph serve every batch size without a guard on it.
+// above up to max_gemv_rows, else a dense matmul (bound by arithmetic) with the layer's dense copy,
+// or with chunks of chunk_rows int8 rows dequantized one at a time (a large output head keeps no
+// dense copy). Deciding here, at run time, lets one compiled graph serve every batch size without a
+// guard on it.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows, int64_t max_blocked_rows,
-                       int64_t chunk_rows) {
+                       const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows, int64_t chunk_rows) {
   if (x.size(0) <= max_gemv_rows) return int8_gemv(x, weight, scale);
-  if (x.size(0) <= max_blocked_rows) {
-    int8_gemv_checks(x, weight, scale);
-    return x.scalar_type() == at::kFloat ? int8_blocked_as<float>(x, weight, scale)
-                                         : int8_blocked_as<at::BFloat16>(x, weight, scale);
-  }
   if (dense.has_value()) return at::linear(x, *dense);
   TORCH_CHECK(chunk_rows > 0, "int8_linear: chunk_rows must be positive");
   const int64_t N = weight.size(0);
@@ -393,13 +293,11 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at
   return y;
 }
 
-// The int4 product for any number of rows: the GEMV up to max_gemv_rows (bound by weight bytes),
-// the blocked product up to max_blocked_rows or for a layer without a dense copy, the dense copy
-// beyond (bound by arithmetic).
+// The int4 product for any number of rows: the GEMV up to max_gemv_rows or for a layer without a
+// dense copy, the dense copy beyond.
 at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_low,
-                            const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows, int64_t max_blocked_rows) {
-  const int64_t M = x.size(0);
-  if (M > max_gemv_rows && M > max_blocked_rows && dense.has_value()) return at::linear(x, *dense);
+                            const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows) {
+  if (x.size(0) > max_gemv_rows && dense.has_value()) return at::linear(x, *dense);
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "int4_rows_linear: x must be a 2-D bfloat16 or float32 tensor");
@@ -409,11 +307,8 @@ at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, cons
               "int4_rows_linear: nibbles must be contiguous uint8 (N, K / 2), K a multiple of 32");
   TORCH_CHECK(scale_low.scalar_type() == at::kHalf && scale_low.is_contiguous() && scale_low.numel() == N * K / 16,
               "int4_rows_linear: scale_low must be contiguous float16 (N, K / 32, 2)");
-  if (M <= max_gemv_rows)
-    return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, scale_low)
-                               : int4_gemv_as<at::BFloat16>(x, nibbles, scale_low);
-  return dtype == at::kFloat ? int4_blocked_as<float>(x, nibbles, scale_low)
-                             : int4_blocked_as<at::BFloat16>(x, nibbles, scale_low);
+  return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, scale_low)
+                             : int4_gemv_as<at::BFloat16>(x, nibbles, scale_low);
 }
 
 // The int4 counterpart (PyTorch's packed kernel below the crossover, the dense copy above it):
@@ -432,10 +327,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, Tensor? dense, "
         "int max_packed_rows) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows, int max_blocked_rows, "
-        "int chunk_rows) -> Tensor");
-  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor scale_low, Tensor? dense, int max_gemv_rows, "
-        "int max_blocked_rows) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows, int chunk_rows) "
+        "-> Tensor");
+  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor scale_low, Tensor? dense, int max_gemv_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
