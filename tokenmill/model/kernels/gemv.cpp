@@ -70,14 +70,11 @@ void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* sid
         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     const int64_t block = g % row_blocks;
     int8_t* out = q + g * 32;
-    if (!paired) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
-    } else if (block % 2 == 0 && block + 1 < row_blocks) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm256_extracti128_si256(bytes, 1));
-    } else if (block % 2 == 1) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out - 16), _mm256_castsi256_si128(bytes));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm256_extracti128_si256(bytes, 1));
+    const bool pair_first = paired && block % 2 == 0 && block + 1 < row_blocks, pair_second = paired && block % 2 == 1;
+    if (pair_first || pair_second) {  // halves 32 bytes apart: [0, 16) and [32, 48) of the pair, 16 on for the second
+      int8_t* pair = pair_first ? out : out - 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm256_extracti128_si256(bytes, 1));
     } else {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
     }
@@ -202,12 +199,24 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y.mul_(scale);
 }
 
-// The int4 GEMV multiplies integers, as llama.cpp does: the activations are rounded to int8 in
-// blocks of 32 (one float scale d each), and each group's 32 products of 4-bit weights and int8
-// activations are summed by two instructions (maddubs, madd) where widening both sides to fp32 took
-// ~25 per group. On an AVX2 Zen 3 (SmolLM2's and Gemma 3's layer shapes at batch 1, 2 threads) that
-// is 20-27 GB/s of weight bytes against 11-14. The rounding adds a relative error of ~0.5% per
-// product, as llama.cpp's Q8 activations do; `tokenmill perplexity --decode` measures its cost.
+// The int4 GEMV's pairs of groups: the 32 bytes of groups g and g + 1 hold, in their low nibbles,
+// elements 0-15 of both and, in their high nibbles, elements 16-31 (the order of quantize_blocks'
+// pairs), so one load and three instructions unpack two groups.
+inline void unpack_pair(const uint8_t* p, __m256i& q_low, __m256i& q_high) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  q_low = _mm256_and_si256(b, nibble);
+  q_high = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+}
+
+// The pair's q x sums as int32: lanes 0-3 add up to group g's, lanes 4-7 to group g + 1's (two int16
+// products of at most 2 x 15 x 127 each still fit int16 when added)
+inline __m256i pair_sums(__m256i q_low, __m256i q_high, const int8_t* x) {
+  return _mm256_madd_epi16(_mm256_add_epi16(products(q_low, x), products(q_high, x + 32)), _mm256_set1_epi16(1));
+}
+
+// The rounding of the activations adds a relative error of ~0.5% per product, as llama.cpp's Q8
+// activations do; `tokenmill perplexity --decode` measures its cost.
 //
 // y = x W^T for W (N, K) in 4-bit groups of 32 along K, w = scale * q + low with q in 0..15: row o's
 // group g is the 16 bytes nibbles[o][16 g:], byte j holding q of element 32 g + j in its low nibble
@@ -217,7 +226,7 @@ template <int M, typename T>
 void int4_rows(const int8_t* xq, const float* side, int64_t K, const uint8_t* nibbles, const at::Half* scale_low,
                T* y, int64_t N, int64_t row0, int64_t row1) {
   const int64_t groups = K / 32;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t o = row0; o < row1; ++o) {
     const uint8_t* row = nibbles + o * groups * 16;
     const at::Half* sl = scale_low + o * groups * 2;
@@ -233,13 +242,12 @@ void int4_rows(const int8_t* xq, const float* side, int64_t K, const uint8_t* ni
         factors[i] = _mm256_mul_ps(weight_side, _mm256_loadu_ps(side + i * groups * 2 + 2 * g));
         lows[i] = _mm256_add_ps(lows[i], factors[i]);
       }
-      for (int h = 0; h < 4; h += 2) {  // a pair of groups per 32-byte load: low nibbles, then high ones
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + h) * 16));
-        const __m256i q_low = _mm256_and_si256(b, nibble), q_high = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+      for (int h = 0; h < 4; h += 2) {
+        __m256i q_low, q_high;
+        unpack_pair(row + (g + h) * 16, q_low, q_high);
         const __m256i pick = _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 2, 2 * h + 2, 2 * h + 2, 2 * h + 2);
         for (int i = 0; i < M; ++i) {
-          const int8_t* xp = xq + i * K + (g + h) * 32;
-          const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(products(q_low, xp), products(q_high, xp + 32)), ones);
+          const __m256i sums = pair_sums(q_low, q_high, xq + i * K + (g + h) * 32);
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_permutevar8x32_ps(factors[i], pick), acc[i]);
         }
       }
@@ -247,20 +255,19 @@ void int4_rows(const int8_t* xq, const float* side, int64_t K, const uint8_t* ni
     for (; g < groups; g += 2) {  // the groups left: a pair, or a last unpaired one
       const float s0 = simd::to_float(sl[2 * g]), l0 = simd::to_float(sl[2 * g + 1]);
       if (g + 1 < groups) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 16));
-        const __m256i q_low = _mm256_and_si256(b, nibble), q_high = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+        __m256i q_low, q_high;
+        unpack_pair(row + g * 16, q_low, q_high);
         const float s1 = simd::to_float(sl[2 * g + 2]), l1 = simd::to_float(sl[2 * g + 3]);
         for (int i = 0; i < M; ++i) {
           const float* s = side + i * groups * 2 + 2 * g;
-          const int8_t* xp = xq + i * K + g * 32;
-          const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(products(q_low, xp), products(q_high, xp + 32)), ones);
+          const __m256i sums = pair_sums(q_low, q_high, xq + i * K + g * 32);
           const __m256 factor = _mm256_set_m128(_mm_set1_ps(s1 * s[2]), _mm_set1_ps(s0 * s[0]));
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factor, acc[i]);
           tail[i] += l0 * s[1] + l1 * s[3];
         }
       } else {
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
-        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), nibble);
+        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
         for (int i = 0; i < M; ++i) {
           const float* s = side + i * groups * 2 + 2 * g;
           const __m256i sums = _mm256_madd_epi16(products(q, xq + i * K + g * 32), ones);
