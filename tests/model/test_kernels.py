@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenmill.model import kernels
+from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
 from tokenmill.model.quant_linear import (QuantLinear, dense_crossover, dense_packed_form, pack_int4_rows,
                                          unpack_int4_rows)
 
@@ -162,6 +163,47 @@ def test_gated_activation_refuses_what_it_cannot_compute() -> None:
         torch.ops.tokenmill.gated_activation(torch.zeros(2, 8), "relu")
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.tokenmill.gated_activation(torch.zeros(8, 4).t(), "silu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256), (6, 2, 16)])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
+def test_decode_attention_matches_batched_matmuls(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                                                  window: int | None, softcap: float | None) -> None:
+    """Contexts shorter than, equal to and across the kernel's 64-position chunks, padded to the
+    longest, blocks out of order; a window leaves whole chunks without an admitted key."""
+    torch.manual_seed(head_dim)
+    block_size, context_lens = 16, [3, 64, 200, 131]
+    cache = KVCache(num_layers=1, num_blocks=40, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=dtype)
+    cache.k[0][:-1].normal_()  # every slot but the zero pad slot
+    cache.v[0][:-1].normal_()
+    order, tables = torch.randperm(40).tolist(), []
+    for context in context_lens:
+        tables.append(order[:-(-context // block_size)])
+        order = order[len(tables[-1]):]
+    batch = AttentionBatch.build([1] * 4, context_lens, tables, block_size, cache.pad_slot)
+    q = torch.randn(4, heads, head_dim).to(dtype)
+    args = (q, cache.k[0], cache.v[0], batch.context_slots, batch.mask(window), head_dim ** -0.5, softcap)
+    out = torch.ops.tokenmill.decode_attention(*args)
+    assert out.dtype == dtype and out.shape == q.shape
+    reference = _matmul_decode_attention(q.float(), cache.k[0].float(), cache.v[0].float(), *args[3:])
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), reference, **tolerance)
+    torch.testing.assert_close(_decode_attention(*args), out, atol=0, rtol=0)  # the model's decode steps take it
+
+
+def test_decode_attention_refuses_what_it_cannot_compute() -> None:
+    cache = torch.zeros(10, 1, 16)
+    slots, mask = torch.zeros(1, 3, dtype=torch.int64), torch.ones(1, 1, 1, 3, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="head_dim 12 must be a multiple"):
+        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 12), torch.zeros(10, 1, 12), torch.zeros(10, 1, 12),
+                                             slots, mask, 1.0, None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16, dtype=torch.bfloat16), cache, cache, slots, mask,
+                                             1.0, None)
+    with pytest.raises(RuntimeError, match="one entry per slot"):
+        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16), cache, cache, slots, mask[..., :2], 1.0, None)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])

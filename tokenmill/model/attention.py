@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model import kernels
+
 
 # Compiled decode steps use `_fused_decode_attention` for heads up to this size. Measured on whole
 # compiled steps: SmolLM2 (head_dim 64) at 32 sequences of ~165 tokens 140 -> 68 ms, at batch 1
@@ -193,13 +195,23 @@ def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
     scale: float, softcap: float | None,
 ) -> torch.Tensor:
-    """One query per sequence, in the form measured fastest where it runs (`FUSED_DECODE_MAX_HEAD_DIM`).
+    """One query per sequence, in the form measured fastest where it runs: tokenmill's kernel where
+    it is built (`decode_attention_fits`), else `FUSED_DECODE_MAX_HEAD_DIM` decides.
 
     q: (B, heads, head_dim); caches: (slots, kv_heads, head_dim); slots: (B, max_kv); mask: (B, 1, 1, max_kv).
     """
+    if decode_attention_fits(q, k_cache):
+        return torch.ops.tokenmill.decode_attention(q, k_cache, v_cache, slots, mask, scale, softcap)
     fused = torch.compiler.is_compiling() and q.shape[-1] <= FUSED_DECODE_MAX_HEAD_DIM
     attend = _fused_decode_attention if fused else _matmul_decode_attention
     return attend(q, k_cache, v_cache, slots, mask, scale, softcap)
+
+
+def decode_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `tokenmill::decode_attention` (kernels/attention.cpp) takes these tensors."""
+    head_dim = q.shape[-1]
+    return (kernels.loaded() and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype == q.dtype and head_dim % 16 == 0 and head_dim <= 512)
 
 
 def _matmul_decode_attention(

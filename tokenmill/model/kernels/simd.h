@@ -28,6 +28,12 @@ inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); } // 
 inline Vec round(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec times_pow2(Vec a, Vec n) { return _mm512_scalef_ps(a, n); }  // a * 2^n, n integral
 inline float sum(Vec a) { return _mm512_reduce_add_ps(a); }
+// lane i = sum(v[i]), for kWidth vectors
+inline Vec transposed_sums(const Vec* v) {
+  alignas(64) float sums[kWidth];
+  for (int i = 0; i < kWidth; ++i) sums[i] = sum(v[i]);
+  return _mm512_load_ps(sums);
+}
 
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec load(const int8_t* p) {
@@ -76,6 +82,13 @@ inline float sum(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// lane i = sum(v[i]), for kWidth vectors: pairwise horizontal adds, then the two 128-bit halves
+inline Vec transposed_sums(const Vec* v) {
+  const Vec s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const Vec s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // s0123 = (0 1 2 3 | 0 1 2 3) partial sums from the low and high halves, likewise s4567
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
