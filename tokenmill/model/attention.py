@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -101,33 +102,40 @@ class AttentionBatch:
 
         pad_slot is the cache's never-written zero slot (`KVCache.pad_slot`).
         """
+        # numpy: a decode step builds these every few milliseconds, and a numpy op costs ~1 us
+        # where a torch op on tiny tensors costs ~4
         num_seqs = len(query_lens)
         max_q, max_kv = max(query_lens), max(context_lens)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        kv_lens = torch.tensor(context_lens, dtype=torch.int64)
+        q_lens = np.array(query_lens, dtype=np.int64)
+        kv_lens = np.array(context_lens, dtype=np.int64)
         width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        tables = np.zeros((num_seqs, width), dtype=np.int64)
+        for row, table in zip(tables, block_tables):
+            row[:len(table)] = table
 
-        kv_pos = torch.arange(max_kv).expand(num_seqs, max_kv)
+        kv_pos = np.arange(max_kv)
         kv_valid = kv_pos < kv_lens[:, None]
-        blocks = tables.gather(1, (kv_pos // block_size).clamp(max=width - 1))
-        context_slots = torch.where(kv_valid, blocks * block_size + kv_pos % block_size, pad_slot)
-        key_positions = torch.where(kv_valid, kv_pos, torch.iinfo(torch.int64).max)
+        blocks = tables[:, np.minimum(kv_pos // block_size, width - 1)]
+        context_slots = np.where(kv_valid, blocks * block_size + kv_pos % block_size, pad_slot)
+        key_positions = np.where(kv_valid, kv_pos, np.iinfo(np.int64).max)
 
-        q_offsets = torch.arange(max_q).expand(num_seqs, max_q)
+        q_offsets = np.arange(max_q)
         q_valid = q_offsets < q_lens[:, None]
-        query_positions = torch.where(q_valid, kv_lens[:, None] - q_lens[:, None] + q_offsets, -1)
-        token_index = torch.nonzero(q_valid.flatten()).flatten()
-        positions = query_positions.flatten()[token_index]
-        seq_of_token = token_index // max_q
-        slot_mapping = context_slots[seq_of_token, positions]
+        query_positions = np.where(q_valid, kv_lens[:, None] - q_lens[:, None] + q_offsets, -1)
+        token_index = np.flatnonzero(q_valid)
+        positions = query_positions.reshape(-1)[token_index]
+        slot_mapping = context_slots[token_index // max_q, positions]
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
         return cls(
-            positions=positions.to(device),
-            slot_mapping=slot_mapping.to(device),
-            token_index=token_index.to(device),
-            context_slots=context_slots.to(device),
-            key_positions=key_positions.to(device),
-            query_positions=query_positions.to(device),
+            positions=tensor(positions),
+            slot_mapping=tensor(slot_mapping),
+            token_index=tensor(token_index),
+            context_slots=tensor(context_slots),
+            key_positions=tensor(key_positions),
+            query_positions=tensor(query_positions),
             num_seqs=num_seqs,
             max_q=max_q,
             query_blocks=_query_blocks(query_lens, context_lens),
