@@ -1,11 +1,11 @@
 // Decode attention over the paged KV cache: one query token per sequence, each attending to the
-// cache rows its slot table names, in one pass per query head.
+// cache rows its slot table names.
 //
 // A compiled graph's own version (broadcast products and sums, `_fused_decode_attention`) spends
 // most of a small model's decode step outside the matmuls: its reductions run one after another in
-// `omp single` sections, and its value sum walks the context once per 8 output lanes. Here each
-// (sequence, query head) is a task that reads its key and value rows once: scores by dot products,
-// a max-subtracted exp, and the value rows summed in fp32.
+// `omp single` sections, and its value sum walks the context once per 8 output lanes. Here a task
+// takes one chunk of a sequence's context for one KV head (see `run`): scores by dot products, a
+// max-subtracted exp and the value rows summed in fp32, each row read from memory once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,7 +14,6 @@
 #include <cmath>
 #include <limits>
 #include <optional>
-#include <vector>
 
 #include "simd.h"
 
@@ -22,6 +21,7 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kChunk = 64;  // context positions per task
+static_assert(kChunk % simd::kWidth == 0, "a chunk's scores are padded to whole vectors within it");
 
 template <typename T>
 float dot(const float* q, const T* k, int64_t dim) {
@@ -68,9 +68,10 @@ void weighted_rows(const float* probs, const T* base, const int64_t* rows, int64
   for (int i = 0; i < N; ++i) store(acc + i * kWidth, a[i]);
 }
 
-// Attention of one query head over one chunk of a sequence's admitted keys (`rows`, `count` of
+// Attention of one query head over one chunk of a sequence's admitted keys (`rows`, `count` > 0 of
 // them): the chunk's score maximum, its sum of exp(score - maximum) and the exp-weighted sum of its
-// value rows (`acc`), which `merge_chunks` combines across chunks. scores: scratch of count + kWidth.
+// value rows (`acc`), which `merge_chunks` combines across chunks. scores: scratch of count
+// rounded up to kWidth.
 template <typename T>
 void attend_chunk(const T* q_in, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t count,
                   int64_t row_stride, int64_t dim, float scale, std::optional<double> softcap, float* scores,
@@ -109,12 +110,12 @@ void attend_chunk(const T* q_in, const T* k_cache, const T* v_cache, const int64
         for (int64_t i = c; i < dim; i += kWidth) weighted_rows<1>(scores, v_cache + i, rows, count, row_stride, acc + i);
     }
   }
-  top_out = count > 0 ? top : -std::numeric_limits<float>::infinity();
-  total_out = count > 0 ? denominator : 0.0f;
+  top_out = top;
+  total_out = denominator;
 }
 
 // out = sum_c exp(top_c - M) acc_c / sum_c exp(top_c - M) total_c over one head's chunks, M their
-// largest maximum; zeros if no chunk admitted a key.
+// largest maximum; chunks without an admitted key (total 0) are left out, zeros if all are.
 template <typename T>
 void merge_chunks(const float* tops, const float* totals, const float* accs, int64_t chunks, int64_t dim, T* out) {
   using namespace simd;
@@ -146,11 +147,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* sp = slots.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
   T* op = out.data_ptr<T>();
-  // partial results by (sequence, query head, chunk)
-  std::vector<float> tops(batch * heads * chunks), totals(batch * heads * chunks);
-  std::vector<float> accs(batch * heads * chunks * dim);
+  // partial results by (sequence, query head, chunk), each written by its task before it is merged
+  const int64_t parts = batch * heads * chunks;
+  const at::Tensor partials = at::empty({parts * (dim + 2)}, q.options().dtype(at::kFloat));
+  float* tops = partials.data_ptr<float>();
+  float* totals = tops + parts;
+  float* accs = totals + parts;
   at::parallel_for(0, batch * kv_heads * chunks, 1, [&](int64_t t0, int64_t t1) {
-    float scores[kChunk + simd::kWidth];
+    float scores[kChunk];
     int64_t rows[kChunk];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (kv_heads * chunks), g = t / chunks % kv_heads, c = t % chunks;
@@ -162,16 +166,17 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         const int64_t part = (b * heads + h) * chunks + c;
+        tops[part] = -std::numeric_limits<float>::infinity();
+        totals[part] = 0.0f;
+        if (count == 0) continue;  // merge_chunks leaves the chunk out
         attend_chunk(qp + (b * heads + h) * dim, kp + g * dim, vp + g * dim, rows, count, row_stride, dim,
-                     static_cast<float>(scale), softcap, scores, tops[part], totals[part], accs.data() + part * dim);
+                     static_cast<float>(scale), softcap, scores, tops[part], totals[part], accs + part * dim);
       }
     }
   });
   at::parallel_for(0, batch * heads, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      merge_chunks(tops.data() + t * chunks, totals.data() + t * chunks, accs.data() + t * chunks * dim, chunks, dim,
-                   op + t * dim);
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      merge_chunks(tops + t * chunks, totals + t * chunks, accs + t * chunks * dim, chunks, dim, op + t * dim);
   });
 }
 
