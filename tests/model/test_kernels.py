@@ -24,10 +24,10 @@ def _int8_layer(rows: int, cols: int, seed: int, dtype: torch.dtype = torch.bflo
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the GEMVs multiply it: rounded to int8 in blocks of 32 along its rows, one scale
-    (the block's largest magnitude / 127) per block."""
-    blocks = x.float().view(x.shape[0], -1, 32)
-    largest = blocks.abs().amax(-1, keepdim=True)
+    """x as the GEMVs multiply it: rounded to int8 with one scale (the largest magnitude / 127) per
+    8 values, sub-block j of each block of 32 holding its elements 4j..4j+3 and 16+4j..16+4j+3."""
+    blocks = x.float().view(x.shape[0], -1, 2, 4, 4)  # (row, block, half, j, 4 elements)
+    largest = blocks.abs().amax(dim=(2, 4), keepdim=True)
     # a division, as the kernel's (`127 / tensor` would multiply by a rounded reciprocal)
     inverse = torch.where(largest > 0, torch.full_like(largest, 127).div(largest), torch.zeros_like(largest))
     return (torch.round(blocks * inverse) * (largest / 127)).view_as(x.float())
