@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
-from tokenmill.model.quant_linear import QuantEmbedding
+from tokenmill.model.quant_linear import QuantEmbedding, QuantLinear, int4_rows_layout
 
 VOCAB = 96
 HF_CONFIGS = {
@@ -132,14 +132,15 @@ def _logits(loaded, prompts: list[list[int]]) -> torch.Tensor:
 
 
 Q = gguf.GGMLQuantizationType
-# quantized-in-memory tolerance: Q4_0/Q4_1/Q4_K map exactly onto the int4 kernel and Q8_0 is
+# quantized-in-memory tolerance: Q4_0/Q4_1/Q4_K map exactly onto the int4 kernel (Q5_0 onto its 5-bit
+# form where tokenmill's row kernel serves) and Q8_0 is
 # re-quantized to int8 with one scale per row (~0.07), but the GEMVs round the activations to int8,
 # which moves these tiny models' logits by up to ~0.13
-KEPT_ATOL = {Q.F32: 1e-4, Q.Q4_1: 2e-1, Q.Q8_0: 2e-1}
+KEPT_ATOL = {Q.F32: 1e-4, Q.Q4_1: 2e-1, Q.Q5_0: 2e-1, Q.Q8_0: 2e-1}
 
 
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
-@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_1, Q.Q5_0])
 @pytest.mark.parametrize("arch", list(HF_CONFIGS))
 def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
@@ -166,6 +167,9 @@ def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_pat
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     else:
         torch.testing.assert_close(ours, twin, atol=KEPT_ATOL[qtype], rtol=0)
+        kinds = {m.kind for m in from_gguf.model.modules() if isinstance(m, QuantLinear)}
+        if qtype == Q.Q5_0:
+            assert kinds >= ({"int5"} if int4_rows_layout() else {"int8"})
 
 
 def test_tied_embedding_is_looked_up_from_the_file_rows(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
-from tokenmill.model.quant_linear import (QuantLinear, dense_crossover, dense_packed_form, pack_int4_rows,
+from tokenmill.model.quant_linear import (QuantLinear, dense_crossover, dense_packed_form, pack_fifth_bits, pack_int4_rows,
                                          unpack_int4_rows)
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
@@ -111,7 +111,7 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
     x[0, 32:64] = 0  # an all-zero block has no scale to divide by
     copy = torch.randn(rows, cols).to(dtype) if dense else None  # unrelated: shows which one was used
     # the GEMV (on int8 activations) up to 4 rows, then the copy, or the GEMV still without one
-    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, copy, 4)
+    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, None, copy, 4)
     assert out.dtype == dtype and out.shape == (tokens, rows)
     by_copy = dense and tokens > 4
     gemv = not by_copy
@@ -123,14 +123,38 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
         assert ((out.float() - exact).norm() / exact.norm()).item() < 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
+@pytest.mark.parametrize("cols", [96, 128, 160, 640])  # pairs of groups, and a last unpaired one
+def test_int4_rows_linear_takes_5bit_weights(tokens: int, dtype: torch.dtype, cols: int) -> None:
+    torch.manual_seed(tokens + cols)
+    rows = 67
+    q = torch.randint(0, 32, (rows, cols))
+    scale, low = torch.rand(rows, cols // 32) / 10, -torch.rand(rows, cols // 32) / 5
+    nibbles, scale_low = pack_int4_rows(q, scale, low)
+    fifth = pack_fifth_bits(q)
+    weight = unpack_int4_rows(nibbles, scale_low, fifth)
+    exact = (q.float().view(rows, -1, 32) * scale_low[..., 0, None].float() + scale_low[..., 1, None].float())
+    torch.testing.assert_close(weight, exact.view(rows, cols), rtol=0, atol=0)
+    x = torch.randn(tokens, cols).to(dtype)
+    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, fifth, None, 64)
+    reference = int8_activations(x) @ weight.t()
+    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float(), reference, **tolerance)
+    without_fifth = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, None, None, 64)
+    assert not torch.allclose(without_fifth.float(), reference, atol=1e-2)  # the fifth bits count
+
+
 def test_int4_rows_linear_rejects_what_it_cannot_multiply() -> None:
     nibbles, scale_low = pack_int4_rows(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64).half(), nibbles, scale_low, None, 4)
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64).half(), nibbles, scale_low, None, None, 4)
     with pytest.raises(RuntimeError, match="K / 2"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 96), nibbles, scale_low, None, 4)
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 96), nibbles, scale_low, None, None, 4)
     with pytest.raises(RuntimeError, match="float16"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_low.float(), None, 4)
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_low.float(), None, None, 4)
+    with pytest.raises(RuntimeError, match="fifth_bits"):
+        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_low, nibbles, None, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

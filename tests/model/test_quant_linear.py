@@ -17,7 +17,9 @@ from tokenmill.model.quant_linear import (
     QuantLinear,
     dense_packed_form,
     int4_groups,
+    int5_groups,
     merge_packed,
+    pack_fifth_bits,
     pack_int4_rows,
     unpack_int4_rows,
 )
@@ -116,3 +118,31 @@ def test_gguf_int4_formats_keep_their_values(qtype: Q) -> None:
         assert ((rows - weight.dequantize()).abs() <= bound).all()
     else:
         assert torch.equal(rows, weight.dequantize())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q5_K])
+@pytest.mark.parametrize("cols", [256, 288])  # 288: a last group without a pair
+def test_gguf_5bit_formats_keep_their_values(qtype: Q, cols: int) -> None:
+    """int5_groups gives ggml's own dequantization (q up to 31), and the row layout with its plane
+    of fifth bits keeps it (Q5_K's scale products rounded to float16 as Q4_K's are)."""
+    shape = (6, cols if qtype != Q.Q5_K else 256)
+    raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(int(qtype))))
+    weight = GGMLWeight(raw, qtype, shape)
+    q, scale, low = int5_groups(weight)
+    assert q.max() > 15 and q.max() <= 31
+    torch.testing.assert_close(_int4_dense(q, scale, low), weight.dequantize(), rtol=1e-6, atol=1e-6)
+    rows = unpack_int4_rows(*pack_int4_rows(q, scale, low), pack_fifth_bits(q))
+    bound = _int4_dense(torch.full_like(q, 31), scale.abs(), low.abs()) * 2.0**-11
+    assert ((rows - weight.dequantize()).abs() <= bound).all()
+    if qtype != Q.Q5_K:  # float16 scales and lows, kept as they are
+        torch.testing.assert_close(rows, _int4_dense(q, scale, low), rtol=0, atol=1e-6)
+
+
+def test_merging_int4_with_5bit_parts_keeps_both_exact() -> None:
+    torch.manual_seed(4)
+    four = ("int4", (torch.randint(0, 16, (8, 64)), torch.rand(8, 2), -torch.rand(8, 2)))
+    five = ("int5", (torch.randint(0, 32, (4, 64)), torch.rand(4, 2), -torch.rand(4, 2)))
+    kind, (q, scale, low) = merge_packed([four, five])
+    assert kind == "int5"
+    torch.testing.assert_close(_int4_dense(q, scale, low), torch.cat([_int4_dense(*four[1]), _int4_dense(*five[1])]),
+                               rtol=0, atol=0)

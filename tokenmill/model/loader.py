@@ -81,7 +81,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bo
     """Load a model and its tokenizer from a GGUF file or an HF directory.
 
     quantization: "none" dequantizes everything to `dtype`; "gguf" keeps a GGUF file's quantized
-    weights packed (exact int4 for Q4_0/Q4_1/Q4_K, int8 per row otherwise); "int8"/"int4"
+    weights packed (exact int4 for Q4_0/Q4_1/Q4_K, exact 5-bit for Q5_0/Q5_1/Q5_K where the int4 row
+    kernel serves, int8 per row otherwise); "int8"/"int4"
     quantize every linear layer; "auto" is "gguf" for GGUF files and "none" otherwise.
     dense_min_tokens: quantized layers also keep a dense copy, used for batches of at least that
     many tokens (prefill, wide decode), where dense matmuls beat the weight-only kernels. None

@@ -8,7 +8,9 @@ AVX-512. Large batches (prefill, wide decode) are bound by arithmetic, where a d
 (`dense_min_tokens`).
 
 GGUF formats map onto the int4 kernels' form (group of 32, w = scale * q + low, q in 0..15, as
-ggml writes them) without loss for Q4_0, Q4_1 and Q4_K; other formats are re-quantized to int8 with
+ggml writes them) without loss for Q4_0, Q4_1 and Q4_K, and where tokenmill's int4 row kernel
+serves (AVX2), Q5_0, Q5_1 and Q5_K onto its 5-bit form (q in 0..31: the nibbles plus a plane of
+fifth bits; 0.75 bytes per weight against 1 for int8). Other formats are re-quantized to int8 with
 one scale per output row, which costs a little accuracy (reported by `tokenmill perplexity`).
 """
 
@@ -25,6 +27,7 @@ from tokenmill.model.quant import GGMLWeight
 Q = GGMLQuantizationType
 INT4_GROUP = 32
 INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+INT5_EXACT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K})
 # An int8 matrix of this many weights (larger than the CPU caches: an output head) has kernels of
 # its own. At batch 1 in a compiled graph, inductor's fused reduction streams its bytes at ~26 GB/s
 # against ~10 GB/s for `_weight_int8pack_mm` (Gemma 3's 262k x 640 head: 6.4-8 ms vs 17-18 ms).
@@ -54,7 +57,7 @@ GEMV_MAX_TOKENS_NO_COPY = 8
 FP32_GEMV_MAX_TOKENS = 64
 # Batch sizes from which a dense copy beats PyTorch's weight-only kernels (bf16 on an AVX-512 + AMX
 # Xeon), which serve until tokenmill's kernels are built, or where they cannot be
-PACKED_DENSE_CROSSOVER = {"int4": 16, "int8": 8}
+PACKED_DENSE_CROSSOVER = {"int4": 16, "int5": 16, "int8": 8}
 
 
 def dense_crossover(kind: str, dtype: torch.dtype) -> int:
@@ -77,19 +80,47 @@ def pack_int4_rows(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> t
     holding element j (low nibble) and element 16 + j (high), and (scale, low) in float16 per group
     (exact for Q4_0 and Q4_1, whose scales and lows are float16 in the file)."""
     rows, cols = q.shape
-    halves = q.reshape(rows, cols // INT4_GROUP, 2, INT4_GROUP // 2).to(torch.uint8)
+    halves = (q & 0xF).reshape(rows, cols // INT4_GROUP, 2, INT4_GROUP // 2).to(torch.uint8)
     nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
     scale_low = torch.stack((scale, low), dim=-1).to(torch.float16)
     return nibbles.contiguous(), scale_low.contiguous()
 
 
-def unpack_int4_rows(nibbles: torch.Tensor, scale_low: torch.Tensor) -> torch.Tensor:
-    """The float32 weight of `pack_int4_rows`' output."""
+def pack_fifth_bits(q: torch.Tensor) -> torch.Tensor:
+    """The fifth bits of 5-bit q (rows, cols) as `int4_rows_linear` reads them: 4 bytes per group of
+    32, little-endian; for each pair of groups, the bits of their low nibbles' elements (0-15 of the
+    first group, then of the second), then of their high ones (16-31); a last unpaired group's bits
+    in element order."""
+    rows, cols = q.shape
+    groups = cols // INT4_GROUP
+    bits = (q.to(torch.uint8) >> 4).view(rows, groups, INT4_GROUP)
+    paired = groups // 2 * 2
+    pairs = bits[:, :paired].reshape(rows, paired // 2, 2, 2, INT4_GROUP // 2).transpose(2, 3)
+    ordered = torch.cat((pairs.reshape(rows, -1), bits[:, paired:].reshape(rows, -1)), dim=1)
+    weights = 1 << torch.arange(8, dtype=torch.uint8)
+    return (ordered.view(rows, cols // 8, 8) * weights).sum(-1, dtype=torch.uint8).contiguous()
+
+
+def unpack_int4_rows(nibbles: torch.Tensor, scale_low: torch.Tensor, fifth_bits: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """The float32 weight of `pack_int4_rows`' output (and `pack_fifth_bits`', for 5-bit weights)."""
     rows = nibbles.shape[0]
     groups = nibbles.view(rows, -1, 1, INT4_GROUP // 2)
     q = torch.cat((groups & 0xF, groups >> 4), dim=2).view(rows, -1, INT4_GROUP).float()
+    if fifth_bits is not None:
+        q += 16 * _fifth_bits_in_element_order(fifth_bits, q.shape[1])
     scale, low = scale_low.float().unbind(-1)
     return (q * scale[..., None] + low[..., None]).view(rows, -1)
+
+
+def _fifth_bits_in_element_order(fifth_bits: torch.Tensor, groups: int) -> torch.Tensor:
+    """(rows, groups, 32) 0/1 floats from `pack_fifth_bits`' layout."""
+    rows = fifth_bits.shape[0]
+    bits = ((fifth_bits[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(rows, -1).float()
+    paired = groups // 2 * 2
+    pairs = bits[:, :paired * INT4_GROUP].view(rows, paired // 2, 2, 2, INT4_GROUP // 2).transpose(2, 3)
+    return torch.cat((pairs.reshape(rows, paired, INT4_GROUP), bits[:, paired * INT4_GROUP:].view(rows, -1, INT4_GROUP)),
+                     dim=1)
 
 
 def int4_kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -128,6 +159,29 @@ def int4_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return q.reshape(rows, cols), scale.reshape(rows, cols // 32), low.reshape(rows, cols // 32)
 
 
+def int5_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, low) of a Q5_0/Q5_1/Q5_K weight, as `int4_groups` gives them but with q in 0..31."""
+    rows, cols = w.shape
+    _, type_size = quant.GGML_QUANT_SIZES[w.qtype]
+    b = w.data.contiguous().view(-1, type_size)
+    if w.qtype == Q.Q5_0:
+        q = quant._q5(b[:, 2:6], b[:, 6:22])
+        scale = quant._f16(b, 0)
+        low = -16 * scale
+    elif w.qtype == Q.Q5_1:
+        q = quant._q5(b[:, 4:8], b[:, 8:24])
+        scale, low = quant._f16(b, 0), quant._f16(b, 2)
+    elif w.qtype == Q.Q5_K:
+        n = b.shape[0]
+        sc, mn = quant._k_scale_min(b[:, 4:16])
+        scale = (quant._f16(b, 0) * sc).view(-1, 1)
+        low = -(quant._f16(b, 2) * mn).view(-1, 1)
+        q = (quant._unpack(b[:, 48:176], 4, 4) | (quant._unpack(b[:, 16:48], 1, 1) << 4)).view(n * 8, 32)
+    else:
+        raise ValueError(f"{w.qtype.name} has no exact 5-bit form")
+    return q.reshape(rows, cols), scale.reshape(rows, cols // 32), low.reshape(rows, cols // 32)
+
+
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit quantization in groups of 32 (for `--quantization int4` of dense checkpoints)."""
     rows, cols = weight.shape
@@ -145,11 +199,12 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-Packed = tuple[str, tuple[torch.Tensor, ...]]  # ("int4", (q, scale, low)) or ("int8", (q8, scale))
+Packed = tuple[str, tuple[torch.Tensor, ...]]  # ("int4" | "int5", (q, scale, low)) or ("int8", (q8, scale))
 
 
 def packed_form(w: GGMLWeight) -> Packed:
-    """A GGUF weight in the form the kernels read: exact int4 where the format allows, else int8.
+    """A GGUF weight in the form the kernels read: exact int4 or 5-bit where the format and the
+    kernels allow, else int8.
 
     Re-quantization runs over row chunks of about 1 MB of float32, so a large matrix (a 262k-row
     embedding used as the output head) never exists in float32 all at once and each chunk stays
@@ -157,6 +212,8 @@ def packed_form(w: GGMLWeight) -> Packed:
     """
     if w.qtype in INT4_EXACT and w.shape[1] % INT4_GROUP == 0:
         return "int4", int4_groups(w)
+    if w.qtype in INT5_EXACT and w.shape[1] % INT4_GROUP == 0 and int4_rows_layout():
+        return "int5", int5_groups(w)
     rows, cols = w.shape
     q8 = torch.empty(rows, cols, dtype=torch.int8)
     scales = torch.empty(rows)
@@ -179,10 +236,13 @@ def dense_packed_form(weight: torch.Tensor, mode: str) -> Packed:
 def merge_packed(parts: list[Packed]) -> Packed:
     """Stack the rows of several packed weights (q/k/v, gate/up) so one kernel call serves them.
 
-    Parts of different kinds are brought to int8, the form every weight has.
+    Parts of different kinds are brought to int8, the form every weight has, except int4 and int5
+    parts: a 4-bit q is a 5-bit one with its fifth bit clear.
     """
     if len(parts) == 1:
         return parts[0]  # a copy of a 262k-row head would double its memory while loading
+    if {kind for kind, _ in parts} == {"int4", "int5"}:
+        parts = [("int5", data) for _, data in parts]
     if all(kind == parts[0][0] for kind, _ in parts):
         kind = parts[0][0]
         return kind, tuple(torch.cat(fields) for fields in zip(*(data for _, data in parts)))
@@ -198,7 +258,7 @@ def _int4_weight(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tor
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W kept as packed int4 (groups of 32) or int8 (per row)."""
+    """y = x W^T + b with W kept as packed int4 or 5-bit (groups of 32) or int8 (per row)."""
 
     def __init__(
         self,
@@ -207,22 +267,25 @@ class QuantLinear(nn.Module):
         dtype: torch.dtype,
         int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+        int5: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         bias: torch.Tensor | None = None,
         dense: torch.Tensor | None = None,
         dense_min_tokens: int = 1 << 30,
         int4_rows: bool | None = None,
     ) -> None:
-        """int4_rows: the layout of int4 weights (default: `int4_rows_layout()`)."""
+        """int4_rows: the layout of int4 weights (default: `int4_rows_layout()`); 5-bit weights
+        (int5: q in 0..31) have only that layout."""
         super().__init__()
-        if (int4 is None) == (int8 is None):
-            raise ValueError("give exactly one of int4 and int8")
+        if sum(data is not None for data in (int4, int5, int8)) != 1:
+            raise ValueError("give exactly one of int4, int5 and int8")
         self.out_features, self.in_features = out_features, in_features
-        self.kind = "int4" if int4 is not None else "int8"
-        self.int4_rows = int4 is not None and (int4_rows_layout() if int4_rows is None else int4_rows)
+        self.kind = "int4" if int4 is not None else "int5" if int5 is not None else "int8"
+        self.int4_rows = int5 is not None or (int4 is not None and (int4_rows_layout() if int4_rows is None else int4_rows))
         if self.int4_rows:
-            nibbles, scale_low = pack_int4_rows(*int4)
+            nibbles, scale_low = pack_int4_rows(*(int4 or int5))
             self.register_buffer("nibbles", nibbles)
             self.register_buffer("scale_low", scale_low)
+            self.register_buffer("fifth_bits", None if int5 is None else pack_fifth_bits(int5[0]))
         elif int4 is not None:
             q, scale, low = int4
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
@@ -246,7 +309,7 @@ class QuantLinear(nn.Module):
         if kernel == "native":
             dense = self.dense if self.dense_min_tokens > 0 else None
             if self.int4_rows:
-                y = torch.ops.tokenmill.int4_rows_linear(x, self.nibbles, self.scale_low, dense,
+                y = torch.ops.tokenmill.int4_rows_linear(x, self.nibbles, self.scale_low, self.fifth_bits, dense,
                                                          self._gemv_max_tokens(x.dtype))
             elif self.kind == "int4":
                 y = torch.ops.tokenmill.int4_linear(x, self.packed, self.scales_zeros, INT4_GROUP, dense,
@@ -264,7 +327,7 @@ class QuantLinear(nn.Module):
                       for start in range(0, self.out_features, rows)]
             y = torch.cat(chunks, dim=-1) * self.scales
         elif self.int4_rows:  # a dtype or device the kernel does not take
-            y = F.linear(x, unpack_int4_rows(self.nibbles, self.scale_low).to(x.dtype))
+            y = F.linear(x, unpack_int4_rows(self.nibbles, self.scale_low, self.fifth_bits).to(x.dtype))
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.scales_zeros.dtype), self.packed, INT4_GROUP,
                                                            self.scales_zeros).to(x.dtype)
@@ -287,7 +350,7 @@ class QuantLinear(nn.Module):
         """Whether tokenmill's ops (built in the background, CPU only) take this input."""
         if not kernels.loaded() or x.device.type != "cpu":
             return False
-        if self.kind == "int4":
+        if self.kind != "int8":
             return not self.int4_rows or x.dtype in (torch.bfloat16, torch.float32)
         return (x.dtype in (torch.bfloat16, torch.float32) and self.scales.dtype == x.dtype
                 and self.in_features % 32 == 0)

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -228,9 +229,21 @@ inline void unpack_pair(const uint8_t* p, __m256i& q_low, __m256i& q_high) {
 }
 
 // The pair's q x sums as int32: lanes 0-3 add up to group g's, lanes 4-7 to group g + 1's (two int16
-// products of at most 2 x 15 x 127 each still fit int16 when added)
+// products of at most 2 x 31 x 127 each, 5-bit q included, still fit int16 when added)
 inline __m256i pair_sums(__m256i q_low, __m256i q_high, const int8_t* x) {
   return _mm256_madd_epi16(_mm256_add_epi16(products(q_low, x), products(q_high, x + 32)), _mm256_set1_epi16(1));
+}
+
+// The fifth bits of 32 5-bit weights (32 bits, little-endian at p) as the bytes to OR onto their
+// nibbles: byte j is 16 where bit j is set, else 0
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  const __m256i spread = _mm256_shuffle_epi8(  // byte j: the byte that holds bit j
+      _mm256_set1_epi32(static_cast<int>(word)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  // byte j: bit j % 8
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
 // The rounding of the activations adds a relative error of ~0.4% per product, less than llama.cpp's
@@ -241,13 +254,19 @@ inline __m256i pair_sums(__m256i q_low, __m256i q_high, const int8_t* x) {
 // and of element 32 g + 16 + j in its high one; (scale, low) are scale_low[o][g]. x comes quantized
 // by quantize_blocks (paired). Per group, each lane's q x sum is scaled by scale times its
 // activation scale, and the low term is low times the group's (0, sum of scale x q) from `lows`.
-template <int M, typename T>
+//
+// With Fifth, q is 5-bit (0..31, GGUF's Q5_0 and Q5_1 exactly): fifth[o][4 g:] holds the fifth bits
+// of group g, for a pair of groups (g even) in the order of the nibbles it unpacks: 32 bits for the
+// low nibbles of both groups (g's elements 0-15, then g + 1's), 32 for the high ones; for a last
+// unpaired group, in element order. maddubs' pair sums stay below 2^15 (2 x 2 x 31 x 127).
+template <int M, bool Fifth, typename T>
 void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t K, const uint8_t* nibbles,
-               const at::Half* scale_low, T* y, int64_t N, int64_t row0, int64_t row1) {
+               const uint8_t* fifth, const at::Half* scale_low, T* y, int64_t N, int64_t row0, int64_t row1) {
   const int64_t groups = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t o = row0; o < row1; ++o) {
     const uint8_t* row = nibbles + o * groups * 16;
+    const uint8_t* fifth_row = Fifth ? fifth + o * groups * 4 : nullptr;
     const at::Half* sl = scale_low + o * groups * 2;
     __m256 acc[M], low_terms[M];  // low_terms: in the odd lanes (the even ones are scale x 0)
     float tail[M];
@@ -260,6 +279,10 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
       for (int h = 0; h < 4; h += 2) {
         __m256i q_low, q_high;
         unpack_pair(row + (g + h) * 16, q_low, q_high);
+        if constexpr (Fifth) {
+          q_low = _mm256_or_si256(q_low, fifth_bits(fifth_row + (g + h) * 4));
+          q_high = _mm256_or_si256(q_high, fifth_bits(fifth_row + (g + h) * 4 + 4));
+        }
         const __m256 weight_scales = _mm256_permutevar8x32_ps(  // the pair's scales, each over its group's lanes
             weight_side, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 2, 2 * h + 2, 2 * h + 2, 2 * h + 2));
         for (int i = 0; i < M; ++i) {
@@ -274,6 +297,10 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
       if (g + 1 < groups) {
         __m256i q_low, q_high;
         unpack_pair(row + g * 16, q_low, q_high);
+        if constexpr (Fifth) {
+          q_low = _mm256_or_si256(q_low, fifth_bits(fifth_row + g * 4));
+          q_high = _mm256_or_si256(q_high, fifth_bits(fifth_row + g * 4 + 4));
+        }
         const float s1 = simd::to_float(sl[2 * g + 2]), l1 = simd::to_float(sl[2 * g + 3]);
         for (int i = 0; i < M; ++i) {
           const float* l = lows + i * groups * 2 + 2 * g;
@@ -285,7 +312,8 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
         }
       } else {  // bytes in element order: lanes j and j + 4 hold sub-block j
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
-        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+        if constexpr (Fifth) q = _mm256_or_si256(q, fifth_bits(fifth_row + g * 4));
         for (int i = 0; i < M; ++i) {
           const __m256i sums = _mm256_madd_epi16(products(q, xq + i * K + g * 32), ones);
           const __m256 factors = _mm256_mul_ps(_mm256_set1_ps(s0), lane_scales(scales + (i * groups + g) * 4));
@@ -299,7 +327,8 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
 }
 
 template <typename T>
-at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_low) {
+at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const uint8_t* fifth,
+                        const at::Tensor& scale_low) {
   const int64_t M = x.size(0), N = nibbles.size(0), K = x.size(1), groups = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -311,17 +340,23 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
   const at::Half* sl = scale_low.data_ptr<at::Half>();
   over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
-    int4_rows<decltype(rows)::value>(xq.data() + m0 * K, scales.data() + m0 * groups * 4,
-                                     lows.data() + m0 * groups * 2, K, w, sl,
-                                     y.data_ptr<T>() + m0 * N, N, r0, r1);
+    constexpr int R = decltype(rows)::value;
+    const float *row_scales = scales.data() + m0 * groups * 4, *row_lows = lows.data() + m0 * groups * 2;
+    T* out = y.data_ptr<T>() + m0 * N;
+    if (fifth != nullptr) {
+      int4_rows<R, true>(xq.data() + m0 * K, row_scales, row_lows, K, w, fifth, sl, out, N, r0, r1);
+    } else {
+      int4_rows<R, false>(xq.data() + m0 * K, row_scales, row_lows, K, w, nullptr, sl, out, N, r0, r1);
+    }
   });
   return y;
 }
 
-// The int4 product for any number of rows: the GEMV up to max_gemv_rows or for a layer without a
-// dense copy, the dense copy beyond.
+// The int4 (or, with fifth_bits, 5-bit) product for any number of rows: the GEMV up to max_gemv_rows
+// or for a layer without a dense copy, the dense copy beyond.
 at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_low,
-                            const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows) {
+                            const c10::optional<at::Tensor>& fifth_bits, const c10::optional<at::Tensor>& dense,
+                            int64_t max_gemv_rows) {
   if (x.size(0) > max_gemv_rows && dense.has_value()) return at::linear(x, *dense);
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
@@ -332,8 +367,15 @@ at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, cons
               "int4_rows_linear: nibbles must be contiguous uint8 (N, K / 2), K a multiple of 32");
   TORCH_CHECK(scale_low.scalar_type() == at::kHalf && scale_low.is_contiguous() && scale_low.numel() == N * K / 16,
               "int4_rows_linear: scale_low must be contiguous float16 (N, K / 32, 2)");
-  return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, scale_low)
-                             : int4_gemv_as<at::BFloat16>(x, nibbles, scale_low);
+  const uint8_t* fifth = nullptr;
+  if (fifth_bits.has_value()) {
+    TORCH_CHECK(fifth_bits->scalar_type() == at::kByte && fifth_bits->is_contiguous() &&
+                    fifth_bits->numel() == N * K / 8,
+                "int4_rows_linear: fifth_bits must be contiguous uint8 (N, K / 8)");
+    fifth = fifth_bits->data_ptr<uint8_t>();
+  }
+  return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, fifth, scale_low)
+                             : int4_gemv_as<at::BFloat16>(x, nibbles, fifth, scale_low);
 }
 
 // The int4 counterpart (PyTorch's packed kernel below the crossover, the dense copy above it):
@@ -354,7 +396,8 @@ TORCH_LIBRARY(tokenmill, m) {
         "int max_packed_rows) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows, int chunk_rows) "
         "-> Tensor");
-  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor scale_low, Tensor? dense, int max_gemv_rows) -> Tensor");
+  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor scale_low, Tensor? fifth_bits, Tensor? dense, "
+        "int max_gemv_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
