@@ -16,8 +16,7 @@ from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     QuantLinear,
     dense_packed_form,
-    int4_groups,
-    int5_groups,
+    exact_groups,
     merge_packed,
     pack_fifth_bits,
     pack_int4_rows,
@@ -105,12 +104,12 @@ def _int4_dense(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torc
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
 def test_gguf_int4_formats_keep_their_values(qtype: Q) -> None:
-    """int4_groups gives ggml's own dequantization, and the row layout keeps it (Q4_K's products of
+    """exact_groups gives ggml's own dequantization, and the row layout keeps it (Q4_K's products of
     a float16 and a 6-bit scale are rounded to float16 there)."""
     shape = (6, 512)
     raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(int(qtype))))
     weight = GGMLWeight(raw, qtype, shape)
-    q, scale, low = int4_groups(weight)
+    q, scale, low = exact_groups(weight)
     torch.testing.assert_close(_int4_dense(q, scale, low), weight.dequantize(), rtol=1e-6, atol=1e-6)
     rows = unpack_int4_rows(*pack_int4_rows(q, scale, low))
     if qtype == Q.Q4_K:  # each term off by at most float16's half step, 2^-11 of it
@@ -123,12 +122,12 @@ def test_gguf_int4_formats_keep_their_values(qtype: Q) -> None:
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q5_K])
 @pytest.mark.parametrize("cols", [256, 288])  # 288: a last group without a pair
 def test_gguf_5bit_formats_keep_their_values(qtype: Q, cols: int) -> None:
-    """int5_groups gives ggml's own dequantization (q up to 31), and the row layout with its plane
+    """exact_groups gives ggml's own dequantization (q up to 31), and the row layout with its plane
     of fifth bits keeps it (Q5_K's scale products rounded to float16 as Q4_K's are)."""
     shape = (6, cols if qtype != Q.Q5_K else 256)
     raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(int(qtype))))
     weight = GGMLWeight(raw, qtype, shape)
-    q, scale, low = int5_groups(weight)
+    q, scale, low = exact_groups(weight)
     assert q.max() > 15 and q.max() <= 31
     torch.testing.assert_close(_int4_dense(q, scale, low), weight.dequantize(), rtol=1e-6, atol=1e-6)
     rows = unpack_int4_rows(*pack_int4_rows(q, scale, low), pack_fifth_bits(q))

@@ -135,50 +135,32 @@ def is_large_int8(kind: str, weights: int) -> bool:
     return kind == "int8" and weights >= LARGE_INT8_WEIGHTS
 
 
-def int4_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, low) of a Q4_0/Q4_1/Q4_K weight: q (rows, cols) in 0..15, scale and low
-    (rows, cols / 32) float32, with w = scale * q + low exactly as ggml dequantizes."""
+def exact_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, low) of a Q4_0/Q4_1/Q4_K weight (q in 0..15) or a Q5_0/Q5_1/Q5_K one (q in 0..31):
+    q (rows, cols), scale and low (rows, cols / 32) float32, with w = scale * q + low exactly as ggml
+    dequantizes."""
     rows, cols = w.shape
     _, type_size = quant.GGML_QUANT_SIZES[w.qtype]
     b = w.data.contiguous().view(-1, type_size)
-    if w.qtype == Q.Q4_0:
-        q = quant._unpack(b[:, 2:18], 1, 4).view(-1, 32)
+    if w.qtype in (Q.Q4_0, Q.Q5_0):
+        q = quant._unpack(b[:, 2:18], 1, 4).view(-1, 32) if w.qtype == Q.Q4_0 else quant._q5(b[:, 2:6], b[:, 6:22])
         scale = quant._f16(b, 0)
-        low = -8 * scale
-    elif w.qtype == Q.Q4_1:
-        q = quant._unpack(b[:, 4:20], 1, 4).view(-1, 32)
+        low = (-8 if w.qtype == Q.Q4_0 else -16) * scale
+    elif w.qtype in (Q.Q4_1, Q.Q5_1):
+        q = quant._unpack(b[:, 4:20], 1, 4).view(-1, 32) if w.qtype == Q.Q4_1 else quant._q5(b[:, 4:8], b[:, 8:24])
         scale, low = quant._f16(b, 0), quant._f16(b, 2)
-    elif w.qtype == Q.Q4_K:
+    elif w.qtype in (Q.Q4_K, Q.Q5_K):
         n = b.shape[0]
         sc, mn = quant._k_scale_min(b[:, 4:16])
         scale = (quant._f16(b, 0) * sc).view(-1, 1)
         low = -(quant._f16(b, 2) * mn).view(-1, 1)
-        q = quant._unpack(b[:, 16:144], 4, 4).view(n * 8, 32)
+        if w.qtype == Q.Q4_K:
+            q = quant._unpack(b[:, 16:144], 4, 4)
+        else:  # the fifth bits in bytes 16-47, the nibbles after them
+            q = quant._unpack(b[:, 48:176], 4, 4) | (quant._unpack(b[:, 16:48], 1, 1) << 4)
+        q = q.view(n * 8, 32)
     else:
-        raise ValueError(f"{w.qtype.name} has no exact int4 form")
-    return q.reshape(rows, cols), scale.reshape(rows, cols // 32), low.reshape(rows, cols // 32)
-
-
-def int5_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, low) of a Q5_0/Q5_1/Q5_K weight, as `int4_groups` gives them but with q in 0..31."""
-    rows, cols = w.shape
-    _, type_size = quant.GGML_QUANT_SIZES[w.qtype]
-    b = w.data.contiguous().view(-1, type_size)
-    if w.qtype == Q.Q5_0:
-        q = quant._q5(b[:, 2:6], b[:, 6:22])
-        scale = quant._f16(b, 0)
-        low = -16 * scale
-    elif w.qtype == Q.Q5_1:
-        q = quant._q5(b[:, 4:8], b[:, 8:24])
-        scale, low = quant._f16(b, 0), quant._f16(b, 2)
-    elif w.qtype == Q.Q5_K:
-        n = b.shape[0]
-        sc, mn = quant._k_scale_min(b[:, 4:16])
-        scale = (quant._f16(b, 0) * sc).view(-1, 1)
-        low = -(quant._f16(b, 2) * mn).view(-1, 1)
-        q = (quant._unpack(b[:, 48:176], 4, 4) | (quant._unpack(b[:, 16:48], 1, 1) << 4)).view(n * 8, 32)
-    else:
-        raise ValueError(f"{w.qtype.name} has no exact 5-bit form")
+        raise ValueError(f"{w.qtype.name} has no exact 4- or 5-bit form")
     return q.reshape(rows, cols), scale.reshape(rows, cols // 32), low.reshape(rows, cols // 32)
 
 
@@ -211,9 +193,9 @@ def packed_form(w: GGMLWeight) -> Packed:
     in cache between its passes (3.5x faster than 16 MB chunks for Gemma 3's table).
     """
     if w.qtype in INT4_EXACT and w.shape[1] % INT4_GROUP == 0:
-        return "int4", int4_groups(w)
+        return "int4", exact_groups(w)
     if w.qtype in INT5_EXACT and w.shape[1] % INT4_GROUP == 0 and int4_rows_layout():
-        return "int5", int5_groups(w)
+        return "int5", exact_groups(w)
     rows, cols = w.shape
     q8 = torch.empty(rows, cols, dtype=torch.int8)
     scales = torch.empty(rows)
