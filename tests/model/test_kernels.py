@@ -125,7 +125,7 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
-@pytest.mark.parametrize("cols", [96, 128, 160, 640])  # pairs of groups, and a last unpaired one
+@pytest.mark.parametrize("cols", [96, 128, 160, 192, 640])  # blocks of 4 groups; pairs and single groups left
 def test_int4_rows_linear_takes_5bit_weights(tokens: int, dtype: torch.dtype, cols: int) -> None:
     torch.manual_seed(tokens + cols)
     rows = 67

@@ -56,7 +56,8 @@ GEMV_MAX_TOKENS_NO_COPY = 8
 # a dense copy takes the GEMV at any size.
 FP32_GEMV_MAX_TOKENS = 64
 # Batch sizes from which a dense copy beats PyTorch's weight-only kernels (bf16 on an AVX-512 + AMX
-# Xeon), which serve until tokenmill's kernels are built, or where they cannot be
+# Xeon), which serve until tokenmill's kernels are built, or where they cannot be (5-bit weights,
+# which only tokenmill's int4 row kernel reads, take int4's)
 PACKED_DENSE_CROSSOVER = {"int4": 16, "int5": 16, "int8": 8}
 
 
@@ -86,29 +87,23 @@ def pack_int4_rows(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> t
     return nibbles.contiguous(), scale_low.contiguous()
 
 
+# The bit of a block's byte b that holds group 2 p + l's element 16 h + b, indexed [p, l, h, 1]
+_FIFTH_BIT_SHIFTS = (4 * torch.arange(2).view(1, 2, 1) + 2 * torch.arange(2).view(2, 1, 1)
+                     + torch.arange(2).view(1, 1, 2)).to(torch.uint8)[..., None]
+
+
 def pack_fifth_bits(q: torch.Tensor) -> torch.Tensor:
-    """The fifth bits of 5-bit q (rows, cols) as `int4_rows_linear` reads them, 4 bytes per group of
-    32. Each block of 4 groups is 16 planes' bytes: byte b holds in bit k the bit of the kernel's
-    vector k at position b and in bit 4 + k the one at position 16 + b, vector 2 p + h being pair
-    p's low (h = 0: elements 0-15) or high (h = 1: 16-31) nibbles and position 16 l + b its group
-    2 p + l's element 16 h + b. The groups after the blocks: per pair, 32 bits for the low nibbles'
-    elements (the first group's 0-15, then the second's), then 32 for the high ones; a last unpaired
-    group's bits in element order."""
+    """The fifth bits of 5-bit q (rows, cols) as `int4_rows_linear` reads them: 16 bytes per block
+    of 4 groups of 32 (a last partial block padded with zeros). Byte b of a block holds in bit
+    4 l + 2 p + h the fifth bit of group 2 p + l's element 16 h + b: bit k (and 4 + k) for the
+    kernel's k-th vector of nibbles, pair p's low (h = 0) or high (h = 1) ones."""
     rows, cols = q.shape
     groups = cols // INT4_GROUP
-    bits = (q.to(torch.uint8) >> 4).view(rows, groups, INT4_GROUP)
-    blocked = groups // 4 * 4
-    # (row, block, pair p, group in pair l, half h, b) -> bit 4 l + 2 p + h of byte b
-    shifts = (4 * torch.arange(2).view(1, 2, 1) + 2 * torch.arange(2).view(2, 1, 1) + torch.arange(2).view(1, 1, 2))
-    planes = (bits[:, :blocked].reshape(rows, blocked // 4, 2, 2, 2, INT4_GROUP // 2)
-              << shifts.to(torch.uint8)[..., None]).sum((2, 3, 4), dtype=torch.uint8)
-    left = bits[:, blocked:]
-    paired = left.shape[1] // 2 * 2
-    pairs = left[:, :paired].reshape(rows, paired // 2, 2, 2, INT4_GROUP // 2).transpose(2, 3)
-    ordered = torch.cat((pairs.reshape(rows, -1), left[:, paired:].reshape(rows, -1)), dim=1)
-    weights = 1 << torch.arange(8, dtype=torch.uint8)
-    rest = (ordered.reshape(rows, -1, 8) * weights).sum(-1, dtype=torch.uint8)
-    return torch.cat((planes.reshape(rows, -1), rest), dim=1).contiguous()
+    blocks = -(-groups // 4)
+    bits = torch.zeros(rows, blocks * 4, INT4_GROUP, dtype=torch.uint8)
+    bits[:, :groups] = (q.to(torch.uint8) >> 4).view(rows, groups, INT4_GROUP)
+    planes = (bits.view(rows, blocks, 2, 2, 2, INT4_GROUP // 2) << _FIFTH_BIT_SHIFTS).sum((2, 3, 4), dtype=torch.uint8)
+    return planes.reshape(rows, blocks * 16).contiguous()
 
 
 def unpack_int4_rows(nibbles: torch.Tensor, scale_low: torch.Tensor, fifth_bits: torch.Tensor | None = None
@@ -118,25 +113,11 @@ def unpack_int4_rows(nibbles: torch.Tensor, scale_low: torch.Tensor, fifth_bits:
     groups = nibbles.view(rows, -1, 1, INT4_GROUP // 2)
     q = torch.cat((groups & 0xF, groups >> 4), dim=2).view(rows, -1, INT4_GROUP).float()
     if fifth_bits is not None:
-        q += 16 * _fifth_bits_in_element_order(fifth_bits, q.shape[1])
+        planes = fifth_bits.view(rows, -1, 1, 1, 1, INT4_GROUP // 2)
+        bits = ((planes >> _FIFTH_BIT_SHIFTS) & 1).view(rows, -1, INT4_GROUP)
+        q += 16 * bits[:, :q.shape[1]].float()
     scale, low = scale_low.float().unbind(-1)
     return (q * scale[..., None] + low[..., None]).view(rows, -1)
-
-
-def _fifth_bits_in_element_order(fifth_bits: torch.Tensor, groups: int) -> torch.Tensor:
-    """(rows, groups, 32) 0/1 floats from `pack_fifth_bits`' layout."""
-    rows = fifth_bits.shape[0]
-    blocked = groups // 4 * 4
-    planes = fifth_bits[:, :blocked * 4].reshape(rows, blocked // 4, 1, 1, 1, INT4_GROUP // 2)
-    shifts = (4 * torch.arange(2).view(1, 2, 1) + 2 * torch.arange(2).view(2, 1, 1) + torch.arange(2).view(1, 1, 2))
-    from_planes = ((planes >> shifts.to(torch.uint8)[..., None]) & 1).reshape(rows, blocked, INT4_GROUP)
-    bits = ((fifth_bits[:, blocked * 4:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(rows, -1)
-    left = groups - blocked
-    paired = left // 2 * 2
-    pairs = bits[:, :paired * INT4_GROUP].reshape(rows, paired // 2, 2, 2, INT4_GROUP // 2).transpose(2, 3)
-    rest = torch.cat((pairs.reshape(rows, paired, INT4_GROUP), bits[:, paired * INT4_GROUP:].reshape(rows, -1, INT4_GROUP)),
-                     dim=1)
-    return torch.cat((from_planes, rest), dim=1).float()
 
 
 def int4_kernel_dtype(dtype: torch.dtype) -> torch.dtype:

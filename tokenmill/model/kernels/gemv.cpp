@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -234,27 +233,23 @@ inline __m256i pair_sums(__m256i q_low, __m256i q_high, const int8_t* x) {
   return _mm256_madd_epi16(_mm256_add_epi16(products(q_low, x), products(q_high, x + 32)), _mm256_set1_epi16(1));
 }
 
-// The fifth bits of 32 5-bit weights (32 bits, little-endian at p) as the bytes to OR onto their
-// nibbles: byte j is 16 where bit j is set, else 0
-inline __m256i fifth_bits(const uint8_t* p) {
-  uint32_t word;
-  std::memcpy(&word, p, sizeof word);
-  const __m256i spread = _mm256_shuffle_epi8(  // byte j: the byte that holds bit j
-      _mm256_set1_epi32(static_cast<int>(word)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  // byte j: bit j % 8
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-}
+// Bytes of fifth bits per weight row: 16 per block of 4 groups, a last partial block padded
+inline int64_t fifth_row_bytes(int64_t groups) { return (groups + 3) / 4 * 16; }
 
 // A block of 4 groups' fifth bits (16 bytes at p) as 4 planes: in vector k (0-3, the order the int4
 // GEMV unpacks: the first pair's low nibbles, its high ones, then the second pair's), bit 4 of byte j
 // is that vector's fifth bit at position j. Byte b of the block holds in bit k the bit of vector k at
 // position b, and in bit 4 + k the one at position 16 + b; the lower lane is moved up to bits 4-7 so
-// that vector k is then the planes shifted right by k and masked with 16: three instructions per 32
-// weights against six for `fifth_bits`.
+// that vector k is then the planes shifted right by k and masked with 16 (`fifth_vector`): three
+// instructions per 32 weights, where expanding 32 bits to 32 bytes by a shuffle and a compare took six.
 inline __m256i fifth_planes(const uint8_t* p) {
   const __m256i block = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_blend_epi32(_mm256_slli_epi16(block, 4), block, 0xF0);
+}
+
+// Vector k of `fifth_planes`: 16 in the bytes whose nibble has its fifth bit set, else 0
+inline __m256i fifth_vector(__m256i planes, int k) {
+  return _mm256_and_si256(_mm256_srl_epi16(planes, _mm_cvtsi32_si128(k)), _mm256_set1_epi8(0x10));
 }
 
 // The rounding of the activations adds a relative error of ~0.4% per product, less than llama.cpp's
@@ -266,11 +261,9 @@ inline __m256i fifth_planes(const uint8_t* p) {
 // by quantize_blocks (paired). Per group, each lane's q x sum is scaled by scale times its
 // activation scale, and the low term is low times the group's (0, sum of scale x q) from `lows`.
 //
-// With Fifth, q is 5-bit (0..31, GGUF's Q5_0, Q5_1 and Q5_K exactly), with 4 bytes of fifth bits per
-// group at fifth[o][4 g:]: for each block of 4 groups, as `fifth_planes` reads them; for the groups
-// left after the blocks, per pair of groups (g even) in the order of the nibbles it unpacks (32 bits
-// for the low nibbles of both groups, g's elements 0-15 then g + 1's, and 32 for the high ones), and
-// for a last unpaired group in element order. maddubs' pair sums stay below 2^15 (2 x 2 x 31 x 127).
+// With Fifth, q is 5-bit (0..31, GGUF's Q5_0, Q5_1 and Q5_K exactly), with 16 bytes of fifth bits per
+// block of 4 groups (the last one padded) at fifth[o][4 g:], as `fifth_planes` reads them. maddubs'
+// pair sums stay below 2^15 (2 x 2 x 31 x 127).
 template <int M, bool Fifth, typename T>
 void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t K, const uint8_t* nibbles,
                const uint8_t* fifth, const at::Half* scale_low, T* y, int64_t N, int64_t row0, int64_t row1) {
@@ -278,7 +271,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t o = row0; o < row1; ++o) {
     const uint8_t* row = nibbles + o * groups * 16;
-    const uint8_t* fifth_row = Fifth ? fifth + o * groups * 4 : nullptr;
+    const uint8_t* fifth_row = Fifth ? fifth + o * fifth_row_bytes(groups) : nullptr;
     const at::Half* sl = scale_low + o * groups * 2;
     __m256 acc[M], low_terms[M];  // low_terms: in the odd lanes (the even ones are scale x 0)
     float tail[M];
@@ -293,10 +286,9 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
       for (int h = 0; h < 4; h += 2) {
         __m256i q_low, q_high;
         unpack_pair(row + (g + h) * 16, q_low, q_high);
-        if constexpr (Fifth) {  // vectors h and h + 1
-          const __m256i sixteen = _mm256_set1_epi8(0x10);
-          q_low = _mm256_or_si256(q_low, _mm256_and_si256(_mm256_srl_epi16(planes, _mm_cvtsi32_si128(h)), sixteen));
-          q_high = _mm256_or_si256(q_high, _mm256_and_si256(_mm256_srl_epi16(planes, _mm_cvtsi32_si128(h + 1)), sixteen));
+        if constexpr (Fifth) {
+          q_low = _mm256_or_si256(q_low, fifth_vector(planes, h));
+          q_high = _mm256_or_si256(q_high, fifth_vector(planes, h + 1));
         }
         const __m256 weight_scales = _mm256_permutevar8x32_ps(  // the pair's scales, each over its group's lanes
             weight_side, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 2, 2 * h + 2, 2 * h + 2, 2 * h + 2));
@@ -307,14 +299,20 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
         }
       }
     }
-    for (; g < groups; g += 2) {  // the groups left: a pair, or a last unpaired one
+    const int64_t block_start = g;  // the groups left: a pair, or a last unpaired one, or both
+    __m256i planes = _mm256_setzero_si256();
+    if constexpr (Fifth) {
+      if (g < groups) planes = fifth_planes(fifth_row + g * 4);
+    }
+    for (; g < groups; g += 2) {
+      const int k = static_cast<int>(g - block_start);  // the group's first vector in the planes
       const float s0 = simd::to_float(sl[2 * g]), l0 = simd::to_float(sl[2 * g + 1]);
       if (g + 1 < groups) {
         __m256i q_low, q_high;
         unpack_pair(row + g * 16, q_low, q_high);
         if constexpr (Fifth) {
-          q_low = _mm256_or_si256(q_low, fifth_bits(fifth_row + g * 4));
-          q_high = _mm256_or_si256(q_high, fifth_bits(fifth_row + g * 4 + 4));
+          q_low = _mm256_or_si256(q_low, fifth_vector(planes, k));
+          q_high = _mm256_or_si256(q_high, fifth_vector(planes, k + 1));
         }
         const float s1 = simd::to_float(sl[2 * g + 2]), l1 = simd::to_float(sl[2 * g + 3]);
         for (int i = 0; i < M; ++i) {
@@ -328,7 +326,11 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
       } else {  // bytes in element order: lanes j and j + 4 hold sub-block j
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
         __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-        if constexpr (Fifth) q = _mm256_or_si256(q, fifth_bits(fifth_row + g * 4));
+        if constexpr (Fifth) {  // elements 0-15 from vector k, 16-31 from k + 1, both at positions 0-15
+          const __m256i lower = _mm256_permute2x128_si256(planes, planes, 0x00);
+          const __m256i shifts = _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
+          q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srlv_epi32(lower, shifts), _mm256_set1_epi8(0x10)));
+        }
         for (int i = 0; i < M; ++i) {
           const __m256i sums = _mm256_madd_epi16(products(q, xq + i * K + g * 32), ones);
           const __m256 factors = _mm256_mul_ps(_mm256_set1_ps(s0), lane_scales(scales + (i * groups + g) * 4));
@@ -385,8 +387,8 @@ at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, cons
   const uint8_t* fifth = nullptr;
   if (fifth_bits.has_value()) {
     TORCH_CHECK(fifth_bits->scalar_type() == at::kByte && fifth_bits->is_contiguous() &&
-                    fifth_bits->numel() == N * K / 8,
-                "int4_rows_linear: fifth_bits must be contiguous uint8 (N, K / 8)");
+                    fifth_bits->numel() == N * fifth_row_bytes(K / 32),
+                "int4_rows_linear: fifth_bits must be contiguous uint8 (N, 16 per 4 groups of 32, rounded up)");
     fifth = fifth_bits->data_ptr<uint8_t>();
   }
   return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, fifth, scale_low)
