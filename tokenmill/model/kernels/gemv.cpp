@@ -23,24 +23,29 @@
 namespace {
 
 constexpr int64_t kRowsPerTask = 16;
+constexpr int64_t kRowsPerTile = 32;
 constexpr int kMaxActivationRows = 4;
 
 // Runs kernel(rows, m0, r0, r1) over blocks of up to kMaxActivationRows activation rows (m0: the
-// block's first; rows: its size, as a std::integral_constant for the kernel's template), each block
-// over the weight rows [r0, r1) of PyTorch's intra-op threads.
+// block's first; rows: its size, as a std::integral_constant for the kernel's template), each over
+// weight rows [r0, r1): PyTorch's intra-op threads split the weight rows, and each thread takes its
+// rows kRowsPerTile at a time through every block of activation rows, so that with many activation
+// rows the tile's weights are read from memory once, then from cache.
 template <typename Kernel>
 void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxActivationRows) {
-    const int64_t rows = std::min<int64_t>(kMaxActivationRows, M - m0);
-    at::parallel_for(0, N, kRowsPerTask, [&](int64_t r0, int64_t r1) {
-      switch (rows) {
-        case 1: kernel(std::integral_constant<int, 1>{}, m0, r0, r1); break;
-        case 2: kernel(std::integral_constant<int, 2>{}, m0, r0, r1); break;
-        case 3: kernel(std::integral_constant<int, 3>{}, m0, r0, r1); break;
-        default: kernel(std::integral_constant<int, 4>{}, m0, r0, r1); break;
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = begin; r0 < end; r0 += kRowsPerTile) {
+      const int64_t r1 = std::min(end, r0 + kRowsPerTile);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxActivationRows) {
+        switch (std::min<int64_t>(kMaxActivationRows, M - m0)) {
+          case 1: kernel(std::integral_constant<int, 1>{}, m0, r0, r1); break;
+          case 2: kernel(std::integral_constant<int, 2>{}, m0, r0, r1); break;
+          case 3: kernel(std::integral_constant<int, 3>{}, m0, r0, r1); break;
+          default: kernel(std::integral_constant<int, 4>{}, m0, r0, r1); break;
+        }
       }
-    });
-  }
+    }
+  });
 }
 
 // A block's four activation scales (quantize_blocks) for the int32 lanes of its products: [0-3] twice
@@ -113,7 +118,8 @@ inline __m256i products(__m256i q, const int8_t* x) {
 // (unpaired): per block of 32, the products of the weights' magnitudes and the activations with
 // the weights' signs (maddubs multiplies unsigned by signed bytes), scaled by its lanes' scales. Each
 // activation row sums into C independent accumulators: with one row, a single chain of FMAs (4
-// cycles each) would bound the kernel.
+// cycles each) would bound the kernel. (Two weight rows sharing each activation load measured no
+// faster: their 8 accumulators and the vectors they need do not fit AVX2's 16 registers.)
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
                int64_t N, int64_t row0, int64_t row1) {
@@ -125,16 +131,21 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
     __m256 acc[M][C];
     for (int i = 0; i < M; ++i)
       for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < blocks; ++g) {
+    // block g into accumulator c, a constant once unrolled (an index known only at run time, g % C,
+    // kept the accumulators in memory)
+    const auto block = [&](int64_t g, int c) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32));
       const __m256i magnitudes = _mm256_sign_epi8(w, w);
       for (int i = 0; i < M; ++i) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + g * 32));
         const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(xv, w)), ones);
-        acc[i][g % C] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lane_scales(scales + (i * blocks + g) * 4),
-                                        acc[i][g % C]);
+        acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lane_scales(scales + (i * blocks + g) * 4), acc[i][c]);
       }
-    }
+    };
+    int64_t g = 0;
+    for (; g + C <= blocks; g += C)
+      for (int c = 0; c < C; ++c) block(g + c, c);
+    for (; g < blocks; ++g) block(g, 0);
     const float s = static_cast<float>(scale[o]);
     for (int i = 0; i < M; ++i) {
       __m256 total = acc[i][0];
