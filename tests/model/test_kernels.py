@@ -10,8 +10,8 @@ import torch
 
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
-from tokenmill.model.quant_linear import (QuantLinear, dense_crossover, dense_packed_form, pack_fifth_bits, pack_int4_rows,
-                                         unpack_int4_rows)
+from tokenmill.model.quant_linear import (QuantLinear, dense_crossover, dense_packed_form, int4_rows_layout,
+                                         pack_fifth_bits, pack_int4_rows, unpack_int4_rows)
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler to build the kernels with")
@@ -235,11 +235,16 @@ def test_fp32_batches_take_the_gemv_below_the_dense_copy(kind: str) -> None:
     torch.manual_seed(7)
     kind, data = dense_packed_form(torch.randn(96, 128), kind)
     copy = torch.randn(96, 128)  # unrelated to the packed weight: shows which one was used
-    crossover = dense_crossover(kind, torch.float32)
+    # by default only int8 layers keep a dense copy (int4 and 5-bit GEMVs keep up at any size); a copy
+    # asked for (`dense_min_tokens`) serves from 65 tokens in any kind
+    assert dense_crossover("int8", torch.float32) == 65
+    row_kernel = int4_rows_layout()  # AVX2; on AVX-512, PyTorch's int4 kernel and a copy from 65 tokens
+    assert dense_crossover("int4", torch.float32) == dense_crossover("int5", torch.float32) == (0 if row_kernel else 65)
+    crossover = 65
     layer = QuantLinear(96, 128, torch.float32, **{kind: data}, dense=copy, dense_min_tokens=crossover,
                         int4_rows=True)
     packed = unpack_int4_rows(layer.nibbles, layer.scale_low) if kind == "int4" else data[0].float() * data[1][:, None]
-    assert crossover == 65 and layer._gemv_max_tokens(torch.float32) == 64
+    assert layer._gemv_max_tokens(torch.float32) == 64
     for tokens in (1, 9, 64, 65):
         x = torch.randn(tokens, 128)
         reference = x @ copy.t() if tokens >= crossover else int8_activations(x) @ packed.t()  # the GEMV's rounding

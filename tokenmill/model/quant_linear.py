@@ -51,9 +51,11 @@ GEMV_MAX_TOKENS_NO_COPY = 8
 # dense fp32 copy (and 645 / 882 / 1709 for a blocked product since removed: blocks of 4 weight
 # rows dequantized into L1, multiplied by fp32 FMAs), a 4096x640 int8 layer 637 / 1252 / 2546
 # against 1353 / 1889 / 2824, Gemma 3's 262k x 640 int8 head 41 / 101 / 170 ms against 50 / 89 /
-# 192 (blocked) and 211 (64 tokens) for dequantized chunks. At 128 tokens the int4 GEMV still wins
-# by 1.3-1.4x and the int8 one is even; at 512 they are 1.04-1.1x and 0.77x: an int4 layer without
-# a dense copy takes the GEMV at any size.
+# 192 (blocked) and 211 (64 tokens) for dequantized chunks. Beyond, an int8 layer takes its dense
+# copy: at 128 / 512 tokens the int8 GEMV is 0.9-1.1x / 0.87x as fast. The int4 and 5-bit GEMVs
+# keep up with a dense fp32 matmul at any size (4096x640 at 512 tokens: 12.8 ms int4, 15.1 5-bit,
+# 15.5 fp32; 640x2048: 6.6, 7.8, 7.6), so on fp32 their layers keep no dense copy (`dense_crossover`):
+# prefill gets as fast or faster, and the model ~4 bytes per such weight smaller.
 FP32_GEMV_MAX_TOKENS = 64
 # Batch sizes from which a dense copy beats PyTorch's weight-only kernels (bf16 on an AVX-512 + AMX
 # Xeon), which serve until tokenmill's kernels are built, or where they cannot be (5-bit weights,
@@ -62,9 +64,10 @@ PACKED_DENSE_CROSSOVER = {"int4": 16, "int5": 16, "int8": 8}
 
 
 def dense_crossover(kind: str, dtype: torch.dtype) -> int:
-    """The batch size (tokens) from which a dense copy of a layer beats its kind's kernels."""
+    """The batch size (tokens) from which a dense copy of a layer beats its kind's kernels; 0 where
+    none does (the layer keeps no copy)."""
     if dtype == torch.float32:
-        return FP32_GEMV_MAX_TOKENS + 1
+        return 0 if kind != "int8" and int4_rows_layout() else FP32_GEMV_MAX_TOKENS + 1
     return PACKED_DENSE_CROSSOVER[kind]
 
 
