@@ -94,7 +94,7 @@ def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9, 13])  # 13: blocks of 8, 4 and 1 rows
 @pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("cols", [160, 288])  # 5 and 9 groups of 32: quads, a pair and a single group left
 def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dtype, dense: bool, cols: int) -> None:
@@ -124,7 +124,7 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9, 13])
 @pytest.mark.parametrize("cols", [96, 128, 160, 192, 640])  # blocks of 4 groups; pairs and single groups left
 def test_int4_rows_linear_takes_5bit_weights(tokens: int, dtype: torch.dtype, cols: int) -> None:
     torch.manual_seed(tokens + cols)

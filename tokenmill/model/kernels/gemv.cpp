@@ -7,8 +7,9 @@
 // scaled in fp32.
 // Widening both sides to fp32 for FMAs took ~25 instructions per 32 4-bit weights and held the int4
 // GEMV to 12-14 GB/s on a 2-core Zen 3, against 20-27 GB/s now. Weight rows are split across
-// PyTorch's intra-op threads, and up to 4 activation rows share each loaded weight vector; beyond the
-// batch sizes where this wins, the ops multiply by a layer's dense copy (bound by arithmetic).
+// PyTorch's intra-op threads, and up to 8 activation rows (4 for int8) share each loaded weight
+// vector; with many rows (prefill) the int4 and 5-bit GEMVs keep up with a dense fp32 matmul, and
+// the int8 one hands over to a layer's dense copy where that wins.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,25 +25,28 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kRowsPerTile = 32;
-constexpr int kMaxActivationRows = 4;
 
-// Runs kernel(rows, m0, r0, r1) over blocks of up to kMaxActivationRows activation rows (m0: the
-// block's first; rows: its size, as a std::integral_constant for the kernel's template), each over
-// weight rows [r0, r1): PyTorch's intra-op threads split the weight rows, and each thread takes its
-// rows kRowsPerTile at a time through every block of activation rows, so that with many activation
-// rows the tile's weights are read from memory once, then from cache.
-template <typename Kernel>
+// Runs kernel(rows, m0, r0, r1) over blocks of activation rows (m0: the block's first; rows: its
+// size, as a std::integral_constant for the kernel's template: Wide while that many are left, then
+// 4, then the 1-3 left), each over weight rows [r0, r1): PyTorch's intra-op threads split the
+// weight rows, and each thread takes its rows kRowsPerTile at a time through every block of
+// activation rows, so that with many activation rows the tile's weights are read from memory once,
+// then from cache.
+template <int Wide, typename Kernel>
 void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel) {
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = begin; r0 < end; r0 += kRowsPerTile) {
       const int64_t r1 = std::min(end, r0 + kRowsPerTile);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxActivationRows) {
-        switch (std::min<int64_t>(kMaxActivationRows, M - m0)) {
-          case 1: kernel(std::integral_constant<int, 1>{}, m0, r0, r1); break;
-          case 2: kernel(std::integral_constant<int, 2>{}, m0, r0, r1); break;
-          case 3: kernel(std::integral_constant<int, 3>{}, m0, r0, r1); break;
-          default: kernel(std::integral_constant<int, 4>{}, m0, r0, r1); break;
-        }
+      int64_t m0 = 0;
+      for (; M - m0 >= Wide; m0 += Wide) kernel(std::integral_constant<int, Wide>{}, m0, r0, r1);
+      if constexpr (Wide > 4) {
+        for (; M - m0 >= 4; m0 += 4) kernel(std::integral_constant<int, 4>{}, m0, r0, r1);
+      }
+      switch (M - m0) {
+        case 1: kernel(std::integral_constant<int, 1>{}, m0, r0, r1); break;
+        case 2: kernel(std::integral_constant<int, 2>{}, m0, r0, r1); break;
+        case 3: kernel(std::integral_constant<int, 3>{}, m0, r0, r1); break;
+        default: break;
       }
     }
   });
@@ -183,7 +187,7 @@ at::Tensor int8_gemv_as(const at::Tensor& x, const at::Tensor& weight, const at:
   quantize_blocks(float_rows<T>(xc, widened), M, K, xq.data(), scales.data(), nullptr, false);
   const int8_t* w = weight.data_ptr<int8_t>();
   const T* s = scale.data_ptr<T>();
-  over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
+  over_row_blocks<4>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
     int8_rows<decltype(rows)::value>(xq.data() + m0 * K, scales.data() + m0 * blocks * 4, K, w, s,
                                      y.data_ptr<T>() + m0 * N, N, r0, r1);
   });
@@ -284,14 +288,18 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
     const uint8_t* row = nibbles + o * groups * 16;
     const uint8_t* fifth_row = Fifth ? fifth + o * fifth_row_bytes(groups) : nullptr;
     const at::Half* sl = scale_low + o * groups * 2;
-    __m256 acc[M], low_terms[M];  // low_terms: in the odd lanes (the even ones are scale x 0)
+    // low_terms: in the odd lanes (the even ones are scale x 0); for more than 4 rows, in acc
+    __m256 acc[M], low_terms[M];
     float tail[M];
     for (int i = 0; i < M; ++i) acc[i] = low_terms[i] = _mm256_setzero_ps(), tail[i] = 0.0f;
     int64_t g = 0;
     for (; g + 4 <= groups; g += 4) {
       const __m256 weight_side = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sl + 2 * g)));
-      for (int i = 0; i < M; ++i)
-        low_terms[i] = _mm256_fmadd_ps(weight_side, _mm256_loadu_ps(lows + i * groups * 2 + 2 * g), low_terms[i]);
+        for (int i = 0; i < M; ++i) {
+        // with 8 activation rows, 8 more accumulators would not fit the 16 vector registers
+        __m256& into = M > 4 ? acc[i] : low_terms[i];
+        into = _mm256_fmadd_ps(weight_side, _mm256_loadu_ps(lows + i * groups * 2 + 2 * g), into);
+      }
       __m256i planes = _mm256_setzero_si256();
       if constexpr (Fifth) planes = fifth_planes(fifth_row + g * 4);
       for (int h = 0; h < 4; h += 2) {
@@ -303,7 +311,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
         }
         const __m256 weight_scales = _mm256_permutevar8x32_ps(  // the pair's scales, each over its group's lanes
             weight_side, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 2, 2 * h + 2, 2 * h + 2, 2 * h + 2));
-        for (int i = 0; i < M; ++i) {
+            for (int i = 0; i < M; ++i) {
           const __m256i sums = pair_sums(q_low, q_high, xq + i * K + (g + h) * 32);
           const __m256 factors = _mm256_mul_ps(weight_scales, _mm256_loadu_ps(scales + (i * groups + g + h) * 4));
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factors, acc[i]);
@@ -326,7 +334,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
           q_high = _mm256_or_si256(q_high, fifth_vector(planes, k + 1));
         }
         const float s1 = simd::to_float(sl[2 * g + 2]), l1 = simd::to_float(sl[2 * g + 3]);
-        for (int i = 0; i < M; ++i) {
+            for (int i = 0; i < M; ++i) {
           const float* l = lows + i * groups * 2 + 2 * g;
           const __m256i sums = pair_sums(q_low, q_high, xq + i * K + g * 32);
           const __m256 factors = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)),
@@ -342,7 +350,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
           const __m256i shifts = _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
           q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srlv_epi32(lower, shifts), _mm256_set1_epi8(0x10)));
         }
-        for (int i = 0; i < M; ++i) {
+            for (int i = 0; i < M; ++i) {
           const __m256i sums = _mm256_madd_epi16(products(q, xq + i * K + g * 32), ones);
           const __m256 factors = _mm256_mul_ps(_mm256_set1_ps(s0), lane_scales(scales + (i * groups + g) * 4));
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factors, acc[i]);
@@ -367,7 +375,7 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const ui
   quantize_blocks(float_rows<T>(xc, widened), M, K, xq.data(), scales.data(), lows.data(), true);
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
   const at::Half* sl = scale_low.data_ptr<at::Half>();
-  over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
+  over_row_blocks<8>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
     constexpr int R = decltype(rows)::value;
     const float *row_scales = scales.data() + m0 * groups * 4, *row_lows = lows.data() + m0 * groups * 2;
     T* out = y.data_ptr<T>() + m0 * N;
