@@ -39,7 +39,7 @@ def test_kernels_build_and_load(cpu_kernels: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9, 13])  # 13: blocks of 8, 4 and 1 rows
 @pytest.mark.parametrize("means", ["gemv", "dense copy", "chunks"])
 def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: torch.dtype) -> None:
     weight, scale = _int8_layer(8197, 96, tokens, dtype)  # rows: not a multiple of the threads' share nor of a chunk

@@ -7,9 +7,9 @@
 // scaled in fp32.
 // Widening both sides to fp32 for FMAs took ~25 instructions per 32 4-bit weights and held the int4
 // GEMV to 12-14 GB/s on a 2-core Zen 3, against 20-27 GB/s now. Weight rows are split across
-// PyTorch's intra-op threads, and up to 8 activation rows (4 for int8) share each loaded weight
-// vector; with many rows (prefill) the int4 and 5-bit GEMVs keep up with a dense fp32 matmul, and
-// the int8 one hands over to a layer's dense copy where that wins.
+// PyTorch's intra-op threads, and up to 8 activation rows share each loaded weight vector; with
+// many rows (prefill) the int4 and 5-bit GEMVs keep up with a dense fp32 matmul, and the int8 one
+// hands over to a layer's dense copy where that wins.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,21 +27,19 @@ constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kRowsPerTile = 32;
 
 // Runs kernel(rows, m0, r0, r1) over blocks of activation rows (m0: the block's first; rows: its
-// size, as a std::integral_constant for the kernel's template: Wide while that many are left, then
-// 4, then the 1-3 left), each over weight rows [r0, r1): PyTorch's intra-op threads split the
-// weight rows, and each thread takes its rows kRowsPerTile at a time through every block of
-// activation rows, so that with many activation rows the tile's weights are read from memory once,
-// then from cache.
-template <int Wide, typename Kernel>
+// size, as a std::integral_constant for the kernel's template: 8 while that many are left, then 4,
+// then the 1-3 left), each over weight rows [r0, r1): PyTorch's intra-op threads split the weight
+// rows, and each thread takes its rows kRowsPerTile at a time through every block of activation
+// rows, so that with many activation rows the tile's weights are read from memory once, then from
+// cache.
+template <typename Kernel>
 void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel) {
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = begin; r0 < end; r0 += kRowsPerTile) {
       const int64_t r1 = std::min(end, r0 + kRowsPerTile);
       int64_t m0 = 0;
-      for (; M - m0 >= Wide; m0 += Wide) kernel(std::integral_constant<int, Wide>{}, m0, r0, r1);
-      if constexpr (Wide > 4) {
-        for (; M - m0 >= 4; m0 += 4) kernel(std::integral_constant<int, 4>{}, m0, r0, r1);
-      }
+      for (; M - m0 >= 8; m0 += 8) kernel(std::integral_constant<int, 8>{}, m0, r0, r1);
+      if (M - m0 >= 4) kernel(std::integral_constant<int, 4>{}, m0, r0, r1), m0 += 4;
       switch (M - m0) {
         case 1: kernel(std::integral_constant<int, 1>{}, m0, r0, r1); break;
         case 2: kernel(std::integral_constant<int, 2>{}, m0, r0, r1); break;
@@ -122,12 +120,12 @@ inline __m256i products(__m256i q, const int8_t* x) {
 // (unpaired): per block of 32, the products of the weights' magnitudes and the activations with
 // the weights' signs (maddubs multiplies unsigned by signed bytes), scaled by its lanes' scales. Each
 // activation row sums into C independent accumulators: with one row, a single chain of FMAs (4
-// cycles each) would bound the kernel. (Two weight rows sharing each activation load measured no
+// cycles each) would bound the kernel; with 8, one each keeps the registers from spilling. (Two weight rows sharing each activation load measured no
 // faster: their 8 accumulators and the vectors they need do not fit AVX2's 16 registers.)
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
                int64_t N, int64_t row0, int64_t row1) {
-  constexpr int C = M == 1 ? 4 : 2;
+  constexpr int C = M == 1 ? 4 : M > 4 ? 1 : 2;
   const int64_t blocks = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t o = row0; o < row1; ++o) {
@@ -187,7 +185,7 @@ at::Tensor int8_gemv_as(const at::Tensor& x, const at::Tensor& weight, const at:
   quantize_blocks(float_rows<T>(xc, widened), M, K, xq.data(), scales.data(), nullptr, false);
   const int8_t* w = weight.data_ptr<int8_t>();
   const T* s = scale.data_ptr<T>();
-  over_row_blocks<4>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
+  over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
     int8_rows<decltype(rows)::value>(xq.data() + m0 * K, scales.data() + m0 * blocks * 4, K, w, s,
                                      y.data_ptr<T>() + m0 * N, N, r0, r1);
   });
@@ -375,7 +373,7 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const ui
   quantize_blocks(float_rows<T>(xc, widened), M, K, xq.data(), scales.data(), lows.data(), true);
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
   const at::Half* sl = scale_low.data_ptr<at::Half>();
-  over_row_blocks<8>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
+  over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
     constexpr int R = decltype(rows)::value;
     const float *row_scales = scales.data() + m0 * groups * 4, *row_lows = lows.data() + m0 * groups * 2;
     T* out = y.data_ptr<T>() + m0 * N;
