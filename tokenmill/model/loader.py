@@ -86,9 +86,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bo
     quantize every linear layer; "auto" is "gguf" for GGUF files and "none" otherwise.
     dense_min_tokens: quantized layers also keep a dense copy, used for batches of at least that
     many tokens (prefill, wide decode), where dense matmuls beat the weight-only kernels. None
-    picks the measured crossover (`quant_linear.dense_crossover`: in fp32, 65 tokens for int8 and
-    no copy for int4 and 5-bit where tokenmill's row kernel serves; in bf16, 16 for int4 and 8 for
-    int8); 0 keeps no copies.
+    picks the measured crossover (`quant_linear.dense_crossover`: in fp32, no copy where tokenmill's
+    row kernels serve, else 65 tokens; in bf16, 16 for int4 and 8 for int8); 0 keeps no copies.
     """
     path = Path(path)
     dtype = parse_dtype(dtype)

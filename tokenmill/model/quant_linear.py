@@ -45,17 +45,15 @@ DEFAULT_CHUNK_ROWS = 2048
 # against chunks dequantized on the fly (its 262k-row head).
 GEMV_MAX_TOKENS = 4
 GEMV_MAX_TOKENS_NO_COPY = 8
-# For fp32 activations (CPUs without native bf16 matmuls), the GEMVs (on int8 activations) serve
-# up to these many tokens. Measured on an AVX2 Zen 3, 2 threads, cold weights, at 16 / 32 / 64
-# tokens: SmolLM2's 3072x576 int4 layer took 316 / 644 / 1236 us against 948 / 1246 / 1873 for a
-# dense fp32 copy (and 645 / 882 / 1709 for a blocked product since removed: blocks of 4 weight
-# rows dequantized into L1, multiplied by fp32 FMAs), a 4096x640 int8 layer 637 / 1252 / 2546
-# against 1353 / 1889 / 2824, Gemma 3's 262k x 640 int8 head 41 / 101 / 170 ms against 50 / 89 /
-# 192 (blocked) and 211 (64 tokens) for dequantized chunks. Beyond, an int8 layer takes its dense
-# copy: at 128 / 512 tokens the int8 GEMV is 0.9-1.1x / 0.87x as fast. The int4 and 5-bit GEMVs
-# keep up with a dense fp32 matmul at any size (4096x640 at 512 tokens: 12.8 ms int4, 15.1 5-bit,
-# 15.5 fp32; 640x2048: 6.6, 7.8, 7.6), so on fp32 their layers keep no dense copy (`dense_crossover`):
-# prefill gets as fast or faster, and the model ~4 bytes per such weight smaller.
+# For fp32 activations (CPUs without native bf16 matmuls) where tokenmill's row kernels serve
+# (AVX2), the GEMVs (on int8 activations) keep up with a dense fp32 matmul at every batch size, or
+# nearly. Measured on a 2-core Zen 3, 2 threads, 4096x640 at 64 / 128 / 512 tokens: int4 1.65 / 3.43
+# / 12.4 ms, 5-bit 1.76 / 3.68 / 13.6, int8 2.15 / 4.33 / 16.7, a dense fp32 copy 2.97 / 5.43 / 16.9;
+# Gemma 3's int8 1536x640 at 192 / 256 / 384 / 512: 2.26 / 3.19 / 4.64 / 6.45 against 2.36 / 3.03 /
+# 4.27 / 5.77 (and 640x2048 alike); its 262k x 640 int8 head 137 / 271 / 1321 ms at 64 / 128 / 512
+# against 197 / 421 / 1267 for dequantized chunks. So there no layer keeps a dense copy, which
+# saves ~4 bytes per weight (Gemma 3's int8 copies from 257 tokens would win ~2% of pp512 for 63
+# MiB); elsewhere every kind keeps one for batches beyond FP32_GEMV_MAX_TOKENS.
 FP32_GEMV_MAX_TOKENS = 64
 # Batch sizes from which a dense copy beats PyTorch's weight-only kernels (bf16 on an AVX-512 + AMX
 # Xeon), which serve until tokenmill's kernels are built, or where they cannot be (5-bit weights,
@@ -67,7 +65,7 @@ def dense_crossover(kind: str, dtype: torch.dtype) -> int:
     """The batch size (tokens) from which a dense copy of a layer beats its kind's kernels; 0 where
     none does (the layer keeps no copy)."""
     if dtype == torch.float32:
-        return 0 if kind != "int8" and int4_rows_layout() else FP32_GEMV_MAX_TOKENS + 1
+        return 0 if int4_rows_layout() else FP32_GEMV_MAX_TOKENS + 1
     return PACKED_DENSE_CROSSOVER[kind]
 
 
@@ -319,11 +317,11 @@ class QuantLinear(nn.Module):
 
     def _gemv_max_tokens(self, dtype: torch.dtype) -> int:
         """The most tokens `int8_linear` and `int4_rows_linear` multiply by their GEMV; beyond, the
-        dense copy or, for a layer without one, chunks dequantized on the fly (int8) or the GEMV
-        still (int4)."""
+        dense copy or, for a layer without one, the GEMV still (int4 and 5-bit; every kind on fp32)
+        or chunks dequantized on the fly (int8 on bf16)."""
         has_dense = self.dense is not None and self.dense_min_tokens > 0
         if dtype == torch.float32:
-            return min(FP32_GEMV_MAX_TOKENS, self.dense_min_tokens - 1) if has_dense else FP32_GEMV_MAX_TOKENS
+            return self.dense_min_tokens - 1 if has_dense else 1 << 30
         if self.kind == "int8":
             return GEMV_MAX_TOKENS if has_dense else GEMV_MAX_TOKENS_NO_COPY
         return self.dense_min_tokens - 1 if has_dense else 1 << 30
