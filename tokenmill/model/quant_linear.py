@@ -3,9 +3,9 @@
 Decoding a few tokens is bound by the bytes of weight read per step, so small batches use
 weight-only kernels that read the packed bytes directly: tokenmill's own for int8 (tokenmill/model/
 kernels, twice the speed of PyTorch's) and, on CPUs without AVX-512, for int4; PyTorch's for int4 on
-AVX-512. Large batches (prefill, wide decode) are bound by arithmetic, where a dense matmul wins
-(oneDNN's bf16 with AMX on recent Xeons, fp32 on AVX2); for them a layer may also hold a dense copy
-(`dense_min_tokens`).
+AVX-512. Large batches (prefill, wide decode) are bound by arithmetic: with bf16 (oneDNN's, AMX on
+recent Xeons) a dense matmul wins, and a layer also holds a dense copy for them (`dense_min_tokens`);
+with fp32 on AVX2, tokenmill's GEMVs keep up with a dense fp32 matmul at every size and serve alone.
 
 GGUF formats map onto the int4 kernels' form (group of 32, w = scale * q + low, q in 0..15, as
 ggml writes them) without loss for Q4_0, Q4_1 and Q4_K, and where tokenmill's int4 row kernel
@@ -31,9 +31,10 @@ INT5_EXACT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K})
 # An int8 matrix of this many weights (larger than the CPU caches: an output head) has kernels of
 # its own. At batch 1 in a compiled graph, inductor's fused reduction streams its bytes at ~26 GB/s
 # against ~10 GB/s for `_weight_int8pack_mm` (Gemma 3's 262k x 640 head: 6.4-8 ms vs 17-18 ms).
-# From 2 tokens it is multiplied in row chunks dequantized on the fly, as fast as a dense copy up
-# to ~32 tokens (Gemma 3's head: 49 vs 47 ms at 32 tokens, 86 vs 77 at 64) without the copy's
-# memory (336 MB for that head), so such a matrix never gets a dense copy.
+# Beyond the GEMV's batch sizes (bf16, or without tokenmill's kernels) it is multiplied in row chunks
+# dequantized on the fly, as fast as a dense copy up to ~32 tokens (Gemma 3's head: 49 vs 47 ms at
+# 32 tokens, 86 vs 77 at 64) without the copy's memory (336 MB for that head), so such a matrix
+# never gets a dense copy.
 LARGE_INT8_WEIGHTS = 1 << 24
 # Rows of such a matrix dequantized at a time (here and in `tokenmill::int8_linear`), measured on
 # Gemma 3's 262k x 640 head: 8192 in bf16 (10 MB, stays in cache; AVX-512 EPYC), 2048 in fp32 and
@@ -260,7 +261,9 @@ class QuantLinear(nn.Module):
             raise ValueError("give exactly one of int4, int5 and int8")
         self.out_features, self.in_features = out_features, in_features
         self.kind = "int4" if int4 is not None else "int5" if int5 is not None else "int8"
-        self.int4_rows = int5 is not None or (int4 is not None and (int4_rows_layout() if int4_rows is None else int4_rows))
+        if int4 is not None and int4_rows is None:
+            int4_rows = int4_rows_layout()
+        self.int4_rows = int5 is not None or (int4 is not None and int4_rows)
         if self.int4_rows:
             nibbles, scale_low = pack_int4_rows(*(int4 or int5))
             self.register_buffer("nibbles", nibbles)
@@ -320,9 +323,7 @@ class QuantLinear(nn.Module):
         dense copy or, for a layer without one, the GEMV still (int4 and 5-bit; every kind on fp32)
         or chunks dequantized on the fly (int8 on bf16)."""
         has_dense = self.dense is not None and self.dense_min_tokens > 0
-        if dtype == torch.float32:
-            return self.dense_min_tokens - 1 if has_dense else 1 << 30
-        if self.kind == "int8":
+        if self.kind == "int8" and dtype != torch.float32:
             return GEMV_MAX_TOKENS if has_dense else GEMV_MAX_TOKENS_NO_COPY
         return self.dense_min_tokens - 1 if has_dense else 1 << 30
 

@@ -8,8 +8,8 @@
 // Widening both sides to fp32 for FMAs took ~25 instructions per 32 4-bit weights and held the int4
 // GEMV to 12-14 GB/s on a 2-core Zen 3, against 20-27 GB/s now. Weight rows are split across
 // PyTorch's intra-op threads, and up to 8 activation rows share each loaded weight vector; with
-// many rows (prefill) the int4 and 5-bit GEMVs keep up with a dense fp32 matmul, and the int8 one
-// hands over to a layer's dense copy where that wins.
+// many rows (prefill) they keep up with a dense fp32 matmul (on bf16, the ops hand over to a layer's
+// dense copy where that wins).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -39,7 +39,10 @@ void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel) {
       const int64_t r1 = std::min(end, r0 + kRowsPerTile);
       int64_t m0 = 0;
       for (; M - m0 >= 8; m0 += 8) kernel(std::integral_constant<int, 8>{}, m0, r0, r1);
-      if (M - m0 >= 4) kernel(std::integral_constant<int, 4>{}, m0, r0, r1), m0 += 4;
+      if (M - m0 >= 4) {
+        kernel(std::integral_constant<int, 4>{}, m0, r0, r1);
+        m0 += 4;
+      }
       switch (M - m0) {
         case 1: kernel(std::integral_constant<int, 1>{}, m0, r0, r1); break;
         case 2: kernel(std::integral_constant<int, 2>{}, m0, r0, r1); break;
@@ -85,7 +88,8 @@ void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* sca
       d[2 * h + 1] = _mm256_cvtss_f32(_mm256_permute2f128_ps(scale, scale, 1));
     }
     __m256i words[4];
-    for (int j = 0; j < 4; ++j) words[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse[j % 2]));  // nearest, ties even
+    for (int j = 0; j < 4; ++j)  // nearest, ties even
+      words[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse[j % 2]));
     // the packs work within 128-bit lanes; the permutation puts the 32 bytes back in order
     const __m256i bytes = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(words[0], words[1]), _mm256_packs_epi32(words[2], words[3])),
@@ -120,8 +124,9 @@ inline __m256i products(__m256i q, const int8_t* x) {
 // (unpaired): per block of 32, the products of the weights' magnitudes and the activations with
 // the weights' signs (maddubs multiplies unsigned by signed bytes), scaled by its lanes' scales. Each
 // activation row sums into C independent accumulators: with one row, a single chain of FMAs (4
-// cycles each) would bound the kernel; with 8, one each keeps the registers from spilling. (Two weight rows sharing each activation load measured no
-// faster: their 8 accumulators and the vectors they need do not fit AVX2's 16 registers.)
+// cycles each) would bound the kernel; with 8, one each keeps the registers from spilling. (Two
+// weight rows sharing each activation load measured no faster: their 8 accumulators and the vectors
+// they need do not fit AVX2's 16 registers.)
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
                int64_t N, int64_t row0, int64_t row1) {
@@ -293,7 +298,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
     int64_t g = 0;
     for (; g + 4 <= groups; g += 4) {
       const __m256 weight_side = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sl + 2 * g)));
-        for (int i = 0; i < M; ++i) {
+      for (int i = 0; i < M; ++i) {
         // with 8 activation rows, 8 more accumulators would not fit the 16 vector registers
         __m256& into = M > 4 ? acc[i] : low_terms[i];
         into = _mm256_fmadd_ps(weight_side, _mm256_loadu_ps(lows + i * groups * 2 + 2 * g), into);
@@ -309,7 +314,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
         }
         const __m256 weight_scales = _mm256_permutevar8x32_ps(  // the pair's scales, each over its group's lanes
             weight_side, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 2, 2 * h + 2, 2 * h + 2, 2 * h + 2));
-            for (int i = 0; i < M; ++i) {
+        for (int i = 0; i < M; ++i) {
           const __m256i sums = pair_sums(q_low, q_high, xq + i * K + (g + h) * 32);
           const __m256 factors = _mm256_mul_ps(weight_scales, _mm256_loadu_ps(scales + (i * groups + g + h) * 4));
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factors, acc[i]);
@@ -332,7 +337,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
           q_high = _mm256_or_si256(q_high, fifth_vector(planes, k + 1));
         }
         const float s1 = simd::to_float(sl[2 * g + 2]), l1 = simd::to_float(sl[2 * g + 3]);
-            for (int i = 0; i < M; ++i) {
+        for (int i = 0; i < M; ++i) {
           const float* l = lows + i * groups * 2 + 2 * g;
           const __m256i sums = pair_sums(q_low, q_high, xq + i * K + g * 32);
           const __m256 factors = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)),
@@ -348,7 +353,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
           const __m256i shifts = _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
           q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srlv_epi32(lower, shifts), _mm256_set1_epi8(0x10)));
         }
-            for (int i = 0; i < M; ++i) {
+        for (int i = 0; i < M; ++i) {
           const __m256i sums = _mm256_madd_epi16(products(q, xq + i * K + g * 32), ones);
           const __m256 factors = _mm256_mul_ps(_mm256_set1_ps(s0), lane_scales(scales + (i * groups + g) * 4));
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factors, acc[i]);
