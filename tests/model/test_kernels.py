@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
-from tokenmill.model.quant_linear import (QuantLinear, dense_crossover, dense_packed_form, int4_rows_layout,
+from tokenmill.model.quant_linear import (MAX_STEP, QuantLinear, dense_crossover, dense_packed_form, int4_rows_layout,
                                          pack_fifth_bits, pack_int4_rows, unpack_int4_rows)
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
@@ -101,17 +101,22 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
     torch.manual_seed(tokens)
     rows = 1037  # not a multiple of the threads' share
     q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
-    # float16 values, as Q4_0/Q4_1 files hold them: the packed form keeps them exactly
-    scale = (torch.rand(rows, cols // 32) / 10).half().float()
+    # float16 values, as Q4_0/Q4_1 files hold them (Q4_0's scales may be negative); a row of zeros
+    scale = (torch.randn(rows, cols // 32) / 10).half().float()
+    scale[1] = 0
     low = (torch.randn(rows, cols // 32) / 10).half().float()
-    nibbles, scale_low = pack_int4_rows(q, scale, low)
-    weight = unpack_int4_rows(nibbles, scale_low)
-    assert torch.equal(weight, (q.float().view(rows, -1, 32) * scale[..., None] + low[..., None]).view(rows, cols))
+    packed = pack_int4_rows(q, scale, low)
+    assert packed.steps.abs().amax(dim=1)[2:].eq(MAX_STEP).all() and packed.units[1] > 0
+    weight = unpack_int4_rows(packed)
+    exact = (q.float().view(rows, -1, 32) * scale[..., None] + low[..., None]).view(rows, cols)
+    # the scales within half a step of their row's unit, the lows exact
+    assert ((weight - exact).abs() <= q.float() * packed.units[:, None] / 2 + 1e-6).all()
+    nibbles = packed.nibbles
     x = torch.randn(tokens, cols).to(dtype)
     x[0, 32:64] = 0  # an all-zero block has no scale to divide by
     copy = torch.randn(rows, cols).to(dtype) if dense else None  # unrelated: shows which one was used
     # the GEMV (on int8 activations) up to 4 rows, then the copy, or the GEMV still without one
-    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, None, copy, 4)
+    out = torch.ops.tokenmill.int4_rows_linear(x, *packed, None, copy, 4)
     assert out.dtype == dtype and out.shape == (tokens, rows)
     by_copy = dense and tokens > 4
     gemv = not by_copy
@@ -131,30 +136,33 @@ def test_int4_rows_linear_takes_5bit_weights(tokens: int, dtype: torch.dtype, co
     rows = 67
     q = torch.randint(0, 32, (rows, cols))
     scale, low = torch.rand(rows, cols // 32) / 10, -torch.rand(rows, cols // 32) / 5
-    nibbles, scale_low = pack_int4_rows(q, scale, low)
+    packed = pack_int4_rows(q, scale, low)
     fifth = pack_fifth_bits(q)
-    weight = unpack_int4_rows(nibbles, scale_low, fifth)
-    exact = (q.float().view(rows, -1, 32) * scale_low[..., 0, None].float() + scale_low[..., 1, None].float())
-    torch.testing.assert_close(weight, exact.view(rows, cols), rtol=0, atol=0)
+    weight = unpack_int4_rows(packed, fifth)
+    exact = (q.float().view(rows, -1, 32) * scale[..., None] + low.half().float()[..., None]).view(rows, cols)
+    assert ((weight - exact).abs() <= q.float() * packed.units[:, None] / 2 + 1e-6).all()
     x = torch.randn(tokens, cols).to(dtype)
-    out = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, fifth, None, 64)
+    out = torch.ops.tokenmill.int4_rows_linear(x, *packed, fifth, None, 64)
     reference = int8_activations(x) @ weight.t()
     tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float(), reference, **tolerance)
-    without_fifth = torch.ops.tokenmill.int4_rows_linear(x, nibbles, scale_low, None, None, 64)
+    without_fifth = torch.ops.tokenmill.int4_rows_linear(x, *packed, None, None, 64)
     assert not torch.allclose(without_fifth.float(), reference, atol=1e-2)  # the fifth bits count
 
 
 def test_int4_rows_linear_rejects_what_it_cannot_multiply() -> None:
-    nibbles, scale_low = pack_int4_rows(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
+    packed = pack_int4_rows(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
+    linear = torch.ops.tokenmill.int4_rows_linear
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64).half(), nibbles, scale_low, None, None, 4)
+        linear(torch.randn(1, 64).half(), *packed, None, None, 4)
     with pytest.raises(RuntimeError, match="K / 2"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 96), nibbles, scale_low, None, None, 4)
-    with pytest.raises(RuntimeError, match="float16"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_low.float(), None, None, 4)
+        linear(torch.randn(1, 96), *packed, None, None, 4)
+    with pytest.raises(RuntimeError, match="steps_lows must be contiguous int16"):
+        linear(torch.randn(1, 64), packed.nibbles, packed.steps_lows.int(), packed.units, None, None, 4)
+    with pytest.raises(RuntimeError, match="units must be contiguous float32"):
+        linear(torch.randn(1, 64), packed.nibbles, packed.steps_lows, packed.units[:4], None, None, 4)
     with pytest.raises(RuntimeError, match="fifth_bits"):
-        torch.ops.tokenmill.int4_rows_linear(torch.randn(1, 64), nibbles, scale_low, nibbles, None, 4)
+        linear(torch.randn(1, 64), *packed, packed.nibbles, None, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -242,7 +250,7 @@ def test_fp32_batches_take_the_gemv_below_the_dense_copy(kind: str) -> None:
     crossover = 65  # a copy asked for (`dense_min_tokens`) serves from there
     layer = QuantLinear(96, 128, torch.float32, **{kind: data}, dense=copy, dense_min_tokens=crossover,
                         int4_rows=True)
-    packed = unpack_int4_rows(layer.nibbles, layer.scale_low) if kind == "int4" else data[0].float() * data[1][:, None]
+    packed = unpack_int4_rows(layer._int4_rows()) if kind == "int4" else data[0].float() * data[1][:, None]
     assert layer._gemv_max_tokens(torch.float32) == 64
     for tokens in (1, 9, 64, 65):
         x = torch.randn(tokens, 128)

@@ -16,6 +16,8 @@ one scale per output row, which costs a little accuracy (reported by `tokenmill 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -78,15 +80,39 @@ def int4_rows_layout() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX2" and kernels.load()
 
 
-def pack_int4_rows(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class Int4Rows(NamedTuple):
+    """int4 or 5-bit weights in the row layout of `int4_rows_linear`: w = step x unit x q + low."""
+
+    nibbles: torch.Tensor  # (rows, cols / 2) uint8: per group of 32, byte j holds q of elements j and 16 + j
+    steps_lows: torch.Tensor  # (rows, cols / 32, 2) int16: each group's scale in units, its low's float16 bits
+    units: torch.Tensor  # (rows,) float32: the row's largest scale magnitude / MAX_STEP
+
+    @property
+    def steps(self) -> torch.Tensor:
+        return self.steps_lows[..., 0]
+
+    @property
+    def lows(self) -> torch.Tensor:
+        return self.steps_lows[..., 1].contiguous().view(torch.float16)
+
+
+MAX_STEP = 32767  # int16's: steps times the kernel's int16 pair sums (< 2^15) still fit int32
+
+
+def pack_int4_rows(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Int4Rows:
     """(q, scale, low) in the row layout of `int4_rows_linear`: 16 bytes per group of 32, byte j
-    holding element j (low nibble) and element 16 + j (high), and (scale, low) in float16 per group
-    (exact for Q4_0 and Q4_1, whose scales and lows are float16 in the file)."""
+    holding element j (low nibble) and element 16 + j (high); the scales as int16 steps of a unit
+    per row (the largest one exact, the others within half a unit: 1.5e-5 of the row's largest),
+    the lows in float16 (exact for Q4_0 and Q4_1, whose lows are float16 in the file)."""
     rows, cols = q.shape
     halves = (q & 0xF).reshape(rows, cols // INT4_GROUP, 2, INT4_GROUP // 2).to(torch.uint8)
     nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
-    scale_low = torch.stack((scale, low), dim=-1).to(torch.float16)
-    return nibbles.contiguous(), scale_low.contiguous()
+    scale = scale.float()
+    units = scale.abs().amax(dim=1) / MAX_STEP
+    units = torch.where(units > 0, units, torch.ones_like(units))  # a row of zero scales: any unit will do
+    steps = torch.round(scale / units[:, None]).clamp(-MAX_STEP, MAX_STEP).to(torch.int16)
+    steps_lows = torch.stack((steps, low.to(torch.float16).view(torch.int16)), dim=-1)
+    return Int4Rows(nibbles.contiguous(), steps_lows.contiguous(), units.contiguous())
 
 
 # The bit of a block's byte b that holds group 2 p + l's element 16 h + b, indexed [p, l, h, 1]
@@ -108,18 +134,17 @@ def pack_fifth_bits(q: torch.Tensor) -> torch.Tensor:
     return planes.reshape(rows, blocks * 16).contiguous()
 
 
-def unpack_int4_rows(nibbles: torch.Tensor, scale_low: torch.Tensor, fifth_bits: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+def unpack_int4_rows(rows: Int4Rows, fifth_bits: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weight of `pack_int4_rows`' output (and `pack_fifth_bits`', for 5-bit weights)."""
-    rows = nibbles.shape[0]
-    groups = nibbles.view(rows, -1, 1, INT4_GROUP // 2)
-    q = torch.cat((groups & 0xF, groups >> 4), dim=2).view(rows, -1, INT4_GROUP).float()
+    count = rows.nibbles.shape[0]
+    groups = rows.nibbles.view(count, -1, 1, INT4_GROUP // 2)
+    q = torch.cat((groups & 0xF, groups >> 4), dim=2).view(count, -1, INT4_GROUP).float()
     if fifth_bits is not None:
-        planes = fifth_bits.view(rows, -1, 1, 1, 1, INT4_GROUP // 2)
-        bits = ((planes >> _FIFTH_BIT_SHIFTS) & 1).view(rows, -1, INT4_GROUP)
+        planes = fifth_bits.view(count, -1, 1, 1, 1, INT4_GROUP // 2)
+        bits = ((planes >> _FIFTH_BIT_SHIFTS) & 1).view(count, -1, INT4_GROUP)
         q += 16 * bits[:, :q.shape[1]].float()
-    scale, low = scale_low.float().unbind(-1)
-    return (q * scale[..., None] + low[..., None]).view(rows, -1)
+    scale = rows.steps.float() * rows.units[:, None]
+    return (q * scale[..., None] + rows.lows.float()[..., None]).view(count, -1)
 
 
 def int4_kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -265,9 +290,8 @@ class QuantLinear(nn.Module):
             int4_rows = int4_rows_layout()
         self.int4_rows = int5 is not None or (int4 is not None and int4_rows)
         if self.int4_rows:
-            nibbles, scale_low = pack_int4_rows(*(int4 or int5))
-            self.register_buffer("nibbles", nibbles)
-            self.register_buffer("scale_low", scale_low)
+            for name, tensor in pack_int4_rows(*(int4 or int5))._asdict().items():
+                self.register_buffer(name, tensor)
             self.register_buffer("fifth_bits", None if int5 is None else pack_fifth_bits(int5[0]))
         elif int4 is not None:
             q, scale, low = int4
@@ -292,7 +316,7 @@ class QuantLinear(nn.Module):
         if kernel == "native":
             dense = self.dense if self.dense_min_tokens > 0 else None
             if self.int4_rows:
-                y = torch.ops.tokenmill.int4_rows_linear(x, self.nibbles, self.scale_low, self.fifth_bits, dense,
+                y = torch.ops.tokenmill.int4_rows_linear(x, *self._int4_rows(), self.fifth_bits, dense,
                                                          self._gemv_max_tokens(x.dtype))
             elif self.kind == "int4":
                 y = torch.ops.tokenmill.int4_linear(x, self.packed, self.scales_zeros, INT4_GROUP, dense,
@@ -310,13 +334,16 @@ class QuantLinear(nn.Module):
                       for start in range(0, self.out_features, rows)]
             y = torch.cat(chunks, dim=-1) * self.scales
         elif self.int4_rows:  # a dtype or device the kernel does not take
-            y = F.linear(x, unpack_int4_rows(self.nibbles, self.scale_low, self.fifth_bits).to(x.dtype))
+            y = F.linear(x, unpack_int4_rows(self._int4_rows(), self.fifth_bits).to(x.dtype))
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.scales_zeros.dtype), self.packed, INT4_GROUP,
                                                            self.scales_zeros).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
+
+    def _int4_rows(self) -> Int4Rows:
+        return Int4Rows(self.nibbles, self.steps_lows, self.units)
 
     def _gemv_max_tokens(self, dtype: torch.dtype) -> int:
         """The most tokens `int8_linear` and `int4_rows_linear` multiply by their GEMV; beyond, the

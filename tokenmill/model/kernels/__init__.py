@@ -129,8 +129,8 @@ def _int4_shape(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
     return x.new_empty(x.shape[0], scales_zeros.shape[1])
 
 
-def _int4_rows_shape(x: torch.Tensor, nibbles: torch.Tensor, scale_low: torch.Tensor, fifth_bits: torch.Tensor | None,
-                     dense: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
+def _int4_rows_shape(x: torch.Tensor, nibbles: torch.Tensor, steps_lows: torch.Tensor, units: torch.Tensor,
+                     fifth_bits: torch.Tensor | None, dense: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], nibbles.shape[0])
 
 

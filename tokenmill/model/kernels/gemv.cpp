@@ -64,12 +64,12 @@ inline __m256 lane_scales(const float* block_scales) {
 // lane is scaled by one float of a vector ([scale 0-3] twice, or two groups' scales) at no extra
 // integer work. Against one scale per 32, this halves the rounding's cost on the decode path
 // (SmolLM2's perplexity, simulated: +0.52% -> +0.26%; outliers spoil fewer neighbours). With
-// `lows`, (0, the sum of scale x q over the block) per block, (M, K / 32, 2): the int4 GEMV's low
-// terms then see the same x as its scaled ones, so the rounding errors stay centred, as the weights
-// are. With `paired`, blocks 2p and 2p + 1 are stored as [2p: 0-15 | 2p+1: 0-15] [2p: 16-31 |
-// 2p+1: 16-31], the order in which the int4 GEMV unpacks two groups' nibbles with one 32-byte load
-// (a last unpaired block keeps its order).
-void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* scales, float* lows, bool paired) {
+// `sums`, the sum of scale x q over each block, (M, K / 32): the int4 GEMV's low terms then see the
+// same x as its scaled ones, so the rounding errors stay centred, as the weights are. With `paired`,
+// blocks 2p and 2p + 1 are stored as [2p: 0-15 | 2p+1: 0-15] [2p: 16-31 | 2p+1: 16-31], the order in
+// which the int4 GEMV unpacks two groups' nibbles with one 32-byte load (a last unpaired block keeps
+// its order).
+void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* scales, float* sums, bool paired) {
   const int64_t row_blocks = K / 32;
   const __m256 sign_bit = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(127.0f);
   for (int64_t g = 0; g < M * row_blocks; ++g) {
@@ -106,10 +106,9 @@ void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* sca
     }
     float* block_scales = scales + g * 4;
     block_scales[0] = d[0], block_scales[1] = d[1], block_scales[2] = d[2], block_scales[3] = d[3];
-    if (lows != nullptr) {
-      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-      lows[2 * g] = 0.0f;
-      lows[2 * g + 1] = simd::sum(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), lane_scales(block_scales)));
+    if (sums != nullptr) {
+      const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+      sums[g] = simd::sum(_mm256_mul_ps(_mm256_cvtepi32_ps(lanes), lane_scales(block_scales)));
     }
   }
 }
@@ -245,10 +244,11 @@ inline void unpack_pair(const uint8_t* p, __m256i& q_low, __m256i& q_high) {
   q_high = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
 }
 
-// The pair's q x sums as int32: lanes 0-3 add up to group g's, lanes 4-7 to group g + 1's (two int16
-// products of at most 2 x 31 x 127 each, 5-bit q included, still fit int16 when added)
-inline __m256i pair_sums(__m256i q_low, __m256i q_high, const int8_t* x) {
-  return _mm256_madd_epi16(_mm256_add_epi16(products(q_low, x), products(q_high, x + 32)), _mm256_set1_epi16(1));
+// The pair's q x sums times the groups' steps as int32: lanes 0-3 add up to group g's, lanes 4-7 to
+// group g + 1's (steps: 8 int16 copies of each). Two int16 products of at most 2 x 31 x 127 each,
+// 5-bit q included, still fit int16 when added; times a step of at most 2^15 - 1, their pair fits int32.
+inline __m256i pair_sums(__m256i q_low, __m256i q_high, const int8_t* x, __m256i steps) {
+  return _mm256_madd_epi16(_mm256_add_epi16(products(q_low, x), products(q_high, x + 32)), steps);
 }
 
 // Bytes of fifth bits per weight row: 16 per block of 4 groups, a last partial block padded
@@ -273,36 +273,50 @@ inline __m256i fifth_vector(__m256i planes, int k) {
 // The rounding of the activations adds a relative error of ~0.4% per product, less than llama.cpp's
 // Q8 activations (one scale per 32); `tokenmill perplexity --decode` measures its cost.
 //
-// y = x W^T for W (N, K) in 4-bit groups of 32 along K, w = scale * q + low with q in 0..15: row o's
-// group g is the 16 bytes nibbles[o][16 g:], byte j holding q of element 32 g + j in its low nibble
-// and of element 32 g + 16 + j in its high one; (scale, low) are scale_low[o][g]. x comes quantized
-// by quantize_blocks (paired). Per group, each lane's q x sum is scaled by scale times its
-// activation scale, and the low term is low times the group's (0, sum of scale x q) from `lows`.
+// y = x W^T for W (N, K) in 4-bit groups of 32 along K, w = step x unit x q + low with q in 0..15:
+// row o's group g is the 16 bytes nibbles[o][16 g:], byte j holding q of element 32 g + j in its low
+// nibble and of element 32 g + 16 + j in its high one; (step, low) are steps_lows[o][g] (int16 and
+// the bits of a float16: one stream of memory with the nibbles, as a decode step reads them) and
+// unit units[o] (> 0). x comes quantized by quantize_blocks (paired). Integer steps let
+// `madd` weigh each group's products as it sums them, where a float scale took a multiply per
+// group and activation row (7 -> 6 instructions per 64 products and row: ~10% faster with 8 rows);
+// the sums are scaled by the activation scales, the total by the unit. The low terms are low times
+// the group's sum of x (`sums`), divided by the unit so that they can share the accumulators.
 //
 // With Fifth, q is 5-bit (0..31, GGUF's Q5_0, Q5_1 and Q5_K exactly), with 16 bytes of fifth bits per
-// block of 4 groups (the last one padded) at fifth[o][4 g:], as `fifth_planes` reads them. maddubs'
-// pair sums stay below 2^15 (2 x 2 x 31 x 127).
+// block of 4 groups (the last one padded) at fifth[o][4 g:], as `fifth_planes` reads them.
 template <int M, bool Fifth, typename T>
-void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t K, const uint8_t* nibbles,
-               const uint8_t* fifth, const at::Half* scale_low, T* y, int64_t N, int64_t row0, int64_t row1) {
+void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t K, const uint8_t* nibbles,
+               const uint8_t* fifth, const int16_t* steps_lows, const float* units, T* y, int64_t N, int64_t row0,
+               int64_t row1) {
   const int64_t groups = K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
+  // a quad's (step, low) x 4 (16 bytes, in both halves) as the int16 multipliers of its first pair
+  // (steps 0 and 1) and of its second (2 and 3), and its 4 lows' bits
+  const __m256i first_pair = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
+                                              4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5);
+  const __m256i second_pair = _mm256_add_epi8(first_pair, _mm256_set1_epi8(8));
+  const __m128i quad_lows_bits = _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
   for (int64_t o = row0; o < row1; ++o) {
     const uint8_t* row = nibbles + o * groups * 16;
     const uint8_t* fifth_row = Fifth ? fifth + o * fifth_row_bytes(groups) : nullptr;
-    const at::Half* sl = scale_low + o * groups * 2;
-    // low_terms: in the odd lanes (the even ones are scale x 0); for more than 4 rows, in acc
+    const int16_t* step_low = steps_lows + o * groups * 2;
+    const float unit = units[o];
+    const __m128 per_unit = _mm_set1_ps(1.0f / unit);
+    // low_terms: for up to 4 rows (their own FMA chains); for more, in acc (8 more accumulators would
+    // not fit the 16 vector registers). In units of `unit`, as acc; tail in plain ones.
     __m256 acc[M], low_terms[M];
     float tail[M];
     for (int i = 0; i < M; ++i) acc[i] = low_terms[i] = _mm256_setzero_ps(), tail[i] = 0.0f;
     int64_t g = 0;
     for (; g + 4 <= groups; g += 4) {
-      const __m256 weight_side = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sl + 2 * g)));
+      const __m128i quad = _mm_loadu_si128(reinterpret_cast<const __m128i*>(step_low + 2 * g));
+      const __m128 quad_lows = _mm_mul_ps(_mm_cvtph_ps(_mm_shuffle_epi8(quad, quad_lows_bits)), per_unit);
       for (int i = 0; i < M; ++i) {
-        // with 8 activation rows, 8 more accumulators would not fit the 16 vector registers
         __m256& into = M > 4 ? acc[i] : low_terms[i];
-        into = _mm256_fmadd_ps(weight_side, _mm256_loadu_ps(lows + i * groups * 2 + 2 * g), into);
+        const __m128 quad_sums = _mm_loadu_ps(sums + i * groups + g);  // 4 lanes; the other 4 are 0 x 0
+        into = _mm256_fmadd_ps(_mm256_zextps128_ps256(quad_lows), _mm256_zextps128_ps256(quad_sums), into);
       }
+      const __m256i quad_steps = _mm256_broadcastsi128_si256(quad);
       __m256i planes = _mm256_setzero_si256();
       if constexpr (Fifth) planes = fifth_planes(fifth_row + g * 4);
       for (int h = 0; h < 4; h += 2) {
@@ -312,12 +326,11 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
           q_low = _mm256_or_si256(q_low, fifth_vector(planes, h));
           q_high = _mm256_or_si256(q_high, fifth_vector(planes, h + 1));
         }
-        const __m256 weight_scales = _mm256_permutevar8x32_ps(  // the pair's scales, each over its group's lanes
-            weight_side, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 2, 2 * h + 2, 2 * h + 2, 2 * h + 2));
+        const __m256i pair_steps = _mm256_shuffle_epi8(quad_steps, h == 0 ? first_pair : second_pair);
         for (int i = 0; i < M; ++i) {
-          const __m256i sums = pair_sums(q_low, q_high, xq + i * K + (g + h) * 32);
-          const __m256 factors = _mm256_mul_ps(weight_scales, _mm256_loadu_ps(scales + (i * groups + g + h) * 4));
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factors, acc[i]);
+          const __m256i dots = pair_sums(q_low, q_high, xq + i * K + (g + h) * 32, pair_steps);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_loadu_ps(scales + (i * groups + g + h) * 4),
+                                   acc[i]);
         }
       }
     }
@@ -328,7 +341,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
     }
     for (; g < groups; g += 2) {
       const int k = static_cast<int>(g - block_start);  // the group's first vector in the planes
-      const float s0 = simd::to_float(sl[2 * g]), l0 = simd::to_float(sl[2 * g + 1]);
+      const float l0 = simd::to_float(c10::Half(step_low[2 * g + 1], c10::Half::from_bits()));
       if (g + 1 < groups) {
         __m256i q_low, q_high;
         unpack_pair(row + g * 16, q_low, q_high);
@@ -336,14 +349,14 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
           q_low = _mm256_or_si256(q_low, fifth_vector(planes, k));
           q_high = _mm256_or_si256(q_high, fifth_vector(planes, k + 1));
         }
-        const float s1 = simd::to_float(sl[2 * g + 2]), l1 = simd::to_float(sl[2 * g + 3]);
+        const float l1 = simd::to_float(c10::Half(step_low[2 * g + 3], c10::Half::from_bits()));
+        const __m256i pair_steps =
+            _mm256_set_m128i(_mm_set1_epi16(step_low[2 * g + 2]), _mm_set1_epi16(step_low[2 * g]));
         for (int i = 0; i < M; ++i) {
-          const float* l = lows + i * groups * 2 + 2 * g;
-          const __m256i sums = pair_sums(q_low, q_high, xq + i * K + g * 32);
-          const __m256 factors = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)),
-                                               _mm256_loadu_ps(scales + (i * groups + g) * 4));
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factors, acc[i]);
-          tail[i] += l0 * l[1] + l1 * l[3];
+          const float* s = sums + i * groups + g;
+          const __m256i dots = pair_sums(q_low, q_high, xq + i * K + g * 32, pair_steps);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_loadu_ps(scales + (i * groups + g) * 4), acc[i]);
+          tail[i] += l0 * s[0] + l1 * s[1];
         }
       } else {  // bytes in element order: lanes j and j + 4 hold sub-block j
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
@@ -353,39 +366,41 @@ void int4_rows(const int8_t* xq, const float* scales, const float* lows, int64_t
           const __m256i shifts = _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
           q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srlv_epi32(lower, shifts), _mm256_set1_epi8(0x10)));
         }
+        const __m256i step = _mm256_set1_epi16(step_low[2 * g]);
         for (int i = 0; i < M; ++i) {
-          const __m256i sums = _mm256_madd_epi16(products(q, xq + i * K + g * 32), ones);
-          const __m256 factors = _mm256_mul_ps(_mm256_set1_ps(s0), lane_scales(scales + (i * groups + g) * 4));
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factors, acc[i]);
-          tail[i] += l0 * lows[i * groups * 2 + 2 * g + 1];
+          const __m256i dots = _mm256_madd_epi16(products(q, xq + i * K + g * 32), step);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), lane_scales(scales + (i * groups + g) * 4), acc[i]);
+          tail[i] += l0 * sums[i * groups + g];
         }
       }
     }
-    for (int i = 0; i < M; ++i) y[i * N + o] = T(simd::sum(_mm256_add_ps(acc[i], low_terms[i])) + tail[i]);
+    for (int i = 0; i < M; ++i) y[i * N + o] = T(simd::sum(_mm256_add_ps(acc[i], low_terms[i])) * unit + tail[i]);
   }
 }
 
 template <typename T>
 at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const uint8_t* fifth,
-                        const at::Tensor& scale_low) {
+                        const at::Tensor& steps_lows, const at::Tensor& units) {
   const int64_t M = x.size(0), N = nibbles.size(0), K = x.size(1), groups = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const at::Tensor xc = x.contiguous();
   std::vector<float> widened;
   std::vector<int8_t> xq(M * K);
-  std::vector<float> scales(M * groups * 4), lows(M * groups * 2);
-  quantize_blocks(float_rows<T>(xc, widened), M, K, xq.data(), scales.data(), lows.data(), true);
+  std::vector<float> scales(M * groups * 4), sums(M * groups);
+  quantize_blocks(float_rows<T>(xc, widened), M, K, xq.data(), scales.data(), sums.data(), true);
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
-  const at::Half* sl = scale_low.data_ptr<at::Half>();
+  const int16_t* sl = steps_lows.data_ptr<int16_t>();
+  const float* un = units.data_ptr<float>();
   over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
     constexpr int R = decltype(rows)::value;
-    const float *row_scales = scales.data() + m0 * groups * 4, *row_lows = lows.data() + m0 * groups * 2;
+    const float *row_scales = scales.data() + m0 * groups * 4, *row_sums = sums.data() + m0 * groups;
+    const int8_t* row_q = xq.data() + m0 * K;
     T* out = y.data_ptr<T>() + m0 * N;
     if (fifth != nullptr) {
-      int4_rows<R, true>(xq.data() + m0 * K, row_scales, row_lows, K, w, fifth, sl, out, N, r0, r1);
+      int4_rows<R, true>(row_q, row_scales, row_sums, K, w, fifth, sl, un, out, N, r0, r1);
     } else {
-      int4_rows<R, false>(xq.data() + m0 * K, row_scales, row_lows, K, w, nullptr, sl, out, N, r0, r1);
+      int4_rows<R, false>(row_q, row_scales, row_sums, K, w, nullptr, sl, un, out, N, r0, r1);
     }
   });
   return y;
@@ -393,9 +408,9 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const ui
 
 // The int4 (or, with fifth_bits, 5-bit) product for any number of rows: the GEMV up to max_gemv_rows
 // or for a layer without a dense copy, the dense copy beyond.
-at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_low,
-                            const c10::optional<at::Tensor>& fifth_bits, const c10::optional<at::Tensor>& dense,
-                            int64_t max_gemv_rows) {
+at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& steps_lows,
+                            const at::Tensor& units, const c10::optional<at::Tensor>& fifth_bits,
+                            const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows) {
   if (x.size(0) > max_gemv_rows && dense.has_value()) return at::linear(x, *dense);
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
@@ -404,8 +419,10 @@ at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, cons
   TORCH_CHECK(K % 32 == 0 && nibbles.dim() == 2 && nibbles.size(1) * 2 == K &&
                   nibbles.scalar_type() == at::kByte && nibbles.is_contiguous(),
               "int4_rows_linear: nibbles must be contiguous uint8 (N, K / 2), K a multiple of 32");
-  TORCH_CHECK(scale_low.scalar_type() == at::kHalf && scale_low.is_contiguous() && scale_low.numel() == N * K / 16,
-              "int4_rows_linear: scale_low must be contiguous float16 (N, K / 32, 2)");
+  TORCH_CHECK(steps_lows.scalar_type() == at::kShort && steps_lows.is_contiguous() && steps_lows.numel() == N * K / 16,
+              "int4_rows_linear: steps_lows must be contiguous int16 (N, K / 32, 2)");
+  TORCH_CHECK(units.scalar_type() == at::kFloat && units.is_contiguous() && units.numel() == N,
+              "int4_rows_linear: units must be contiguous float32 (N)");
   const uint8_t* fifth = nullptr;
   if (fifth_bits.has_value()) {
     TORCH_CHECK(fifth_bits->scalar_type() == at::kByte && fifth_bits->is_contiguous() &&
@@ -413,8 +430,8 @@ at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, cons
                 "int4_rows_linear: fifth_bits must be contiguous uint8 (N, 16 per 4 groups of 32, rounded up)");
     fifth = fifth_bits->data_ptr<uint8_t>();
   }
-  return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, fifth, scale_low)
-                             : int4_gemv_as<at::BFloat16>(x, nibbles, fifth, scale_low);
+  return dtype == at::kFloat ? int4_gemv_as<float>(x, nibbles, fifth, steps_lows, units)
+                             : int4_gemv_as<at::BFloat16>(x, nibbles, fifth, steps_lows, units);
 }
 
 // The int4 counterpart (PyTorch's packed kernel below the crossover, the dense copy above it):
@@ -435,8 +452,8 @@ TORCH_LIBRARY(tokenmill, m) {
         "int max_packed_rows) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows, int chunk_rows) "
         "-> Tensor");
-  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor scale_low, Tensor? fifth_bits, Tensor? dense, "
-        "int max_gemv_rows) -> Tensor");
+  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor steps_lows, Tensor units, Tensor? fifth_bits, "
+        "Tensor? dense, int max_gemv_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
