@@ -10,8 +10,8 @@ import torch
 
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
-from tokenmill.model.quant_linear import (MAX_STEP, QuantLinear, dense_crossover, dense_packed_form, int4_rows_layout,
-                                         pack_fifth_bits, pack_int4_rows, unpack_int4_rows)
+from tokenmill.model.quant_linear import (MAX_STEP, Int4Rows, QuantLinear, dense_crossover, dense_packed_form,
+                                         int4_rows_layout, pack_fifth_bits, pack_int4_rows, unpack_int4_rows)
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler to build the kernels with")
@@ -36,6 +36,12 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 def test_kernels_build_and_load(cpu_kernels: bool) -> None:
     marker = kernels.build_directory() / kernels.FAILED_MARKER
     assert cpu_kernels and kernels.loaded(), marker.read_text() if marker.exists() else "not loaded"
+
+
+def _within_half_a_step(weight: torch.Tensor, exact: torch.Tensor, q: torch.Tensor, packed: Int4Rows) -> bool:
+    """Whether the row layout moved each weight by at most half its row's unit per unit of q (the
+    scale's rounding to a step), plus float32's rounding: the lows are kept exactly."""
+    return bool(((weight - exact).abs() <= q.float() * packed.units[:, None] / 2 + 1e-6).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -109,9 +115,7 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
     assert packed.steps.abs().amax(dim=1)[2:].eq(MAX_STEP).all() and packed.units[1] > 0
     weight = unpack_int4_rows(packed)
     exact = (q.float().view(rows, -1, 32) * scale[..., None] + low[..., None]).view(rows, cols)
-    # the scales within half a step of their row's unit, the lows exact
-    assert ((weight - exact).abs() <= q.float() * packed.units[:, None] / 2 + 1e-6).all()
-    nibbles = packed.nibbles
+    assert _within_half_a_step(weight, exact, q, packed)
     x = torch.randn(tokens, cols).to(dtype)
     x[0, 32:64] = 0  # an all-zero block has no scale to divide by
     copy = torch.randn(rows, cols).to(dtype) if dense else None  # unrelated: shows which one was used
@@ -140,7 +144,7 @@ def test_int4_rows_linear_takes_5bit_weights(tokens: int, dtype: torch.dtype, co
     fifth = pack_fifth_bits(q)
     weight = unpack_int4_rows(packed, fifth)
     exact = (q.float().view(rows, -1, 32) * scale[..., None] + low.half().float()[..., None]).view(rows, cols)
-    assert ((weight - exact).abs() <= q.float() * packed.units[:, None] / 2 + 1e-6).all()
+    assert _within_half_a_step(weight, exact, q, packed)
     x = torch.randn(tokens, cols).to(dtype)
     out = torch.ops.tokenmill.int4_rows_linear(x, *packed, fifth, None, 64)
     reference = int8_activations(x) @ weight.t()

@@ -114,25 +114,6 @@ void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* sca
   }
 }
 
-// A buffer the quantization fills whole: zeroing it first (std::vector) would cost a pass over it.
-template <typename V>
-std::unique_ptr<V[]> uninitialized(int64_t n) {
-  return std::unique_ptr<V[]>(new V[n]);
-}
-
-// quantize_blocks over PyTorch's intra-op threads, kQuantizeRowsPerTask rows each: on the calling
-// thread alone it took ~10% of a 512-token product with a narrow weight (Gemma 3's 640x2048 down
-// projection: 0.75 of 6.5 ms). Fewer rows (decode steps) stay on the calling thread.
-constexpr int64_t kQuantizeRowsPerTask = 32;
-
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scales, float* sums, bool paired) {
-  const int64_t blocks = K / 32;
-  at::parallel_for(0, M, kQuantizeRowsPerTask, [&](int64_t begin, int64_t end) {
-    quantize_blocks(x + begin * K, end - begin, K, q + begin * K, scales + begin * blocks * 4,
-                    sums == nullptr ? nullptr : sums + begin * blocks, paired);
-  });
-}
-
 // 32 products of unsigned weights q (4-bit, or the magnitudes of int8 ones) and int8 activations,
 // summed in pairs to int16 (at most 2 x 127 x 127: no saturation)
 inline __m256i products(__m256i q, const int8_t* x) {
@@ -195,6 +176,34 @@ const float* float_rows(const at::Tensor& xc, std::vector<float>& buffer) {
   }
 }
 
+// Activation rows quantized by quantize_blocks for a GEMV; sums only for the int4 one (paired).
+// The buffers are left unzeroed (std::vector would zero them: a pass more over them), as the
+// quantization fills them whole.
+struct QuantizedRows {
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> scales, sums;
+};
+
+// quantize_blocks runs over PyTorch's intra-op threads, kQuantizeRowsPerTask rows each: on the
+// calling thread alone it took ~10% of a 512-token product with a narrow weight (Gemma 3's 640x2048
+// down projection: 0.75 of 6.5 ms). Fewer rows (decode steps) stay on the calling thread.
+constexpr int64_t kQuantizeRowsPerTask = 32;
+
+template <typename T>
+QuantizedRows quantize_rows(const at::Tensor& x, bool for_int4) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
+  const at::Tensor xc = x.contiguous();
+  std::vector<float> widened;
+  const float* xs = float_rows<T>(xc, widened);
+  QuantizedRows rows{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * blocks * 4]),
+                     for_int4 ? std::unique_ptr<float[]>(new float[M * blocks]) : nullptr};
+  at::parallel_for(0, M, kQuantizeRowsPerTask, [&](int64_t begin, int64_t end) {
+    quantize_blocks(xs + begin * K, end - begin, K, rows.q.get() + begin * K, rows.scales.get() + begin * blocks * 4,
+                    for_int4 ? rows.sums.get() + begin * blocks : nullptr, for_int4);
+  });
+  return rows;
+}
+
 // y = x W^T * scale, for x (M, K), W (N, K) int8 and scale (N) (one per row); x, scale and y are
 // all T, bfloat16 or float32.
 template <typename T>
@@ -202,15 +211,11 @@ at::Tensor int8_gemv_as(const at::Tensor& x, const at::Tensor& weight, const at:
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1), blocks = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const at::Tensor xc = x.contiguous();
-  std::vector<float> widened;
-  const auto xq = uninitialized<int8_t>(M * K);
-  const auto scales = uninitialized<float>(M * blocks * 4);
-  quantize_rows(float_rows<T>(xc, widened), M, K, xq.get(), scales.get(), nullptr, false);
+  const QuantizedRows xq = quantize_rows<T>(x, false);
   const int8_t* w = weight.data_ptr<int8_t>();
   const T* s = scale.data_ptr<T>();
   over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
-    int8_rows<decltype(rows)::value>(xq.get() + m0 * K, scales.get() + m0 * blocks * 4, K, w, s,
+    int8_rows<decltype(rows)::value>(xq.q.get() + m0 * K, xq.scales.get() + m0 * blocks * 4, K, w, s,
                                      y.data_ptr<T>() + m0 * N, N, r0, r1);
   });
   return y;
@@ -290,6 +295,11 @@ inline __m256i fifth_vector(__m256i planes, int k) {
   return _mm256_and_si256(_mm256_srl_epi16(planes, _mm_cvtsi32_si128(k)), _mm256_set1_epi8(0x10));
 }
 
+// Group g's low from a row's (step, low) pairs, whose lows are float16 bits
+inline float low_of(const int16_t* step_low, int64_t g) {
+  return simd::to_float(c10::Half(step_low[2 * g + 1], c10::Half::from_bits()));
+}
+
 // The rounding of the activations adds a relative error of ~0.4% per product, less than llama.cpp's
 // Q8 activations (one scale per 32); `tokenmill perplexity --decode` measures its cost.
 //
@@ -361,7 +371,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
     }
     for (; g < groups; g += 2) {
       const int k = static_cast<int>(g - block_start);  // the group's first vector in the planes
-      const float l0 = simd::to_float(c10::Half(step_low[2 * g + 1], c10::Half::from_bits()));
+      const float l0 = low_of(step_low, g);
       if (g + 1 < groups) {
         __m256i q_low, q_high;
         unpack_pair(row + g * 16, q_low, q_high);
@@ -369,7 +379,7 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
           q_low = _mm256_or_si256(q_low, fifth_vector(planes, k));
           q_high = _mm256_or_si256(q_high, fifth_vector(planes, k + 1));
         }
-        const float l1 = simd::to_float(c10::Half(step_low[2 * g + 3], c10::Half::from_bits()));
+        const float l1 = low_of(step_low, g + 1);
         const __m256i pair_steps =
             _mm256_set_m128i(_mm_set1_epi16(step_low[2 * g + 2]), _mm_set1_epi16(step_low[2 * g]));
         for (int i = 0; i < M; ++i) {
@@ -404,18 +414,14 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const ui
   const int64_t M = x.size(0), N = nibbles.size(0), K = x.size(1), groups = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const at::Tensor xc = x.contiguous();
-  std::vector<float> widened;
-  const auto xq = uninitialized<int8_t>(M * K);
-  const auto scales = uninitialized<float>(M * groups * 4), sums = uninitialized<float>(M * groups);
-  quantize_rows(float_rows<T>(xc, widened), M, K, xq.get(), scales.get(), sums.get(), true);
+  const QuantizedRows xq = quantize_rows<T>(x, true);
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
   const int16_t* sl = steps_lows.data_ptr<int16_t>();
   const float* un = units.data_ptr<float>();
   over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
     constexpr int R = decltype(rows)::value;
-    const float *row_scales = scales.get() + m0 * groups * 4, *row_sums = sums.get() + m0 * groups;
-    const int8_t* row_q = xq.get() + m0 * K;
+    const float *row_scales = xq.scales.get() + m0 * groups * 4, *row_sums = xq.sums.get() + m0 * groups;
+    const int8_t* row_q = xq.q.get() + m0 * K;
     T* out = y.data_ptr<T>() + m0 * N;
     if (fifth != nullptr) {
       int4_rows<R, true>(row_q, row_scales, row_sums, K, w, fifth, sl, un, out, N, r0, r1);
