@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tokenmill.engine.llm_engine import LLMEngine, _default_kv_budget
 from tokenmill.engine.model_runner import ModelRunner
@@ -50,6 +51,21 @@ def test_greedy_alone_equals_inside_a_batch_of_32(tiny_loaded) -> None:
             results[out.request_id] = out
     assert results[target_id].outputs[0].token_ids == alone
     assert len(alone) == GREEDY.max_tokens
+
+
+def test_kv_cache_dtype_sets_the_pool_and_how_many_blocks_a_budget_buys(tiny_loaded) -> None:
+    """A float32 model on CPU keeps its cache in float16 unless told otherwise: twice the blocks
+    for the same memory, and the same greedy tokens on this model."""
+    budget = 1 << 20
+    half = LLMEngine(tiny_loaded, kv_cache_memory=budget)
+    full = LLMEngine(tiny_loaded, kv_cache_memory=budget, kv_cache_dtype="float32")
+    assert half.runner.cache.k[0].dtype == torch.float16 and full.runner.cache.k[0].dtype == torch.float32
+    assert half.kv.num_total_blocks in (2 * full.kv.num_total_blocks, 2 * full.kv.num_total_blocks + 1)
+    assert half.runner.cache.nbytes <= budget + half.runner.cache.nbytes // half.kv.num_total_blocks
+    prompts = _prompts(4, seed=9, lo=20, hi=60)
+    assert _run(half, prompts) == _run(full, prompts)
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        LLMEngine(tiny_loaded, kv_cache_memory=budget, kv_cache_dtype="int8")
 
 
 def test_chunked_prefill_equals_whole_prompts(tiny_loaded) -> None:

@@ -68,7 +68,10 @@ def _tokenmill_steps(loaded, prompts: list[list[int]], continuations: list[list[
     """Prefill all prompts in one batch, then feed the continuations one token per step, batched."""
     max_len = max(len(p) for p in prompts) + DECODE_STEPS
     blocks_per_seq = -(-max_len // BLOCK)
-    runner = ModelRunner(loaded, num_blocks=blocks_per_seq * len(prompts) + 1, block_size=BLOCK)
+    # a float32 cache: these compare the model's arithmetic with transformers' (a float16 one, the
+    # default on CPU, rounds keys and values to 11 bits: its own tests are in test_attention.py)
+    runner = ModelRunner(loaded, num_blocks=blocks_per_seq * len(prompts) + 1, block_size=BLOCK,
+                         kv_cache_dtype="float32")
     # interleave the blocks of different sequences so that block tables really matter
     tables = [[1 + s + len(prompts) * b for b in range(blocks_per_seq)] for s in range(len(prompts))]
     lens = [len(p) for p in prompts]

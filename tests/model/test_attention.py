@@ -7,6 +7,7 @@ import torch
 
 from tokenmill.model.attention import (
     QUERY_BLOCK, AttentionBatch, KVCache, _fused_decode_attention, _matmul_decode_attention, paged_attention,
+    resolve_kv_cache_dtype,
 )
 
 
@@ -26,15 +27,18 @@ def test_fused_decode_attention_matches_batched_matmuls(window: int | None, soft
     torch.testing.assert_close(_fused_decode_attention(*args), _matmul_decode_attention(*args), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 20.0)])
-def test_prompt_attention_in_query_blocks_matches_per_sequence_attention(window: int | None,
-                                                                           softcap: float | None) -> None:
+def test_prompt_attention_in_query_blocks_matches_per_sequence_attention(window: int | None, softcap: float | None,
+                                                                           cache_dtype: torch.dtype) -> None:
     """A fresh long prompt, a prompt chunk after cached context and a short one, in one step: each
-    block of query rows attends to a prefix of the keys only, which must not change any result."""
+    block of query rows attends to a prefix of the keys only, which must not change any result. A
+    float16 cache holds the new keys rounded, and a float32 model reads them back widened."""
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size, scale = 4, 2, 8, 16, 0.3
     query_lens, context_lens = [QUERY_BLOCK * 2 + 44, QUERY_BLOCK + 22, 5], [QUERY_BLOCK * 2 + 44, 400, 20]
-    cache = KVCache(num_layers=1, num_blocks=80, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim)
+    cache = KVCache(num_layers=1, num_blocks=80, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=cache_dtype)
     cache.k[0][:-1].normal_()
     cache.v[0][:-1].normal_()
     order = torch.randperm(79).tolist()
@@ -49,12 +53,15 @@ def test_prompt_attention_in_query_blocks_matches_per_sequence_attention(window:
     q = torch.randn(tokens, heads, head_dim)
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
     out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), scale, softcap)
+    assert out.dtype == torch.float32
+    slot_of_token = batch.slot_mapping
+    torch.testing.assert_close(cache.k[0][slot_of_token].float(), k, rtol=1e-3, atol=1e-3)  # float16: 11 bits
 
     start = 0
     for q_len, kv_len, table in zip(query_lens, context_lens, tables):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(kv_len)])
-        keys = cache.k[0][slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (heads, kv, d)
-        values = cache.v[0][slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        keys = cache.k[0][slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (heads, kv, d)
+        values = cache.v[0][slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         scores = q[start:start + q_len].transpose(0, 1) @ keys.transpose(1, 2) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -65,3 +72,14 @@ def test_prompt_attention_in_query_blocks_matches_per_sequence_attention(window:
         expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(0, 1)
         torch.testing.assert_close(out[start:start + q_len], expected, rtol=1e-4, atol=1e-4)
         start += q_len
+
+
+def test_kv_cache_dtype_follows_the_option() -> None:
+    """auto: float16 for a float32 model on CPU (half the bytes a decode step reads), else the model's."""
+    assert resolve_kv_cache_dtype("auto", torch.float32, "cpu") == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.float32, "cuda") == torch.float32
+    assert resolve_kv_cache_dtype("float32", torch.float32, "cpu") == torch.float32
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp8'"):
+        resolve_kv_cache_dtype("fp8", torch.float32, "cpu")

@@ -201,17 +201,20 @@ def test_gated_activation_refuses_what_it_cannot_compute() -> None:
         torch.ops.tokenmill.gated_activation(torch.zeros(8, 4).t(), "silu")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                    (torch.float32, torch.float16), (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256), (6, 2, 16)])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
-def test_decode_attention_matches_batched_matmuls(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                                                  window: int | None, softcap: float | None) -> None:
+def test_decode_attention_matches_batched_matmuls(dtype: torch.dtype, cache_dtype: torch.dtype, heads: int,
+                                                  kv_heads: int, head_dim: int, window: int | None,
+                                                  softcap: float | None) -> None:
     """Contexts shorter than, equal to and across the kernel's 64-position chunks, padded to the
-    longest, blocks out of order; a window leaves whole chunks without an admitted key."""
+    longest, blocks out of order; a window leaves whole chunks without an admitted key. A float32
+    model's cache may be half precision: its rows are widened exactly, so float32's tolerance holds."""
     torch.manual_seed(head_dim)
     block_size, context_lens = 16, [3, 64, 200, 131]
     cache = KVCache(num_layers=1, num_blocks=40, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=dtype)
+                    dtype=cache_dtype)
     cache.k[0][:-1].normal_()  # every slot but the zero pad slot
     cache.v[0][:-1].normal_()
     order, tables = torch.randperm(40).tolist(), []
@@ -235,9 +238,15 @@ def test_decode_attention_refuses_what_it_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="head_dim 12 must be a multiple"):
         torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 12), torch.zeros(10, 1, 12), torch.zeros(10, 1, 12),
                                              slots, mask, 1.0, None)
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="share q's dtype"):
         torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16, dtype=torch.bfloat16), cache, cache, slots, mask,
                                              1.0, None)
+    half = cache.half()
+    with pytest.raises(RuntimeError, match="share q's dtype"):  # a bfloat16 q takes a bfloat16 cache only
+        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16, dtype=torch.bfloat16), half, half, slots, mask,
+                                             1.0, None)
+    with pytest.raises(RuntimeError, match="share q's dtype"):  # K and V alike
+        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16), half, cache, slots, mask, 1.0, None)
     with pytest.raises(RuntimeError, match="one entry per slot"):
         torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16), cache, cache, slots, mask[..., :2], 1.0, None)
 

@@ -38,6 +38,7 @@ def perplexity(
     max_chunks: int | None = None,
     on_chunk: Callable[[int, float], None] | None = None,
     decode: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> PerplexityResult:
     if ctx < 4:
         raise InvalidRequestError("--ctx must be at least 4")
@@ -48,7 +49,7 @@ def perplexity(
         raise InvalidRequestError(f"the text has {len(token_ids)} tokens; at least {2 * ctx} (2 x ctx) are needed")
     tok = loaded.tokenizer
     bos = tok.bos_token_id if tok.add_bos else None
-    runner = ModelRunner(loaded, num_blocks=blocks_needed(ctx, 16))
+    runner = ModelRunner(loaded, num_blocks=blocks_needed(ctx, 16), kv_cache_dtype=kv_cache_dtype)
     table = list(range(runner.cache.num_blocks))
     first = ctx // 2
     nll_sum = nll2_sum = 0.0

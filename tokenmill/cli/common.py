@@ -7,6 +7,7 @@ import sys
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
 from tokenmill.errors import TokenmillError
+from tokenmill.model.attention import KV_CACHE_DTYPES
 from tokenmill.model.loader import LoadedModel, load_model
 
 
@@ -29,6 +30,12 @@ def add_quantization_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense-min-tokens", type=int, default=None,
                         help="also keep dense copies of quantized layers for batches of at least this many "
                              "tokens (faster prefill, more memory)")
+
+
+def add_kv_cache_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+                        help="dtype of the KV cache (default: auto, float16 for a float32 model on CPU, as "
+                             "llama.cpp keeps it, else the model's dtype)")
 
 
 def load_from_args(args: argparse.Namespace, need_tokenizer: bool = True) -> LoadedModel:

@@ -7,7 +7,7 @@ import sys
 import time
 
 from tokenmill.bench.perplexity import perplexity
-from tokenmill.cli.common import add_model_args, load_from_args, read_text_arg
+from tokenmill.cli.common import add_kv_cache_dtype_arg, add_model_args, load_from_args, read_text_arg
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -21,6 +21,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--decode", action="store_true",
                    help="score each token from a one-token decode step, the kernels generation runs, instead "
                         "of from one pass over the chunk")
+    add_kv_cache_dtype_arg(p)
     p.set_defaults(run=run)
 
 
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     def show(i: int, running: float) -> None:
         print(f"[{i + 1}]{running:.4f},", end="", flush=True)
 
-    result = perplexity(loaded, ids, ctx=args.ctx, max_chunks=args.chunks, on_chunk=show, decode=args.decode)
+    result = perplexity(loaded, ids, ctx=args.ctx, max_chunks=args.chunks, on_chunk=show, decode=args.decode,
+                        kv_cache_dtype=args.kv_cache_dtype)
     elapsed = time.perf_counter() - start
     print(f"\nFinal estimate: PPL = {result.ppl:.4f} +/- {result.ppl_error:.5f}  "
           f"({result.num_scored} tokens scored in {elapsed:.1f} s)")

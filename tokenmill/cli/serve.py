@@ -9,7 +9,7 @@ import signal
 import sys
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
-from tokenmill.cli.common import add_quantization_args
+from tokenmill.cli.common import add_kv_cache_dtype_arg, add_quantization_args
 
 GiB = 1 << 30
 
@@ -26,6 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GiB for the KV cache (default: a quarter of free RAM, rounded down to a power of two, "
                         "at most 4)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)")
@@ -38,7 +39,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         dtype=args.dtype, quantization=args.quantization, dense_min_tokens=args.dense_min_tokens,
         models_dir=args.models_dir, max_model_len=args.max_model_len,
         kv_cache_memory=int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         policy=args.scheduling_policy,
     )

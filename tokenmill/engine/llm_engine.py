@@ -22,7 +22,7 @@ from tokenmill.engine.outputs import CompletionOutput, Logprob, RequestOutput, T
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.errors import InvalidRequestError, QueueFullError
-from tokenmill.model.attention import KVCache
+from tokenmill.model.attention import KVCache, resolve_kv_cache_dtype
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
 from tokenmill.sample.params import MAX_SEED
@@ -47,6 +47,7 @@ class EngineConfig:
     quantization: str = "auto"  # see load_model: GGUF weights stay packed by default
     dense_min_tokens: int | None = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # see attention.resolve_kv_cache_dtype
     kv_cache_memory: int | None = None  # bytes for the KV pool; default: see _default_kv_budget
     num_kv_blocks: int | None = None  # exact pool size (overrides kv_cache_memory; tests use it)
     max_num_seqs: int = 64
@@ -133,7 +134,7 @@ class LLMEngine:
         mc = self.loaded.config
         num_blocks = cfg.num_kv_blocks or self._blocks_for_budget()
         self.runner = ModelRunner(self.loaded, num_blocks=num_blocks, block_size=cfg.block_size, compile=cfg.compile,
-                                  defer_compile=cfg.defer_compile)
+                                  defer_compile=cfg.defer_compile, kv_cache_dtype=cfg.kv_cache_dtype)
         limit = min(mc.max_position_embeddings, num_blocks * cfg.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -148,8 +149,8 @@ class LLMEngine:
     def _blocks_for_budget(self) -> int:
         mc, cfg = self.loaded.config, self.config
         budget = cfg.kv_cache_memory or _default_kv_budget(psutil.virtual_memory().available)
-        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                                            self.loaded.dtype)
+        dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.loaded.dtype, self.loaded.model.device.type)
+        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         if budget < per_block:
             raise InvalidRequestError(f"KV cache memory {budget} bytes holds no block of {per_block} bytes")
         return budget // per_block

@@ -23,7 +23,7 @@ from torch.fx.experimental import _config as shape_config
 from tokenmill import model as model_package
 from tokenmill.catalog import cache_root, mark_used, prune_cache
 from tokenmill.model import kernels
-from tokenmill.model.attention import AttentionBatch, KVCache
+from tokenmill.model.attention import AttentionBatch, KVCache, resolve_kv_cache_dtype
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.transformer import Transformer
 
@@ -39,15 +39,17 @@ class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, compile: bool = False,
-                 defer_compile: bool = False) -> None:
+                 defer_compile: bool = False, kv_cache_dtype: str = "auto") -> None:
         """compile: build (or load) the compiled decode graphs on a background thread, from now on or,
-        with defer_compile, from `start_compile`."""
+        with defer_compile, from `start_compile`. kv_cache_dtype: see `attention.resolve_kv_cache_dtype`."""
         self.max_threads = torch.get_num_threads()  # as configured on the thread that builds the runner
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
         self.block_size = block_size
-        self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype)
+        device = loaded.model.device
+        self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                             dtype=resolve_kv_cache_dtype(kv_cache_dtype, loaded.dtype, device.type), device=device)
         self._compiled_decode: dict[int, AOTCompiledFunction] | None = None  # by batch size: 1, and 2 for 2 or more
         self._checked_graphs: set[int] = set()  # keys of the graphs whose guards held on a real step
         self.compile_error: BaseException | None = None

@@ -6,6 +6,8 @@ Internal parameter names follow the block structure (attn_norm, attn.q_proj, ffn
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -151,6 +153,10 @@ class Transformer(nn.Module):
         for i, (kind, layer) in enumerate(zip(self.config.layer_types, self.layers)):
             h = layer(h, ropes[kind], cache.k[i], cache.v[i], batch, masks[layer.attn.window])
         return self.norm(h)
+
+    @property
+    def device(self) -> torch.device:
+        return next(itertools.chain(self.parameters(), self.buffers())).device
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed.weight)

@@ -49,6 +49,7 @@ inline void load_nibbles(const uint8_t* p, Vec& low, Vec& high) {
   low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
   high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
 }
+inline Vec load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline void store(c10::BFloat16* p, Vec v) {  // rounded to nearest even, NaN kept NaN
   __m512i bits = _mm512_castps_si512(v);
@@ -104,6 +105,7 @@ inline void load_nibbles(const uint8_t* p, Vec& low, Vec& high) {
   low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
   high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
 }
+inline Vec load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline void store(c10::BFloat16* p, Vec v) {
   __m256i bits = _mm256_castps_si256(v);
