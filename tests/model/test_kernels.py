@@ -47,9 +47,10 @@ def _within_half_a_step(weight: torch.Tensor, exact: torch.Tensor, q: torch.Tens
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9, 13])  # 13: blocks of 8, 4 and 1 rows
 @pytest.mark.parametrize("means", ["gemv", "dense copy", "chunks"])
-def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: torch.dtype) -> None:
-    weight, scale = _int8_layer(8197, 96, tokens, dtype)  # rows: not a multiple of the threads' share nor of a chunk
-    x = torch.randn(tokens, 96).to(dtype)
+@pytest.mark.parametrize("cols", [96, 288])  # 3 and 9 blocks of 32: the kernels' unrolled steps and a block left
+def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: torch.dtype, cols: int) -> None:
+    weight, scale = _int8_layer(8197, cols, tokens, dtype)  # rows: not a multiple of the threads' share nor of a chunk
+    x = torch.randn(tokens, cols).to(dtype)
     multiplied = int8_activations(x) if means == "gemv" else x.float()  # the GEMV rounds x to int8
     reference = (multiplied @ weight.float().t()) * scale.float()
     dense = None
@@ -134,7 +135,7 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9, 13])
-@pytest.mark.parametrize("cols", [96, 128, 160, 192, 640])  # blocks of 4 groups; pairs and single groups left
+@pytest.mark.parametrize("cols", [96, 128, 160, 192, 224, 640])  # blocks of 4 groups; pairs and single groups left
 def test_int4_rows_linear_takes_5bit_weights(tokens: int, dtype: torch.dtype, cols: int) -> None:
     torch.manual_seed(tokens + cols)
     rows = 67

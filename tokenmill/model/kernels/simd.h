@@ -10,7 +10,15 @@
 
 namespace simd {
 
+// The sum of 8 floats: AVX2's vector, and the integer GEMVs' on either kind of machine (gemv.cpp)
+inline float sum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#define SIMD_AVX512 1  // for kernels with 512-bit integer code of their own (gemv.cpp)
 
 constexpr int kWidth = 16;
 using Vec = __m512;
@@ -79,11 +87,7 @@ inline Vec times_pow2(Vec a, Vec n) {  // n within the normal exponents, as exp(
   const __m256i exponent = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
   return _mm256_mul_ps(a, _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23)));
 }
-inline float sum(Vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+inline float sum(Vec a) { return sum8(a); }
 // lane i = sum(v[i]), for kWidth vectors: pairwise horizontal adds, then the two 128-bit halves
 inline Vec transposed_sums(const Vec* v) {
   const Vec s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
