@@ -11,7 +11,8 @@ import torch
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
 from tokenmill.model.quant_linear import (MAX_STEP, Int4Rows, QuantLinear, dense_crossover, dense_packed_form,
-                                         int4_rows_layout, pack_fifth_bits, pack_int4_rows, unpack_int4_rows)
+                                         int4_rows_layout, pack_fifth_bits, pack_int4_rows, pack_tiles,
+                                         tiles_layout, unpack_int4_rows, unpack_tiles)
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler to build the kernels with")
@@ -78,7 +79,7 @@ def test_int8_linear_rejects_what_it_cannot_multiply() -> None:
 def test_quant_linear_uses_the_kernel(dtype: torch.dtype) -> None:
     torch.manual_seed(4)
     kind, data = dense_packed_form(torch.randn(64, 128), "int8")
-    layer = QuantLinear(64, 128, dtype, **{kind: data}, bias=torch.randn(64))
+    layer = QuantLinear(64, 128, dtype, **{kind: data}, bias=torch.randn(64), tiles=False)
     x = torch.randn(3, 128).to(dtype)
     assert layer._kernel(3, layer._native_fits(x)) == "native"
     assert not layer._native_fits(x.half())  # other dtypes keep PyTorch's kernels
@@ -90,7 +91,7 @@ def test_quant_linear_uses_the_kernel(dtype: torch.dtype) -> None:
 def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int) -> None:
     torch.manual_seed(5)
     kind, data = dense_packed_form(torch.randn(64, 128), "int4")
-    layer = QuantLinear(64, 128, torch.float32, **{kind: data}, int4_rows=False)
+    layer = QuantLinear(64, 128, torch.float32, **{kind: data}, int4_rows=False, tiles=False)
     dense = torch.randn(64, 128)  # unrelated to the packed weight: shows which one was used
     x = torch.randn(tokens, 128)
     out = torch.ops.tokenmill.int4_linear(x, layer.packed, layer.scales_zeros, 32, dense, 3)
@@ -170,11 +171,98 @@ def test_int4_rows_linear_rejects_what_it_cannot_multiply() -> None:
         linear(torch.randn(1, 64), *packed, packed.nibbles, None, 4)
 
 
+needs_avx512 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                                  reason="the tile kernel is built for AVX-512 only")
+
+
+def _random_tiles(rows: int, cols: int, bits: int, seed: int):
+    torch.manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (rows, cols))
+    if bits == 8:  # an int8 row as the loader gives it: q + 128 with one scale per row and low = -128 scale
+        scale = (torch.rand(rows, 1) / 100).expand(rows, cols // 32)
+        low = -128 * scale
+    else:  # float16 values, as the files hold them (Q4_0's scales may be negative); a row of zeros
+        scale, low = (torch.randn(rows, cols // 32) / 10).half().float(), (torch.randn(rows, cols // 32) / 10).half().float()
+        scale[1] = 0
+    return q, scale, low, pack_tiles(q, scale, low, bits)
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 9, 15])  # blocks of 8, 4, 2 and 1 rows
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("cols", [32, 160])
+def test_quant_tiles_linear_matches_a_float_reference(tokens: int, dtype: torch.dtype, bits: int, cols: int) -> None:
+    rows = 16 * 37  # tiles not a multiple of the threads' share nor of a chunk
+    _, _, _, packed = _random_tiles(rows, cols, bits, tokens + bits)
+    weight = unpack_tiles(packed)
+    x = torch.randn(tokens, cols).to(dtype)
+    if cols > 32:
+        x[0, :32] = 0  # an all-zero block has no scale to divide by
+    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30)
+    assert out.dtype == dtype and out.shape == (tokens, rows)
+    reference = int8_activations(x) @ weight.t()  # the kernel rounds x to int8 as the GEMVs do
+    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float(), reference, **tolerance)
+    if bits == 5:
+        without_fifth = torch.ops.tokenmill.quant_tiles_linear(x, packed.tiles, packed.tile_scales, None, 4, None, 64)
+        assert not torch.allclose(without_fifth.float(), reference, atol=1e-2)  # the fifth bits count
+
+
+@needs_avx512
+@pytest.mark.parametrize("tokens", [3, 4])
+def test_quant_tiles_linear_switches_to_the_dense_copy_beyond_its_rows(tokens: int) -> None:
+    _, _, _, packed = _random_tiles(32, 64, 4, 0)
+    copy = torch.randn(32, 64)  # unrelated to the packed weight: shows which one was used
+    x = torch.randn(tokens, 64)
+    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, copy, 3)
+    reference = x @ copy.t() if tokens > 3 else int8_activations(x) @ unpack_tiles(packed).t()
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+
+
+@needs_avx512
+def test_quant_tiles_linear_rejects_what_it_cannot_multiply() -> None:
+    _, _, _, packed = _random_tiles(16, 64, 4, 0)
+    linear = torch.ops.tokenmill.quant_tiles_linear
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        linear(torch.randn(1, 64).half(), *packed, None, 4)
+    with pytest.raises(RuntimeError, match="x's width"):
+        linear(torch.randn(1, 96), *packed, None, 4)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, None, 6, None, 4)
+    with pytest.raises(RuntimeError, match="of the weight's size"):
+        linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, None, 8, None, 4)
+    with pytest.raises(RuntimeError, match="tile_scales must be"):
+        linear(torch.randn(1, 64), packed.tiles, packed.tile_scales.double(), None, 4, None, 4)
+    with pytest.raises(RuntimeError, match="fifth_masks"):
+        linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, packed.tiles, 4, None, 4)
+
+
+@needs_avx512
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quant_linear_takes_tiles_on_avx512(kind: str) -> None:
+    torch.manual_seed(8)
+    kind, data = dense_packed_form(torch.randn(96, 128), kind)
+    tiles, rows = (QuantLinear(96, 128, torch.float32, **{kind: data}, tiles=flag) for flag in (None, False))
+    assert tiles_layout() and tiles.tiles and not rows.tiles and "tiles" in repr(tiles)
+    x = torch.randn(11, 128)
+    assert tiles._kernel(11, tiles._native_fits(x)) == "native"
+    if kind == "int8":
+        weight = data[0].float() * data[1][:, None]
+    else:  # the exact weight, where the row layout rounds the lows to float16
+        q, scale, low = data
+        weight = (q.float().view(96, -1, 32) * scale[..., None] + low[..., None]).view(96, 128)
+    torch.testing.assert_close(tiles(x), int8_activations(x) @ weight.t(), atol=1e-4, rtol=1e-4)
+    assert ((rows(x) - tiles(x)).norm() / tiles(x).norm()).item() < 1e-3
+    kind, data = dense_packed_form(torch.randn(100, 128), kind)
+    assert not QuantLinear(100, 128, torch.float32, **{kind: data}).tiles  # rows not in whole tiles of 16
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_quant_linear_int4_layouts_agree(dtype: torch.dtype) -> None:
     torch.manual_seed(6)
     kind, data = dense_packed_form(torch.randn(96, 128), "int4")
-    rows, tiles = (QuantLinear(96, 128, dtype, **{kind: data}, int4_rows=flag) for flag in (True, False))
+    rows, tiles = (QuantLinear(96, 128, dtype, **{kind: data}, int4_rows=flag, tiles=False) for flag in (True, False))
     x = torch.randn(3, 128).to(dtype)
     assert rows._kernel(3, rows._native_fits(x)) == ("packed" if dtype == torch.float16 else "native")
     out, reference = rows(x).float(), tiles(x).float()
@@ -263,13 +351,13 @@ def test_fp32_batches_take_the_gemv_below_the_dense_copy(kind: str) -> None:
     assert dense_crossover("int8", torch.float32) == dense_crossover("int4", torch.float32) == default
     crossover = 65  # a copy asked for (`dense_min_tokens`) serves from there
     layer = QuantLinear(96, 128, torch.float32, **{kind: data}, dense=copy, dense_min_tokens=crossover,
-                        int4_rows=True)
+                        int4_rows=True, tiles=False)
     packed = unpack_int4_rows(layer._int4_rows()) if kind == "int4" else data[0].float() * data[1][:, None]
     assert layer._gemv_max_tokens(torch.float32) == 64
     for tokens in (1, 9, 64, 65):
         x = torch.randn(tokens, 128)
         reference = x @ copy.t() if tokens >= crossover else int8_activations(x) @ packed.t()  # the GEMV's rounding
         torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-4)
-    without_copy = QuantLinear(96, 128, torch.float32, **{kind: data}, int4_rows=True)
+    without_copy = QuantLinear(96, 128, torch.float32, **{kind: data}, int4_rows=True, tiles=False)
     x = torch.randn(100, 128)  # without a copy, the GEMV at any size
     torch.testing.assert_close(without_copy(x), int8_activations(x) @ packed.t(), atol=1e-4, rtol=1e-4)

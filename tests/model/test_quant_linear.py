@@ -21,7 +21,9 @@ from tokenmill.model.quant_linear import (
     merge_packed,
     pack_fifth_bits,
     pack_int4_rows,
+    pack_tiles,
     unpack_int4_rows,
+    unpack_tiles,
 )
 
 PROMPTS = [[5, 9, 30, 71, 12, 44, 8], list(range(40, 60))]
@@ -149,3 +151,24 @@ def test_merging_int4_with_5bit_parts_keeps_both_exact() -> None:
     assert kind == "int5"
     torch.testing.assert_close(_int4_dense(q, scale, low), torch.cat([_int4_dense(*four[1]), _int4_dense(*five[1])]),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_tile_layout_keeps_the_values(bits: int) -> None:
+    torch.manual_seed(bits)
+    q = torch.randint(0, 1 << bits, (48, 96))
+    scale, low = torch.rand(48, 3), -torch.rand(48, 3)
+    packed = pack_tiles(q, scale, low, bits)
+    assert packed.tiles.numel() == 48 * 96 * (1 if bits == 8 else 0.5) and (packed.fifth_masks is not None) == (bits == 5)
+    torch.testing.assert_close(unpack_tiles(packed), _int4_dense(q, scale, low), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_K])
+def test_gguf_formats_keep_their_values_in_tiles(qtype: Q) -> None:
+    """Unlike the row layout, tiles hold each group's scale and low in float32: ggml's values exactly."""
+    shape = (16, 256)
+    raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(int(qtype))))
+    weight = GGMLWeight(raw, qtype, shape)
+    q, scale, low = exact_groups(weight)
+    bits = 5 if qtype in quant_linear.INT5_EXACT else 4
+    torch.testing.assert_close(unpack_tiles(pack_tiles(q, scale, low, bits)), weight.dequantize(), rtol=1e-6, atol=1e-6)

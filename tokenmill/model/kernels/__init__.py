@@ -86,6 +86,7 @@ def load(build: bool = True) -> bool:
         torch.library.register_fake("tokenmill::int8_linear")(_int8_shape)
         torch.library.register_fake("tokenmill::int4_linear")(_int4_shape)
         torch.library.register_fake("tokenmill::int4_rows_linear")(_int4_rows_shape)
+        torch.library.register_fake("tokenmill::quant_tiles_linear")(_quant_tiles_shape)
         torch.library.register_fake("tokenmill::gated_activation")(_gated_shape)
         torch.library.register_fake("tokenmill::decode_attention")(_decode_attention_shape)
         _loaded = True
@@ -132,6 +133,12 @@ def _int4_shape(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
 def _int4_rows_shape(x: torch.Tensor, nibbles: torch.Tensor, steps_lows: torch.Tensor, units: torch.Tensor,
                      fifth_bits: torch.Tensor | None, dense: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], nibbles.shape[0])
+
+
+def _quant_tiles_shape(x: torch.Tensor, tiles: torch.Tensor, tile_scales: torch.Tensor,
+                       fifth_masks: torch.Tensor | None, bits: int, dense: torch.Tensor | None,
+                       max_tile_rows: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], tile_scales.shape[0] * 16)
 
 
 def _decode_attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -258,7 +259,7 @@ const float* float_rows(const at::Tensor& xc, std::vector<float>& buffer) {
   }
 }
 
-// Activation rows quantized by quantize_blocks for a GEMV; sums only for the int4 one (interleaved).
+// Activation rows quantized by quantize_blocks: with_sums for the int4 GEMV (interleaved) and the tiles.
 // The buffers are left unzeroed (std::vector would zero them: a pass more over them), as the
 // quantization fills them whole.
 struct QuantizedRows {
@@ -272,16 +273,16 @@ struct QuantizedRows {
 constexpr int64_t kQuantizeRowsPerTask = 32;
 
 template <typename T>
-QuantizedRows quantize_rows(const at::Tensor& x, bool for_int4) {
+QuantizedRows quantize_rows(const at::Tensor& x, bool with_sums, bool interleaved) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
   const at::Tensor xc = x.contiguous();
   std::vector<float> widened;
   const float* xs = float_rows<T>(xc, widened);
   QuantizedRows rows{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * blocks * 4]),
-                     for_int4 ? std::unique_ptr<float[]>(new float[M * blocks]) : nullptr};
+                     with_sums ? std::unique_ptr<float[]>(new float[M * blocks]) : nullptr};
   at::parallel_for(0, M, kQuantizeRowsPerTask, [&](int64_t begin, int64_t end) {
     quantize_blocks(xs + begin * K, end - begin, K, rows.q.get() + begin * K, rows.scales.get() + begin * blocks * 4,
-                    for_int4 ? rows.sums.get() + begin * blocks : nullptr, for_int4);
+                    with_sums ? rows.sums.get() + begin * blocks : nullptr, interleaved);
   });
   return rows;
 }
@@ -293,7 +294,7 @@ at::Tensor int8_gemv_as(const at::Tensor& x, const at::Tensor& weight, const at:
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1), blocks = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const QuantizedRows xq = quantize_rows<T>(x, false);
+  const QuantizedRows xq = quantize_rows<T>(x, false, false);
   const int8_t* w = weight.data_ptr<int8_t>();
   const T* s = scale.data_ptr<T>();
   over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
@@ -532,7 +533,7 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const ui
   const int64_t M = x.size(0), N = nibbles.size(0), K = x.size(1), groups = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const QuantizedRows xq = quantize_rows<T>(x, true);
+  const QuantizedRows xq = quantize_rows<T>(x, true, true);
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
   const int16_t* sl = steps_lows.data_ptr<int16_t>();
   const float* un = units.data_ptr<float>();
@@ -589,6 +590,174 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       .to(x.scalar_type());  // both no-ops where the dtypes agree
 }
 
+// Tiles: the same products as an outer product, for the many activation rows of a prompt (AVX-512).
+// The GEMVs above keep a weight row's dot products in lanes that must be summed across at the end
+// of every row and block of 8 activation rows (~30% of their instructions on Gemma 3's 640-wide
+// layers); here 16 weight rows (a tile) sit side by side in the lanes of a vector, each activation
+// element is broadcast to them, and the sums land in 16 outputs at once. A tile stores, per group of
+// 32 and sub-block j of the activations' scales (quantize_blocks: its elements 4j..4j+3 and
+// 16+4j..16+4j+3), the q of the tile's 16 rows at those elements as two vectors of 64 bytes, byte
+// 4c + e holding row c's q at element 4j + e in the first and 16 + 4j + e in the second. 4-bit q
+// share bytes (the first vector in the low nibbles, the second in the high: 64 bytes per sub-block),
+// 8-bit q take one byte each (128), and 5-bit q add a 64-bit mask of fifth bits per vector. Each
+// group's float scale and low per row come apart (tile_scales: (N / 16, K / 32, 2, 16), or one
+// pair per row for all groups, (N / 16, 1, 2, 16): an int8 row's q + 128 and -128 x its scale),
+// so that w = scale x q + low. dpbusd (VNNI; else maddubs and madd) makes each row's sum of 4 products per
+// instruction, the sub-block's sum is scaled by its activation scale, the group's by the weights'
+// scale, and the low times the group's sum of x is added.
+#ifdef SIMD_AVX512
+inline __m512i dot4(__m512i acc, __m512i unsigned_q, __m512i signed_x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, unsigned_q, signed_x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(unsigned_q, signed_x), _mm512_set1_epi16(1)));
+#endif
+}
+
+inline __m512i broadcast4(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, 4);
+  return _mm512_set1_epi32(four);
+}
+
+// Bytes of one tile's q per group (Bits 4 or 8), and of its fifth-bit masks (5-bit)
+constexpr int64_t tile_group_bytes(int bits) { return bits == 8 ? 512 : 256; }
+constexpr int64_t kTileFifthGroupBytes = 64;
+
+template <int M, int Bits, bool Fifth, typename T>
+void quant_tiles(const int8_t* xq, const float* scales, const float* sums, int64_t K, const uint8_t* tiles,
+                 const uint8_t* fifth, const float* tile_scales, bool row_scales, T* y, int64_t N, int64_t tile0,
+                 int64_t tile1) {
+  const int64_t groups = K / 32, scale_stride = row_scales ? 0 : 32;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  for (int64_t t = tile0; t < tile1; ++t) {
+    const uint8_t* q = tiles + t * groups * tile_group_bytes(Bits);
+    const float* ts = tile_scales + t * (row_scales ? 1 : groups) * 32;
+    __m512 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 part[M];
+      for (int j = 0; j < 4; ++j) {
+        __m512i first, second;
+        if constexpr (Bits == 8) {
+          first = _mm512_loadu_si512(q + (g * 4 + j) * 128);
+          second = _mm512_loadu_si512(q + (g * 4 + j) * 128 + 64);
+        } else {
+          const __m512i b = _mm512_loadu_si512(q + (g * 4 + j) * 64);
+          first = _mm512_and_si512(b, nibble);
+          second = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+          if constexpr (Fifth) {
+            const uint8_t* masks = fifth + (t * groups + g) * kTileFifthGroupBytes + j * 16;
+            __mmask64 m0, m1;
+            std::memcpy(&m0, masks, 8);
+            std::memcpy(&m1, masks + 8, 8);
+            first = _mm512_mask_add_epi8(first, m0, first, bit4);
+            second = _mm512_mask_add_epi8(second, m1, second, bit4);
+          }
+        }
+        for (int i = 0; i < M; ++i) {
+          const int8_t* x = xq + i * K + g * 32 + 4 * j;
+          __m512i d = dot4(_mm512_setzero_si512(), first, broadcast4(x));
+          d = dot4(d, second, broadcast4(x + 16));
+          const __m512 s = _mm512_set1_ps(scales[(i * groups + g) * 4 + j]);
+          part[i] = j == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(d), s) : _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, part[i]);
+        }
+      }
+      const __m512 group_scale = _mm512_loadu_ps(ts + g * scale_stride);
+      const __m512 group_low = _mm512_loadu_ps(ts + g * scale_stride + 16);
+      for (int i = 0; i < M; ++i) {
+        acc[i] = _mm512_fmadd_ps(part[i], group_scale, acc[i]);
+        acc[i] = _mm512_fmadd_ps(group_low, _mm512_set1_ps(sums[i * groups + g]), acc[i]);
+      }
+    }
+    for (int i = 0; i < M; ++i) {
+      T* out = y + i * N + t * 16;
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(out, acc[i]);
+      } else {
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, acc[i]);
+        for (int c = 0; c < 16; ++c) out[c] = T(lanes[c]);
+      }
+    }
+  }
+}
+
+// Tiles per task, and per chunk of tiles that each block of activation rows passes through while
+// the chunk's weights stay in cache
+constexpr int64_t kTilesPerTask = 2;
+constexpr int64_t kTilesPerChunk = 4;
+
+template <int Bits, bool Fifth, typename T>
+at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint8_t* fifth,
+                          const at::Tensor& tile_scales) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
+  const bool row_scales = tile_scales.size(1) == 1;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantizedRows xq = quantize_rows<T>(x, true, false);
+  const uint8_t* q = tiles.data_ptr<uint8_t>();
+  const float* ts = tile_scales.data_ptr<float>();
+  T* out = y.data_ptr<T>();
+  at::parallel_for(0, N / 16, kTilesPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = begin; c0 < end; c0 += kTilesPerChunk) {
+      const int64_t c1 = std::min(end, c0 + kTilesPerChunk);
+      const auto block = [&](auto rows, int64_t m0) {
+        quant_tiles<decltype(rows)::value, Bits, Fifth>(xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4,
+                                                        xq.sums.get() + m0 * groups, K, q, fifth, ts, row_scales,
+                                                        out + m0 * N, N, c0, c1);
+      };
+      int64_t m0 = 0;
+      for (; M - m0 >= 8; m0 += 8) block(std::integral_constant<int, 8>{}, m0);
+      if (M - m0 >= 4) block(std::integral_constant<int, 4>{}, m0), m0 += 4;
+      if (M - m0 >= 2) block(std::integral_constant<int, 2>{}, m0), m0 += 2;
+      if (M - m0 >= 1) block(std::integral_constant<int, 1>{}, m0);
+    }
+  });
+  return y;
+}
+#endif
+
+// y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5) or 8; beyond max_tile_rows rows,
+// with the layer's dense copy where it has one (bf16 on CPUs with AMX).
+at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
+                              const c10::optional<at::Tensor>& fifth_masks, int64_t bits,
+                              const c10::optional<at::Tensor>& dense, int64_t max_tile_rows) {
+  if (x.size(0) > max_tile_rows && dense.has_value()) return at::linear(x, *dense);
+#ifdef SIMD_AVX512
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "quant_tiles_linear: x must be a 2-D bfloat16 or float32 tensor");
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_tiles_linear: bits must be 4 or 8");
+  TORCH_CHECK(tile_scales.dim() == 4 && tile_scales.size(2) == 2 && tile_scales.size(3) == 16 &&
+                  tile_scales.scalar_type() == at::kFloat && tile_scales.is_contiguous(),
+              "quant_tiles_linear: tile_scales must be contiguous float32 (N / 16, K / 32 or 1, 2, 16)");
+  const int64_t tiles_count = tile_scales.size(0), groups = x.size(1) / 32;
+  TORCH_CHECK(x.size(1) % 32 == 0 && (tile_scales.size(1) == groups || tile_scales.size(1) == 1),
+              "quant_tiles_linear: x's width must be the weight's");
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.numel() == tiles_count * groups * tile_group_bytes(static_cast<int>(bits)),
+              "quant_tiles_linear: tiles must be contiguous uint8 of the weight's size");
+  const uint8_t* fifth = nullptr;
+  if (fifth_masks.has_value()) {
+    TORCH_CHECK(bits == 4 && fifth_masks->scalar_type() == at::kByte && fifth_masks->is_contiguous() &&
+                    fifth_masks->numel() == tiles_count * groups * kTileFifthGroupBytes,
+                "quant_tiles_linear: fifth_masks must be contiguous uint8 (N / 16, K / 32, 64), with 4-bit tiles");
+    fifth = fifth_masks->data_ptr<uint8_t>();
+  }
+  const bool fp32 = dtype == at::kFloat;
+  if (bits == 8) return fp32 ? quant_tiles_as<8, false, float>(x, tiles, nullptr, tile_scales)
+                             : quant_tiles_as<8, false, at::BFloat16>(x, tiles, nullptr, tile_scales);
+  if (fifth != nullptr) return fp32 ? quant_tiles_as<4, true, float>(x, tiles, fifth, tile_scales)
+                                    : quant_tiles_as<4, true, at::BFloat16>(x, tiles, fifth, tile_scales);
+  return fp32 ? quant_tiles_as<4, false, float>(x, tiles, nullptr, tile_scales)
+              : quant_tiles_as<4, false, at::BFloat16>(x, tiles, nullptr, tile_scales);
+#else
+  TORCH_CHECK(false, "quant_tiles_linear needs AVX-512");
+  return x;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
@@ -598,10 +767,13 @@ TORCH_LIBRARY(tokenmill, m) {
         "-> Tensor");
   m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor steps_lows, Tensor units, Tensor? fifth_bits, "
         "Tensor? dense, int max_gemv_rows) -> Tensor");
+  m.def("quant_tiles_linear(Tensor x, Tensor tiles, Tensor tile_scales, Tensor? fifth_masks, int bits, Tensor? dense, "
+        "int max_tile_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_rows_linear", &int4_rows_linear);
+  m.impl("quant_tiles_linear", &quant_tiles_linear);
 }
