@@ -83,3 +83,35 @@ def test_kv_cache_dtype_follows_the_option() -> None:
     assert resolve_kv_cache_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown KV cache dtype 'fp8'"):
         resolve_kv_cache_dtype("fp8", torch.float32, "cpu")
+
+
+@pytest.mark.parametrize(("window", "softcap", "whole"), [(None, None, True), (300, None, True), (100, None, False),
+                                                          (None, 20.0, False)])
+def test_a_whole_prompt_attends_to_its_own_keys(window: int | None, softcap: float | None, whole: bool,
+                                                monkeypatch) -> None:
+    """One sequence's whole prompt takes SDPA's causal kernel on this step's K/V, rounded as the
+    cache holds them, unless a window shorter than the prompt or a softcap needs the mask."""
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, block_size, length = 4, 2, 8, 16, 200
+    cache = KVCache(num_layers=1, num_blocks=16, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=torch.float16)
+    batch = AttentionBatch.build([length], [length], [list(range(13))], block_size, cache.pad_slot)
+    assert batch.whole_prompt
+    assert not AttentionBatch.build([length - 8], [length], [list(range(13))], block_size, cache.pad_slot).whole_prompt
+    q, k, v = torch.randn(length, heads, head_dim), torch.randn(length, kv_heads, head_dim), torch.randn(length, kv_heads, head_dim)
+    causal_calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: causal_calls.append(kwargs.get("is_causal", False)) or sdpa(*args, **kwargs))
+    out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), 0.3, softcap, window)
+    assert any(causal_calls) == whole
+    keys, values = (t.half().float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1) for t in (k, v))
+    scores = q.transpose(0, 1) @ keys.transpose(1, 2) * 0.3
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    positions = torch.arange(length)
+    allowed = positions[None, :] <= positions[:, None]
+    if window is not None:
+        allowed &= positions[:, None] - positions[None, :] < window
+    expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(0, 1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

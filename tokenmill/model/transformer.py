@@ -73,7 +73,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap)
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap, self.window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
