@@ -27,16 +27,24 @@ def test_fused_decode_attention_matches_batched_matmuls(window: int | None, soft
     torch.testing.assert_close(_fused_decode_attention(*args), _matmul_decode_attention(*args), rtol=1e-5, atol=1e-5)
 
 
+# A fresh long prompt, a prompt chunk after cached context and a short one: each block of query rows
+# attends to a prefix of the keys only. Decodes beside prompt chunks: the step attends in two parts.
+# Fresh prompts only: their own K/V, causal, in one padded grid.
+STEPS = {"blocks": ([QUERY_BLOCK * 2 + 44, QUERY_BLOCK + 22, 5], [QUERY_BLOCK * 2 + 44, 400, 20]),
+         "decodes and prompts": ([1, QUERY_BLOCK + 22, 1, 60], [37, 400, 150, 60]),
+         "fresh prompts": ([60, 45, 2], [60, 45, 2])}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 20.0)])
-def test_prompt_attention_in_query_blocks_matches_per_sequence_attention(window: int | None, softcap: float | None,
-                                                                           cache_dtype: torch.dtype) -> None:
-    """A fresh long prompt, a prompt chunk after cached context and a short one, in one step: each
-    block of query rows attends to a prefix of the keys only, which must not change any result. A
-    float16 cache holds the new keys rounded, and a float32 model reads them back widened."""
+def test_prompt_attention_matches_per_sequence_attention(window: int | None, softcap: float | None,
+                                                         cache_dtype: torch.dtype, step: str) -> None:
+    """None of the ways a step's prompts attend (`STEPS`) may change any result. A float16 cache
+    holds the new keys rounded, and a float32 model reads them back widened."""
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size, scale = 4, 2, 8, 16, 0.3
-    query_lens, context_lens = [QUERY_BLOCK * 2 + 44, QUERY_BLOCK + 22, 5], [QUERY_BLOCK * 2 + 44, 400, 20]
+    query_lens, context_lens = STEPS[step]
     cache = KVCache(num_layers=1, num_blocks=80, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                     dtype=cache_dtype)
     cache.k[0][:-1].normal_()
@@ -48,11 +56,15 @@ def test_prompt_attention_in_query_blocks_matches_per_sequence_attention(window:
         tables.append(order[used:used + count])
         used += count
     batch = AttentionBatch.build(query_lens, context_lens, tables, block_size, cache.pad_slot)
-    assert len(batch.query_blocks) == 3 and batch.query_blocks[0][2] < max(context_lens)
+    if step == "blocks":
+        assert len(batch.query_blocks) == 3 and batch.query_blocks[0][2] < max(context_lens)
+    assert (batch.parts is not None) == (step == "decodes and prompts")
+    assert batch.fresh_prompts == (step == "fresh prompts")
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim)
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
-    out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), scale, softcap)
+    mask = None if batch.parts is not None else batch.mask(window)
+    out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, mask, scale, softcap, window)
     assert out.dtype == torch.float32
     slot_of_token = batch.slot_mapping
     torch.testing.assert_close(cache.k[0][slot_of_token].float(), k, rtol=1e-3, atol=1e-3)  # float16: 11 bits
@@ -96,8 +108,8 @@ def test_a_whole_prompt_attends_to_its_own_keys(window: int | None, softcap: flo
     cache = KVCache(num_layers=1, num_blocks=16, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                     dtype=torch.float16)
     batch = AttentionBatch.build([length], [length], [list(range(13))], block_size, cache.pad_slot)
-    assert batch.whole_prompt
-    assert not AttentionBatch.build([length - 8], [length], [list(range(13))], block_size, cache.pad_slot).whole_prompt
+    assert batch.fresh_prompts
+    assert not AttentionBatch.build([length - 8], [length], [list(range(13))], block_size, cache.pad_slot).fresh_prompts
     q, k, v = torch.randn(length, heads, head_dim), torch.randn(length, kv_heads, head_dim), torch.randn(length, kv_heads, head_dim)
     causal_calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention

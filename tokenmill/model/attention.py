@@ -9,7 +9,7 @@ and one batched SDPA call, with no Python loop over requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -104,7 +104,12 @@ class AttentionBatch:
     num_seqs: int
     max_q: int
     query_blocks: tuple[tuple[int, int, int], ...]  # (first row, end row, keys any of them sees)
-    whole_prompt: bool = False  # one sequence, all of its context new in this step (no cached prefix)
+    fresh_prompts: bool = False  # prompts only, all of their context new in this step (no cached prefix)
+    # A step mixing decodes (one new token) with prompt chunks attends in two parts, each a batch of
+    # its own with the indices of its tokens in this one: one padded grid would make every decode
+    # row as long as the longest chunk.
+    parts: tuple[tuple[AttentionBatch, torch.Tensor], ...] | None = None
+    _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -157,8 +162,32 @@ class AttentionBatch:
             num_seqs=num_seqs,
             max_q=max_q,
             query_blocks=_query_blocks(query_lens, context_lens),
-            whole_prompt=num_seqs == 1 and max_q > 1 and query_lens[0] == context_lens[0],
+            fresh_prompts=max_q > 1 and bool((q_lens == kv_lens).all()),
+            parts=cls._parts(query_lens, context_lens, block_tables, block_size, pad_slot, device),
         )
+
+    @classmethod
+    def _parts(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
+               pad_slot: int, device: torch.device | str) -> tuple[tuple[AttentionBatch, torch.Tensor], ...] | None:
+        decoding = [n == 1 for n in query_lens]
+        if all(decoding) or not any(decoding):
+            return None
+        starts = np.concatenate(([0], np.cumsum(query_lens)))
+        parts = []
+        for wanted in (True, False):
+            seqs = [i for i, d in enumerate(decoding) if d == wanted]
+            tokens = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs])
+            part = cls.build([query_lens[i] for i in seqs], [context_lens[i] for i in seqs],
+                             [block_tables[i] for i in seqs], block_size, pad_slot, device)
+            parts.append((part, torch.from_numpy(tokens).to(device)))
+        return tuple(parts)
+
+    def cached_mask(self, window: int | None) -> torch.Tensor:
+        """`mask(window)`, made once per window for all layers (eager steps only: a compiled graph
+        must not mutate its input)."""
+        if window not in self._masks:
+            self._masks[window] = self.mask(window)
+        return self._masks[window]
 
     def mask(self, window: int | None) -> torch.Tensor:
         """Boolean (B, 1, max_q, max_kv) mask: causal, within the sliding window when given."""
@@ -193,29 +222,48 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: AttentionBatch,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's cached context.
 
-    q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); returns (T, heads, head_dim); window:
-    the sliding window that `mask` applies, if any.
+    q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); returns (T, heads, head_dim); mask:
+    `batch.mask(window)` (None for a batch in parts); window: the sliding window, if any.
     """
     k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+    if batch.parts is None:
+        return _attend_cached(q, k, v, k_cache, v_cache, batch, mask, scale, softcap, window)
+    out = torch.empty_like(q)
+    for part, tokens in batch.parts:  # each after the whole step's K/V are in the cache
+        out[tokens] = _attend_cached(q[tokens], k[tokens], v[tokens], k_cache, v_cache, part, part.cached_mask(window),
+                                     scale, softcap, window)
+    return out
+
+
+def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   batch: AttentionBatch, mask: torch.Tensor, scale: float, softcap: float | None,
+                   window: int | None) -> torch.Tensor:
+    """`paged_attention` once this step's K/V (k, v) are in the cache, for a batch not in parts."""
     if batch.max_q == 1:  # pure decode: one token per sequence, tokens already in batch order
         return _decode_attention(q, k_cache, v_cache, batch.context_slots, mask, scale, softcap)
-    if batch.whole_prompt and softcap is None and (window is None or batch.max_q <= window):
-        # A whole prompt attends to its own K/V in causal order: no gather from the cache, no mask
-        # tensor, and SDPA's causal kernel skips the masked half (a 512-token Gemma 3 prompt on an
-        # Ice Lake Xeon: 4.8 ms a layer against 7.2 in masked blocks of 128 queries). The K/V are
-        # rounded as the cache holds them, so that later steps see what the prompt saw.
-        k, v = (t.to(k_cache.dtype).to(q.dtype).transpose(0, 1)[None] for t in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
     num_heads, head_dim = q.shape[1:]
+    if batch.fresh_prompts and softcap is None and (window is None or batch.max_q <= window):
+        # Prompts without cached context attend to their own K/V in causal order: no gather from
+        # the cache, no mask tensor, and SDPA's causal kernel skips the masked half (a 512-token
+        # Gemma 3 prompt on an Ice Lake Xeon: 4.8 ms a layer against 7.2 in masked blocks of 128
+        # queries). The K/V are rounded as the cache holds them, so that later steps see what the
+        # prompt saw. Padded rows come after each sequence's own, out of its rows' causal sight.
+        grids = []
+        for t in (q, k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)):
+            if batch.num_seqs > 1:
+                t = t.new_zeros(batch.num_seqs * batch.max_q, *t.shape[1:]).index_copy_(0, batch.token_index, t)
+            grids.append(t.view(batch.num_seqs, batch.max_q, *t.shape[1:]).transpose(1, 2))
+        out = F.scaled_dot_product_attention(*grids, is_causal=True, scale=scale, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(batch.num_seqs * batch.max_q, num_heads, head_dim)
+        return out if batch.num_seqs == 1 else out.index_select(0, batch.token_index)
     keys = k_cache[batch.context_slots].to(q.dtype).transpose(1, 2)  # (B, kv_heads, max_kv, head_dim)
     values = v_cache[batch.context_slots].to(q.dtype).transpose(1, 2)
     padded = q.new_zeros(batch.num_seqs * batch.max_q, num_heads, head_dim)
