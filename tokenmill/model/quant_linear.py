@@ -158,6 +158,9 @@ def unpack_int4_rows(rows: Int4Rows, fifth_bits: torch.Tensor | None = None) -> 
 
 
 TILE_ROWS = 16  # weight rows per tile of `quant_tiles_linear`
+# Weights packed into tiles at a time: Gemma 3's 262k x 640 int8 head took 0.85 / 0.57 / 0.38 /
+# 0.16 s in chunks of 64k / 256k / 1M / 4M weights (fewer, larger copies)
+PACK_CHUNK_WEIGHTS = 1 << 22
 
 
 class QuantTiles(NamedTuple):
@@ -170,41 +173,42 @@ class QuantTiles(NamedTuple):
 
 
 def pack_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int) -> QuantTiles:
-    """`_pack_tiles` over chunks of rows: a 262k-row output head never has its permuted copies in
-    memory all at once."""
-    step = max(TILE_ROWS, quant.CHUNK_ELEMENTS // q.shape[1] // TILE_ROWS * TILE_ROWS)
-    parts = [_pack_tiles(q[start:start + step], scale[start:start + step], low[start:start + step], bits)
-             for start in range(0, q.shape[0], step)]
-    if len(parts) == 1:
-        return parts[0]
-    fifth = None if parts[0].fifth_masks is None else torch.cat([part.fifth_masks for part in parts])
-    return QuantTiles(torch.cat([part.tiles for part in parts]), torch.cat([part.tile_scales for part in parts]),
-                      fifth, parts[0].bits)
-
-
-def _pack_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int) -> QuantTiles:
-    """(q, scale, low) (q unsigned, in 0..2^bits - 1; scale and low per group of 32) in the tile
-    layout of `quant_tiles_linear`: per tile of 16 rows, group and sub-block j (its elements
-    4j..4j+3, then 16+4j..16+4j+3), byte 4c + e of each of the sub-block's two vectors holding row
-    c's q at element 4j + e, then 16 + 4j + e. For 4 and 5 bits the two vectors share bytes (low
-    and high nibbles), the fifth bits going to masks: bit 4c + e of one 64-bit word per vector.
-    scale and low of shape (rows, 1) apply to every group: one pair per row is kept."""
+    """(q, scale, low) (q unsigned, in 0..2^bits - 1, or for 8 bits int8, stored as q + 128; scale
+    and low per group of 32) in the tile layout of `quant_tiles_linear`: per tile of 16 rows, group
+    and sub-block j (its elements 4j..4j+3, then 16+4j..16+4j+3), byte 4c + e of each of the
+    sub-block's two vectors holding row c's q at element 4j + e, then 16 + 4j + e. For 4 and 5 bits
+    the two vectors share bytes (low and high nibbles), the fifth bits going to masks: bit 4c + e of
+    one 64-bit word per vector. scale and low of shape (rows, 1) apply to every group: one pair per
+    row is kept. Packed over chunks of tiles into the outputs: a 262k-row output head never has a
+    copy in memory whole."""
     rows, cols = q.shape
-    groups = cols // INT4_GROUP
-    # [tile, row c, group, half h, sub-block j, element e] -> [tile, group, j, h, c, e]
-    q = q.to(torch.uint8).view(rows // TILE_ROWS, TILE_ROWS, groups, 2, 4, 4).permute(0, 2, 4, 3, 1, 5)
-    fifth = None
-    if bits == 8:
-        tiles = q.contiguous()
-    else:
-        tiles = ((q[:, :, :, 0] & 0xF) | ((q[:, :, :, 1] & 0xF) << 4)).contiguous()
-        if bits == 5:
-            flags = ((q >> 4) & 1).reshape(rows // TILE_ROWS, groups, 4, 2, 8, 8)
-            fifth = (flags << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).contiguous()
-    def per_tile(values: torch.Tensor) -> torch.Tensor:
-        return values.float().reshape(rows // TILE_ROWS, TILE_ROWS, -1).transpose(1, 2)
-    tile_scales = torch.stack((per_tile(scale), per_tile(low)), dim=2).contiguous()
-    return QuantTiles(tiles.view(-1), tile_scales, None if fifth is None else fifth.view(rows // TILE_ROWS, groups, 64),
+    groups, count = cols // INT4_GROUP, rows // TILE_ROWS
+    tiles = torch.empty(count, groups, 4, 2 if bits == 8 else 1, TILE_ROWS, 4, dtype=torch.uint8)
+    fifth = torch.empty(count, groups, 4, 2, 8, dtype=torch.uint8) if bits == 5 else None
+    tile_scales = torch.empty(count, scale.shape[1], 2, TILE_ROWS)
+    signed = q.dtype == torch.int8
+    step = max(1, PACK_CHUNK_WEIGHTS // (cols * TILE_ROWS))
+    for t0 in range(0, count, step):
+        t1 = min(count, t0 + step)
+        r0, r1 = t0 * TILE_ROWS, t1 * TILE_ROWS
+        # [tile, row c, group, half h, sub-block j, element e] -> [tile, group, j, h, c, e], moving
+        # the 4 bytes of e as one int32 (4x faster than bytes)
+        part = q[r0:r1]
+        part = (part.view(torch.uint8) if signed else part.to(torch.uint8)).view(t1 - t0, TILE_ROWS, groups, 2, 4, 4)
+        out = tiles[t0:t1].view(torch.int32).squeeze(-1)  # [tile, group, j, h, c]
+        if bits == 8:
+            out.copy_(part.contiguous().view(torch.int32).squeeze(-1).permute(0, 2, 4, 3, 1))
+            if signed:
+                tiles[t0:t1].bitwise_xor_(0x80)  # two's complement q + 128
+        else:
+            nibbles = (part[:, :, :, 0] & 0xF) | ((part[:, :, :, 1] & 0xF) << 4)  # [tile, c, group, j, e]
+            out[:, :, :, 0].copy_(nibbles.view(torch.int32).squeeze(-1).permute(0, 2, 3, 1))
+            if fifth is not None:
+                flags = ((part.permute(0, 2, 4, 3, 1, 5) >> 4) & 1).reshape(t1 - t0, groups, 4, 2, 8, 8)
+                torch.sum(flags << torch.arange(8, dtype=torch.uint8), -1, dtype=torch.uint8, out=fifth[t0:t1])
+        for k, values in enumerate((scale, low)):
+            tile_scales[t0:t1, :, k].copy_(values[r0:r1].view(t1 - t0, TILE_ROWS, -1).transpose(1, 2))
+    return QuantTiles(tiles.view(-1), tile_scales, None if fifth is None else fifth.view(count, groups, 64),
                       8 if bits == 8 else 4)
 
 
@@ -377,7 +381,7 @@ class QuantLinear(nn.Module):
         if tiles:
             if int8 is not None:
                 q8, scale = int8
-                q, low, bits = q8.view(torch.uint8) ^ 0x80, -128 * scale.float()[:, None], 8  # q8 + 128
+                q, low, bits = q8, -128 * scale.float()[:, None], 8  # stored as q8 + 128
                 scale = scale.float()[:, None]
             else:
                 (q, scale, low), bits = int4 or int5, 4 if int5 is None else 5
