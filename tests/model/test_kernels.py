@@ -244,7 +244,8 @@ def test_quant_linear_takes_tiles_on_avx512(kind: str) -> None:
     torch.manual_seed(8)
     kind, data = dense_packed_form(torch.randn(96, 128), kind)
     tiles, rows = (QuantLinear(96, 128, torch.float32, **{kind: data}, tiles=flag) for flag in (None, False))
-    assert tiles_layout() and tiles.tiles and not rows.tiles and "tiles" in repr(tiles)
+    assert tiles_layout() and torch.ops.tokenmill.tiles_built()
+    assert tiles.tiles and not rows.tiles and "tiles" in repr(tiles)
     x = torch.randn(11, 128)
     assert tiles._kernel(11, tiles._native_fits(x)) == "native"
     if kind == "int8":

@@ -87,7 +87,8 @@ def tiles_layout() -> bool:
     AVX-512 only) wherever those load. On an Ice Lake Xeon (2 threads, SmolLM2's and Gemma 3's
     layer shapes) it is 1.3-2.3x faster than the row GEMVs at 1 to 512 tokens, as fast as a dense
     fp32 matmul from 128 tokens on (160-180 GMAC/s)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and kernels.load()
+    return (torch.backends.cpu.get_cpu_capability() == "AVX512" and kernels.load()
+            and torch.ops.tokenmill.tiles_built())
 
 
 class Int4Rows(NamedTuple):

@@ -758,9 +758,19 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
 #endif
 }
 
+// Whether this build has the tile kernel (AVX-512 with byte instructions)
+bool tiles_built() {
+#ifdef SIMD_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
+  m.def("tiles_built() -> bool", &tiles_built);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, Tensor? dense, "
         "int max_packed_rows) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows, int chunk_rows) "
