@@ -18,13 +18,16 @@ TABLES = [[0, 1], [2, 3], [4, 5]]
 def runner(tiny_model_dir, tmp_path_factory):
     # int8 layers with dense copies from 2 tokens, so eager and compiled pick the same kernel kind
     # for every batch size; the tiny model's head (320 x 64) counts as a large int8 matrix, so it
-    # takes the kernels of a real output head (chunks from 2 tokens, streamed at compiled batch 1)
+    # takes the kernels of a real output head (chunks from 2 tokens, streamed at compiled batch 1;
+    # the tile kernel where it serves, on AVX-512)
     patch = pytest.MonkeyPatch()
     patch.setattr(quant_linear, "LARGE_INT8_WEIGHTS", 320 * 64)
     patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
     patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))  # no decode graphs cached yet
     loaded = load_model(tiny_model_dir, progress=False, quantization="int8", dense_min_tokens=2)
-    assert {m.out_features for m in loaded.model.modules() if getattr(m, "large_int8", False)} == {320}
+    heads = {m.out_features for m in loaded.model.modules() if isinstance(m, quant_linear.QuantLinear)
+             and quant_linear.is_large_int8(m.kind, m.out_features * m.in_features)}
+    assert heads == {320}
     runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
     assert runner.decode_mode in ("compiling", "compiled")
     assert runner.wait_compiled(timeout=900), f"compilation failed: {runner.compile_error!r}"

@@ -63,8 +63,7 @@ def test_prompt_attention_matches_per_sequence_attention(window: int | None, sof
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim)
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
-    mask = None if batch.parts is not None else batch.mask(window)
-    out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, mask, scale, softcap, window)
+    out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), scale, softcap, window)
     assert out.dtype == torch.float32
     slot_of_token = batch.slot_mapping
     torch.testing.assert_close(cache.k[0][slot_of_token].float(), k, rtol=1e-3, atol=1e-3)  # float16: 11 bits

@@ -9,7 +9,7 @@ and one batched SDPA call, with no Python loop over requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -109,7 +109,6 @@ class AttentionBatch:
     # its own with the indices of its tokens in this one: one padded grid would make every decode
     # row as long as the longest chunk.
     parts: tuple[tuple[AttentionBatch, torch.Tensor], ...] | None = None
-    _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -172,25 +171,20 @@ class AttentionBatch:
         decoding = [n == 1 for n in query_lens]
         if all(decoding) or not any(decoding):
             return None
-        starts = np.concatenate(([0], np.cumsum(query_lens)))
+        decoding_tokens = np.repeat(decoding, query_lens)
         parts = []
         for wanted in (True, False):
             seqs = [i for i, d in enumerate(decoding) if d == wanted]
-            tokens = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs])
             part = cls.build([query_lens[i] for i in seqs], [context_lens[i] for i in seqs],
                              [block_tables[i] for i in seqs], block_size, pad_slot, device)
-            parts.append((part, torch.from_numpy(tokens).to(device)))
+            parts.append((part, torch.from_numpy(np.flatnonzero(decoding_tokens == wanted)).to(device)))
         return tuple(parts)
 
-    def cached_mask(self, window: int | None) -> torch.Tensor:
-        """`mask(window)`, made once per window for all layers (eager steps only: a compiled graph
-        must not mutate its input)."""
-        if window not in self._masks:
-            self._masks[window] = self.mask(window)
-        return self._masks[window]
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        """Boolean (B, 1, max_q, max_kv) mask: causal, within the sliding window when given."""
+    def mask(self, window: int | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Boolean (B, 1, max_q, max_kv) mask: causal, within the sliding window when given; for a
+        batch in parts, one per part."""
+        if self.parts is not None:
+            return tuple(part.mask(window) for part, _ in self.parts)
         q = self.query_positions[:, :, None]
         k = self.key_positions[:, None, :]
         allowed = k <= q
@@ -222,7 +216,7 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: AttentionBatch,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | tuple[torch.Tensor, ...],
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
@@ -230,23 +224,25 @@ def paged_attention(
     """Write this step's K/V into the cache, then attend over each sequence's cached context.
 
     q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); returns (T, heads, head_dim); mask:
-    `batch.mask(window)` (None for a batch in parts); window: the sliding window, if any.
+    `batch.mask(window)`; window: the sliding window, if any.
     """
-    k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
+    k_cache.index_copy_(0, batch.slot_mapping, k)
+    v_cache.index_copy_(0, batch.slot_mapping, v)
     if batch.parts is None:
         return _attend_cached(q, k, v, k_cache, v_cache, batch, mask, scale, softcap, window)
     out = torch.empty_like(q)
-    for part, tokens in batch.parts:  # each after the whole step's K/V are in the cache
-        out[tokens] = _attend_cached(q[tokens], k[tokens], v[tokens], k_cache, v_cache, part, part.cached_mask(window),
-                                     scale, softcap, window)
+    for (part, tokens), part_mask in zip(batch.parts, mask):  # each after the whole step's K/V are in the cache
+        out[tokens] = _attend_cached(q[tokens], k[tokens], v[tokens], k_cache, v_cache, part, part_mask, scale, softcap,
+                                     window)
     return out
 
 
 def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    batch: AttentionBatch, mask: torch.Tensor, scale: float, softcap: float | None,
                    window: int | None) -> torch.Tensor:
-    """`paged_attention` once this step's K/V (k, v) are in the cache, for a batch not in parts."""
+    """`paged_attention` once this step's K/V (k, v, in the cache's dtype) are in the cache, for a
+    batch not in parts."""
     if batch.max_q == 1:  # pure decode: one token per sequence, tokens already in batch order
         return _decode_attention(q, k_cache, v_cache, batch.context_slots, mask, scale, softcap)
     num_heads, head_dim = q.shape[1:]
@@ -257,7 +253,7 @@ def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
         # queries). The K/V are rounded as the cache holds them, so that later steps see what the
         # prompt saw. Padded rows come after each sequence's own, out of its rows' causal sight.
         grids = []
-        for t in (q, k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)):
+        for t in (q, k.to(q.dtype), v.to(q.dtype)):
             if batch.num_seqs > 1:
                 t = t.new_zeros(batch.num_seqs * batch.max_q, *t.shape[1:]).index_copy_(0, batch.token_index, t)
             grids.append(t.view(batch.num_seqs, batch.max_q, *t.shape[1:]).transpose(1, 2))

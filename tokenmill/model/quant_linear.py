@@ -409,7 +409,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.dense = None if dense is None else nn.Parameter(dense.to(dtype), requires_grad=False)
         self.dense_min_tokens = dense_min_tokens
-        self.large_int8 = is_large_int8(self.kind, out_features * in_features)
+        self.large_int8 = not tiles and is_large_int8(self.kind, out_features * in_features)  # int8 rows kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel(x.shape[0], self._native_fits(x))
@@ -488,9 +488,9 @@ class QuantLinear(nn.Module):
             # and the crossover the two kernels are within ~20% of each other.
             if tokens >= (2 if compiling else min(self.dense_min_tokens, PACKED_DENSE_CROSSOVER[self.kind])):
                 return "dense"
-        if self.large_int8 and not self.tiles and tokens > 1:
+        if self.large_int8 and tokens > 1:
             return "chunked"
-        if self.large_int8 and not self.tiles and compiling:
+        if self.large_int8 and compiling:
             return "streamed"
         return "packed"
 

@@ -64,7 +64,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                batch: AttentionBatch, mask: torch.Tensor | None) -> torch.Tensor:
+                batch: AttentionBatch, mask: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
@@ -117,7 +117,7 @@ class DecoderLayer(nn.Module):
         self.ffn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
 
     def forward(self, h: torch.Tensor, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                batch: AttentionBatch, mask: torch.Tensor | None) -> torch.Tensor:
+                batch: AttentionBatch, mask: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
         a = self.attn(self.attn_norm(h), rope, k_cache, v_cache, batch, mask)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
@@ -148,9 +148,7 @@ class Transformer(nn.Module):
         h = self.embed(input_ids)
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
-        # a batch in parts makes its parts' masks as its layers ask for them
-        masks = {window: None if batch.parts is not None else batch.mask(window)
-                 for window in {layer.attn.window for layer in self.layers}}
+        masks = {window: batch.mask(window) for window in {layer.attn.window for layer in self.layers}}
         ropes = {kind: r.tables(batch.positions, h.dtype) for kind, r in self.rotaries.items()}
         for i, (kind, layer) in enumerate(zip(self.config.layer_types, self.layers)):
             h = layer(h, ropes[kind], cache.k[i], cache.v[i], batch, masks[layer.attn.window])

@@ -32,15 +32,16 @@ constexpr int64_t kRowsPerTile = 32;
 
 // Runs kernel(rows, m0, r0, r1) over blocks of activation rows (m0: the block's first; rows: its
 // size, as a std::integral_constant for the kernel's template: 8 while that many are left, then 4,
-// then the 1-3 left), each over weight rows [r0, r1): PyTorch's intra-op threads split the weight
-// rows, and each thread takes its rows kRowsPerTile at a time through every block of activation
-// rows, so that with many activation rows the tile's weights are read from memory once, then from
-// cache.
+// then the 1-3 left), each over weight rows (or tiles of them) [r0, r1): PyTorch's intra-op threads
+// split the N weight rows, per_task at least to a task, and each thread takes its rows per_tile at a
+// time through every block of activation rows, so that with many activation rows the tile's weights
+// are read from memory once, then from cache.
 template <typename Kernel>
-void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel) {
-  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = begin; r0 < end; r0 += kRowsPerTile) {
-      const int64_t r1 = std::min(end, r0 + kRowsPerTile);
+void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel, int64_t per_task = kRowsPerTask,
+                     int64_t per_tile = kRowsPerTile) {
+  at::parallel_for(0, N, per_task, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = begin; r0 < end; r0 += per_tile) {
+      const int64_t r1 = std::min(end, r0 + per_tile);
       int64_t m0 = 0;
       for (; M - m0 >= 8; m0 += 8) kernel(std::integral_constant<int, 8>{}, m0, r0, r1);
       if (M - m0 >= 4) {
@@ -189,17 +190,20 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
   }
 }
 #else
+// acc plus each int32 lane's sum of 4 products of unsigned and signed bytes: one dpbusd with VNNI,
+// else maddubs and madd (the products of 4-bit q or int8 magnitudes fit int16 in pairs)
+inline __m512i dot4(__m512i acc, __m512i unsigned_q, __m512i signed_x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, unsigned_q, signed_x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(unsigned_q, signed_x), _mm512_set1_epi16(1)));
+#endif
+}
+
 // With AVX-512, the same over two blocks per vector (lanes 0-7: block g, 8-15: g + 1), a last odd
 // block in the lower half with zeros above it. The weights' signs go onto the activations by a masked
 // subtraction (AVX-512 has no sign_epi8), and with VNNI one dpbusd makes each lane's int32 sum of 4
 // products, where maddubs and madd took two instructions.
-inline __m512i byte_dots(__m512i magnitudes, __m512i signed_x) {
-#ifdef __AVX512VNNI__
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitudes, signed_x);
-#else
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(magnitudes, signed_x), _mm512_set1_epi16(1));
-#endif
-}
 
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
@@ -224,7 +228,8 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
       const __mmask64 negative = _mm512_movepi8_mask(w);
       for (int i = 0; i < M; ++i) {
         const __m512i xv = load_bytes(xq + i * K + g * 32, single);
-        const __m512i sums = byte_dots(magnitudes, _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv));
+        const __m512i sums =
+            dot4(_mm512_setzero_si512(), magnitudes, _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv));
         const float* s = scales + (i * blocks + g) * 4;
         const __m512 pair_scales = single ? _mm512_zextps128_ps512(_mm_loadu_ps(s)) : _mm512_castps256_ps512(_mm256_loadu_ps(s));
         acc[i][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(scale_lanes, pair_scales), acc[i][c]);
@@ -606,14 +611,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // instruction, the sub-block's sum is scaled by its activation scale, the group's by the weights'
 // scale, and the low times the group's sum of x is added.
 #ifdef SIMD_AVX512
-inline __m512i dot4(__m512i acc, __m512i unsigned_q, __m512i signed_x) {
-#ifdef __AVX512VNNI__
-  return _mm512_dpbusd_epi32(acc, unsigned_q, signed_x);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(unsigned_q, signed_x), _mm512_set1_epi16(1)));
-#endif
-}
-
 inline __m512i broadcast4(const int8_t* x) {
   int32_t four;
   std::memcpy(&four, x, 4);
@@ -699,21 +696,14 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const float* ts = tile_scales.data_ptr<float>();
   T* out = y.data_ptr<T>();
-  at::parallel_for(0, N / 16, kTilesPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t c0 = begin; c0 < end; c0 += kTilesPerChunk) {
-      const int64_t c1 = std::min(end, c0 + kTilesPerChunk);
-      const auto block = [&](auto rows, int64_t m0) {
+  over_row_blocks(
+      M, N / 16,
+      [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
         quant_tiles<decltype(rows)::value, Bits, Fifth>(xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4,
                                                         xq.sums.get() + m0 * groups, K, q, fifth, ts, row_scales,
-                                                        out + m0 * N, N, c0, c1);
-      };
-      int64_t m0 = 0;
-      for (; M - m0 >= 8; m0 += 8) block(std::integral_constant<int, 8>{}, m0);
-      if (M - m0 >= 4) block(std::integral_constant<int, 4>{}, m0), m0 += 4;
-      if (M - m0 >= 2) block(std::integral_constant<int, 2>{}, m0), m0 += 2;
-      if (M - m0 >= 1) block(std::integral_constant<int, 1>{}, m0);
-    }
-  });
+                                                        out + m0 * N, N, t0, t1);
+      },
+      kTilesPerTask, kTilesPerChunk);
   return y;
 }
 #endif
