@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenmill.model import kernels
+from tokenmill.sample.sampler import greedy_ids
 from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
 from tokenmill.model.quant_linear import (MAX_STEP, Int4Rows, QuantLinear, dense_crossover, dense_packed_form,
                                          int4_rows_layout, pack_fifth_bits, pack_int4_rows, pack_tiles,
@@ -292,6 +293,28 @@ def test_gated_activation_matches_eager(kind: str, dtype: torch.dtype, tokens: i
     assert out.dtype == dtype and out.shape == (tokens, width)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(out.float(), act * up, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 15, 17, 49152 + 5])  # within, across and beyond whole vectors
+def test_greedy_ids_match_torch_max(dtype: torch.dtype, width: int) -> None:
+    torch.manual_seed(width)
+    logits = torch.randn(6, width)
+    logits[1] = logits[1].round()  # ties: the first highest wins
+    logits[2, -1] = 100.0  # the highest in the tail past the last whole vector
+    logits[3, width // 2] = float("inf")
+    logits[4, width // 3] = float("-inf")
+    logits[5, width - 1] = float("nan")  # NaN counts as the highest, as torch.max has it
+    logits = logits.to(dtype)
+    assert torch.equal(torch.ops.tokenmill.greedy_ids(logits), logits.max(dim=-1).indices)
+    assert torch.equal(greedy_ids(logits), logits.max(dim=-1).indices)
+
+
+def test_greedy_ids_refuse_what_they_cannot_compute() -> None:
+    with pytest.raises(RuntimeError, match="2-D float32 or bfloat16"):
+        torch.ops.tokenmill.greedy_ids(torch.zeros(4, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="at least one column"):
+        torch.ops.tokenmill.greedy_ids(torch.zeros(2, 0))
 
 
 def test_gated_activation_refuses_what_it_cannot_compute() -> None:

@@ -5,7 +5,8 @@ PyTorch's `_weight_int8pack_mm` (see gemv.cpp). It and `int4_linear` pick their 
 weight-only kernel or a bf16 matmul) by the number of rows when they run, so one compiled graph
 serves every batch size with the best of both. `gated_activation` is the MLP's act(gate) * up in
 one pass, for eager steps (activation.cpp); `decode_attention` attends one query token per sequence
-over the paged KV cache (attention.cpp). Building takes ~10 s of one core (g++ through
+over the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits
+(sample.cpp). Building takes ~10 s of one core (g++ through
 `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
 kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the
 torch version and the CPU's features, so later starts load it in milliseconds. Where it cannot be
@@ -28,7 +29,7 @@ import torch
 from tokenmill.catalog import cache_root
 
 log = logging.getLogger("tokenmill.kernels")
-SOURCES = [Path(__file__).with_name(name) for name in ("gemv.cpp", "activation.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.cpp", "activation.cpp", "attention.cpp", "sample.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
@@ -89,6 +90,7 @@ def load(build: bool = True) -> bool:
         torch.library.register_fake("tokenmill::quant_tiles_linear")(_quant_tiles_shape)
         torch.library.register_fake("tokenmill::gated_activation")(_gated_shape)
         torch.library.register_fake("tokenmill::decode_attention")(_decode_attention_shape)
+        torch.library.register_fake("tokenmill::greedy_ids")(_greedy_ids_shape)
         _loaded = True
         return True
 
@@ -144,6 +146,10 @@ def _quant_tiles_shape(x: torch.Tensor, tiles: torch.Tensor, tile_scales: torch.
 def _decode_attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                             mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _greedy_ids_shape(logits: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.long)
 
 
 def _gated_shape(gate_up: torch.Tensor, kind: str) -> torch.Tensor:

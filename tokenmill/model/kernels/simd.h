@@ -36,6 +36,8 @@ inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); } // 
 inline Vec round(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec times_pow2(Vec a, Vec n) { return _mm512_scalef_ps(a, n); }  // a * 2^n, n integral
 inline float sum(Vec a) { return _mm512_reduce_add_ps(a); }
+inline float max_of(Vec a) { return _mm512_reduce_max_ps(a); }
+inline uint32_t equal_lanes(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // bit i: lane i
 // lane i = sum(v[i]), for kWidth vectors
 inline Vec transposed_sums(const Vec* v) {
   alignas(64) float sums[kWidth];
@@ -88,6 +90,12 @@ inline Vec times_pow2(Vec a, Vec n) {  // n within the normal exponents, as exp(
   return _mm256_mul_ps(a, _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23)));
 }
 inline float sum(Vec a) { return sum8(a); }
+inline float max_of(Vec a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline uint32_t equal_lanes(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }  // bit i: lane i
 // lane i = sum(v[i]), for kWidth vectors: pairwise horizontal adds, then the two 128-bit halves
 inline Vec transposed_sums(const Vec* v) {
   const Vec s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
