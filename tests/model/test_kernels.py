@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenmill.model import kernels
+from tokenmill.model.transformer import RMSNorm
 from tokenmill.sample.sampler import greedy_ids
 from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
 from tokenmill.model.quant_linear import (MAX_STEP, Int4Rows, QuantLinear, dense_crossover, dense_packed_form,
@@ -315,6 +316,33 @@ def test_greedy_ids_refuse_what_they_cannot_compute() -> None:
         torch.ops.tokenmill.greedy_ids(torch.zeros(4, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="at least one column"):
         torch.ops.tokenmill.greedy_ids(torch.zeros(2, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 576), (1, 16), (7, 4, 256)])
+def test_rms_norm_matches_the_eager_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(len(shape))
+    norm = RMSNorm(shape[-1], 1e-6)
+    norm.weight.data.normal_()
+    x = torch.randn(*shape).to(dtype)
+    if len(shape) == 3:  # heads of a fused projection's output: a strided view
+        x = torch.randn(shape[0], shape[1] * shape[2] + 32).to(dtype)[:, :shape[1] * shape[2]].view(shape)
+    x32 = x.float()
+    reference = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight).to(dtype)
+    out = torch.ops.tokenmill.rms_norm(x, norm.weight, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, reference, **tolerance)
+    torch.testing.assert_close(norm(x), out, atol=0, rtol=0)  # eager steps take it
+
+
+def test_rms_norm_refuses_what_it_cannot_compute() -> None:
+    with pytest.raises(RuntimeError, match="multiple of"):
+        torch.ops.tokenmill.rms_norm(torch.zeros(2, 20), torch.ones(20), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.tokenmill.rms_norm(torch.zeros(2, 32), torch.ones(32, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        torch.ops.tokenmill.rms_norm(torch.zeros(32, 2).t(), torch.ones(32), 1e-6)
 
 
 def test_gated_activation_refuses_what_it_cannot_compute() -> None:

@@ -26,9 +26,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_norm_fits(x, self.weight):
+            return torch.ops.tokenmill.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
+
+
+def _fused_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether tokenmill's one-pass RMSNorm applies: eager CPU steps (a compiled graph fuses the
+    norm itself) on rows, or heads of rows, with a contiguous last dimension in whole vectors."""
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and kernels.loaded()
+            and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.float32
+            and x.dim() in (2, 3) and x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == x.shape[2])
+            and x.shape[-1] % 16 == 0)
 
 
 class Rotary:

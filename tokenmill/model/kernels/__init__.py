@@ -4,7 +4,7 @@
 PyTorch's `_weight_int8pack_mm` (see gemv.cpp). It and `int4_linear` pick their means (a
 weight-only kernel or a bf16 matmul) by the number of rows when they run, so one compiled graph
 serves every batch size with the best of both. `gated_activation` is the MLP's act(gate) * up in
-one pass, for eager steps (activation.cpp); `decode_attention` attends one query token per sequence
+one pass, for eager steps (activation.cpp), and `rms_norm` the model's norm (norm.cpp); `decode_attention` attends one query token per sequence
 over the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits
 (sample.cpp). Building takes ~10 s of one core (g++ through
 `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
@@ -29,7 +29,7 @@ import torch
 from tokenmill.catalog import cache_root
 
 log = logging.getLogger("tokenmill.kernels")
-SOURCES = [Path(__file__).with_name(name) for name in ("gemv.cpp", "activation.cpp", "attention.cpp", "sample.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.cpp", "activation.cpp", "norm.cpp", "attention.cpp", "sample.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
@@ -91,6 +91,7 @@ def load(build: bool = True) -> bool:
         torch.library.register_fake("tokenmill::gated_activation")(_gated_shape)
         torch.library.register_fake("tokenmill::decode_attention")(_decode_attention_shape)
         torch.library.register_fake("tokenmill::greedy_ids")(_greedy_ids_shape)
+        torch.library.register_fake("tokenmill::rms_norm")(_rms_norm_shape)
         _loaded = True
         return True
 
@@ -146,6 +147,10 @@ def _quant_tiles_shape(x: torch.Tensor, tiles: torch.Tensor, tile_scales: torch.
 def _decode_attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                             mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _rms_norm_shape(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape)
 
 
 def _greedy_ids_shape(logits: torch.Tensor) -> torch.Tensor:
