@@ -674,12 +674,25 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, int64
           whole[i] = dot4(dot4(whole[i], first, broadcast4(x)), second, broadcast4(x + 16));
         }
       }
+      if (row_scales) {  // the rows' scale and low apply once, after the last group
+        for (int i = 0; i < M; ++i)
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole[i]), _mm512_set1_ps(scales[(i * groups + g) * 4]), acc[i]);
+        continue;
+      }
       const __m512 group_scale = _mm512_loadu_ps(ts + g * scale_stride);
       const __m512 group_low = _mm512_loadu_ps(ts + g * scale_stride + 16);
       for (int i = 0; i < M; ++i) {
         const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(whole[i]), _mm512_set1_ps(scales[(i * groups + g) * 4]));
         acc[i] = _mm512_fmadd_ps(part, group_scale, acc[i]);
         acc[i] = _mm512_fmadd_ps(group_low, _mm512_set1_ps(sums[i * groups + g]), acc[i]);
+      }
+    }
+    if (row_scales) {
+      const __m512 row_scale = _mm512_loadu_ps(ts), row_low = _mm512_loadu_ps(ts + 16);
+      for (int i = 0; i < M; ++i) {
+        float total = 0.0f;  // of x over the row
+        for (int64_t g = 0; g < groups; ++g) total += sums[i * groups + g];
+        acc[i] = _mm512_fmadd_ps(row_low, _mm512_set1_ps(total), _mm512_mul_ps(acc[i], row_scale));
       }
     }
     for (int i = 0; i < M; ++i) {
