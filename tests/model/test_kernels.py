@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from tokenmill.model import kernels
+from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
+from tokenmill.model.quant_linear import (HEAD_X_BLOCK, MAX_STEP, Int4Rows, QuantLinear, dense_crossover,
+                                         dense_packed_form, int4_rows_layout, pack_fifth_bits, pack_int4_rows,
+                                         pack_tiles, tiles_layout, unpack_int4_rows, unpack_tiles)
 from tokenmill.model.transformer import RMSNorm
 from tokenmill.sample.sampler import greedy_ids
-from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
-from tokenmill.model.quant_linear import (MAX_STEP, Int4Rows, QuantLinear, dense_crossover, dense_packed_form,
-                                         int4_rows_layout, pack_fifth_bits, pack_int4_rows, pack_tiles,
-                                         tiles_layout, unpack_int4_rows, unpack_tiles)
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler to build the kernels with")
@@ -203,16 +203,18 @@ def _random_tiles(rows: int, cols: int, bits: int, seed: int):
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 9, 15])  # blocks of 8, 4, 2 and 1 rows
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("cols", [32, 160])
-def test_quant_tiles_linear_matches_a_float_reference(tokens: int, dtype: torch.dtype, bits: int, cols: int) -> None:
+@pytest.mark.parametrize("x_block", [8, 32])
+def test_quant_tiles_linear_matches_a_float_reference(tokens: int, dtype: torch.dtype, bits: int, cols: int,
+                                                      x_block: int) -> None:
     rows = 16 * 37  # tiles not a multiple of the threads' share nor of a chunk
     _, _, _, packed = _random_tiles(rows, cols, bits, tokens + bits)
     weight = unpack_tiles(packed)
     x = torch.randn(tokens, cols).to(dtype)
     if cols > 32:
         x[0, :32] = 0  # an all-zero block has no scale to divide by
-    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30)
+    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, x_block)
     assert out.dtype == dtype and out.shape == (tokens, rows)
-    reference = int8_activations(x, per=32) @ weight.t()  # the kernel rounds x to int8, a scale per 32
+    reference = int8_activations(x, per=x_block) @ weight.t()  # x rounded to int8, a scale per x_block
     tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float(), reference, **tolerance)
     if bits == 5:
@@ -227,7 +229,7 @@ def test_quant_tiles_linear_switches_to_the_dense_copy_beyond_its_rows(tokens: i
     copy = torch.randn(32, 64)  # unrelated to the packed weight: shows which one was used
     x = torch.randn(tokens, 64)
     out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, copy, 3)
-    reference = x @ copy.t() if tokens > 3 else int8_activations(x, per=32) @ unpack_tiles(packed).t()
+    reference = x @ copy.t() if tokens > 3 else int8_activations(x) @ unpack_tiles(packed).t()
     torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
 
 
@@ -264,9 +266,10 @@ def test_quant_linear_takes_tiles_on_avx512(kind: str) -> None:
     else:  # the exact weight, where the row layout rounds the lows to float16
         q, scale, low = data
         weight = (q.float().view(96, -1, 32) * scale[..., None] + low[..., None]).view(96, 128)
-    torch.testing.assert_close(tiles(x), int8_activations(x, per=32) @ weight.t(), atol=1e-4, rtol=1e-4)
-    # the row layout rounds x with a scale per 8, the tiles per 32: a few tenths of a percent apart
-    assert ((rows(x) - tiles(x)).norm() / tiles(x).norm()).item() < 1e-2
+    torch.testing.assert_close(tiles(x), int8_activations(x) @ weight.t(), atol=1e-4, rtol=1e-4)
+    assert ((rows(x) - tiles(x)).norm() / tiles(x).norm()).item() < 1e-3
+    head = QuantLinear(96, 128, torch.float32, **{kind: data}, x_block=HEAD_X_BLOCK)
+    torch.testing.assert_close(head(x), int8_activations(x, per=32) @ weight.t(), atol=1e-4, rtol=1e-4)
     kind, data = dense_packed_form(torch.randn(100, 128), kind)
     assert not QuantLinear(100, 128, torch.float32, **{kind: data}).tiles  # rows not in whole tiles of 16
 

@@ -17,6 +17,8 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
+    BODY_X_BLOCK,
+    HEAD_X_BLOCK,
     QuantEmbedding,
     QuantLinear,
     dense_crossover,
@@ -172,9 +174,10 @@ class _Builder:
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
         if head is not None:
-            model.lm_head = self.linear([head], [None])
+            model.lm_head = self.linear([head], [None], x_block=HEAD_X_BLOCK)
         elif keep_quantized or self.quantization in ("int8", "int4"):
-            model.lm_head = self.linear([embed], [None])  # tied, but the head needs its own packed form
+            # tied, but the head needs its own packed form
+            model.lm_head = self.linear([embed], [None], x_block=HEAD_X_BLOCK)
         if keep_quantized:
             # looked up from the file's rows as they are: a tied head's re-quantized int8 rows
             # would cost perplexity (SmolLM2, decode path: +0.1%) to save only the pages of rows
@@ -189,8 +192,10 @@ class _Builder:
             raise ModelFileError(self.path, f"no weights for {', '.join(left[:3])}")
         return model.eval().requires_grad_(False)
 
-    def linear(self, weights: list[Weight], biases: list[torch.Tensor | None]) -> nn.Module:
-        """One module computing the concatenated outputs of these checkpoint projections."""
+    def linear(self, weights: list[Weight], biases: list[torch.Tensor | None],
+               x_block: int = BODY_X_BLOCK) -> nn.Module:
+        """One module computing the concatenated outputs of these checkpoint projections (x_block:
+        see `QuantLinear`)."""
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
@@ -215,7 +220,7 @@ class _Builder:
         dense = _cat_rows([_dense(w, self.dtype) for w in weights]) if threshold > 0 else None
         _release(weights)
         return QuantLinear(rows, cols, self.dtype, **{kind: data}, bias=bias, dense=dense,
-                           dense_min_tokens=threshold)
+                           dense_min_tokens=threshold, x_block=x_block)
 
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -617,10 +617,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // int8 row's q + 128 and -128 x its scale), so that w = scale x q + low. dpbusd makes each row's sum
 // of 4 products per instruction, and a group's 8 of them add up in int32 lanes.
 //
-// The activations come with one scale per group of 32 (quantize_blocks, coarse), not per 8 as in the
-// GEMVs: one conversion and scaling per group instead of four, which made the kernel 1.3-1.6x faster
-// (Gemma 3's layers and head, 32 and 512 tokens, Ice Lake Xeon) for no loss of perplexity there
-// (SmolLM2 18.3952 against 18.4000 per 8, Gemma 3 14.9113 against 14.9152; -q none: 18.3408, 14.8926).
+// The activations come with one scale per 8 (x_block 8, as for the GEMVs) or per group of 32
+// (x_block 32: quantize_blocks, coarse). Per 32 a group's 8 dpbusd add up in int32 lanes and are
+// converted and scaled once instead of four times, which makes the kernel 1.3-1.6x faster (Gemma 3's
+// layers and head, 32 and 512 tokens, Ice Lake Xeon), but rounds small activations next to large
+// ones more coarsely: SmolLM2's perplexity (8 chunks of 512 of the GPL) with every layer per 32 was
+// +0.45% (prompts) and +0.63% (decode) over its dequantized weights' against +0.29% / +0.29% per 8,
+// and with only the output head per 32, +0.41% / +0.29%; Gemma 3's +0.28% / +0.05% / +0.13%
+// (prompts). So models take 32 for their output head (`QuantLinear.x_block`), 8 elsewhere.
 // Tiles need VNNI: without it, dot4's pairs of products of int8 q + 128 (up to 255) with x overflow int16.
 #if defined(SIMD_AVX512) && defined(__AVX512VNNI__)
 #define TILES_BUILT 1
@@ -637,7 +641,7 @@ inline __m512i broadcast4(const int8_t* x) {
 constexpr int64_t tile_group_bytes(int bits) { return bits == 8 ? 512 : 256; }
 constexpr int64_t kTileFifthGroupBytes = 64;
 
-template <int M, int Bits, bool Fifth, typename T>
+template <int M, int Bits, bool Fifth, bool Fine, typename T>
 void quant_tiles(const int8_t* xq, const float* scales, const float* sums, int64_t K, const uint8_t* tiles,
                  const uint8_t* fifth, const float* tile_scales, bool row_scales, T* y, int64_t N, int64_t tile0,
                  int64_t tile1) {
@@ -650,7 +654,9 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, int64
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       __m512i whole[M];  // each row's integer sums over the group, under its one activation scale
-      for (int i = 0; i < M; ++i) whole[i] = _mm512_setzero_si512();
+      __m512 fine[M];    // the group's sums scaled by the activations' scales
+      if constexpr (!Fine)
+        for (int i = 0; i < M; ++i) whole[i] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
         __m512i first, second;
         if constexpr (Bits == 8) {
@@ -671,19 +677,25 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, int64
         }
         for (int i = 0; i < M; ++i) {
           const int8_t* x = xq + i * K + g * 32 + 4 * j;
-          whole[i] = dot4(dot4(whole[i], first, broadcast4(x)), second, broadcast4(x + 16));
+          if constexpr (Fine) {  // a scale per quarter j: its sums converted and scaled apart
+            const __m512i d = dot4(dot4(_mm512_setzero_si512(), first, broadcast4(x)), second, broadcast4(x + 16));
+            fine[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(scales[(i * groups + g) * 4 + j]),
+                                      j == 0 ? _mm512_setzero_ps() : fine[i]);
+          } else {
+            whole[i] = dot4(dot4(whole[i], first, broadcast4(x)), second, broadcast4(x + 16));
+          }
         }
       }
+      if constexpr (!Fine)
+        for (int i = 0; i < M; ++i) fine[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(whole[i]), _mm512_set1_ps(scales[(i * groups + g) * 4]));
       if (row_scales) {  // the rows' scale and low apply once, after the last group
-        for (int i = 0; i < M; ++i)
-          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole[i]), _mm512_set1_ps(scales[(i * groups + g) * 4]), acc[i]);
+        for (int i = 0; i < M; ++i) acc[i] = _mm512_add_ps(fine[i], acc[i]);
         continue;
       }
       const __m512 group_scale = _mm512_loadu_ps(ts + g * scale_stride);
       const __m512 group_low = _mm512_loadu_ps(ts + g * scale_stride + 16);
       for (int i = 0; i < M; ++i) {
-        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(whole[i]), _mm512_set1_ps(scales[(i * groups + g) * 4]));
-        acc[i] = _mm512_fmadd_ps(part, group_scale, acc[i]);
+        acc[i] = _mm512_fmadd_ps(fine[i], group_scale, acc[i]);
         acc[i] = _mm512_fmadd_ps(group_low, _mm512_set1_ps(sums[i * groups + g]), acc[i]);
       }
     }
@@ -713,21 +725,21 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, int64
 constexpr int64_t kTilesPerTask = 2;
 constexpr int64_t kTilesPerChunk = 4;
 
-template <int Bits, bool Fifth, typename T>
+template <int Bits, bool Fifth, bool Fine, typename T>
 at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint8_t* fifth,
                           const at::Tensor& tile_scales) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
   const bool row_scales = tile_scales.size(1) == 1;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const QuantizedRows xq = quantize_rows<T>(x, true, false, true);
+  const QuantizedRows xq = quantize_rows<T>(x, true, false, !Fine);
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const float* ts = tile_scales.data_ptr<float>();
   T* out = y.data_ptr<T>();
   over_row_blocks(
       M, N / 16,
       [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
-        quant_tiles<decltype(rows)::value, Bits, Fifth>(xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4,
+        quant_tiles<decltype(rows)::value, Bits, Fifth, Fine>(xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4,
                                                         xq.sums.get() + m0 * groups, K, q, fifth, ts, row_scales,
                                                         out + m0 * N, N, t0, t1);
       },
@@ -740,7 +752,7 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
 // with the layer's dense copy where it has one (bf16 on CPUs with AMX).
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
                               const c10::optional<at::Tensor>& fifth_masks, int64_t bits,
-                              const c10::optional<at::Tensor>& dense, int64_t max_tile_rows) {
+                              const c10::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block) {
   if (x.size(0) > max_tile_rows && dense.has_value()) return at::linear(x, *dense);
 #ifdef TILES_BUILT
   const auto dtype = x.scalar_type();
@@ -763,13 +775,19 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
                 "quant_tiles_linear: fifth_masks must be contiguous uint8 (N / 16, K / 32, 64), with 4-bit tiles");
     fifth = fifth_masks->data_ptr<uint8_t>();
   }
-  const bool fp32 = dtype == at::kFloat;
-  if (bits == 8) return fp32 ? quant_tiles_as<8, false, float>(x, tiles, nullptr, tile_scales)
-                             : quant_tiles_as<8, false, at::BFloat16>(x, tiles, nullptr, tile_scales);
-  if (fifth != nullptr) return fp32 ? quant_tiles_as<4, true, float>(x, tiles, fifth, tile_scales)
-                                    : quant_tiles_as<4, true, at::BFloat16>(x, tiles, fifth, tile_scales);
-  return fp32 ? quant_tiles_as<4, false, float>(x, tiles, nullptr, tile_scales)
-              : quant_tiles_as<4, false, at::BFloat16>(x, tiles, nullptr, tile_scales);
+  TORCH_CHECK(x_block == 8 || x_block == 32, "quant_tiles_linear: x_block must be 8 or 32");
+  const auto with_dtype = [&](auto bits_fifth, auto fine) {
+    constexpr int kBits = decltype(bits_fifth)::value == 8 ? 8 : 4;
+    constexpr bool kFifth = decltype(bits_fifth)::value == 5, kFine = decltype(fine)::value;
+    return dtype == at::kFloat ? quant_tiles_as<kBits, kFifth, kFine, float>(x, tiles, fifth, tile_scales)
+                               : quant_tiles_as<kBits, kFifth, kFine, at::BFloat16>(x, tiles, fifth, tile_scales);
+  };
+  const auto with_kind = [&](auto fine) {
+    if (bits == 8) return with_dtype(std::integral_constant<int, 8>{}, fine);
+    if (fifth != nullptr) return with_dtype(std::integral_constant<int, 5>{}, fine);
+    return with_dtype(std::integral_constant<int, 4>{}, fine);
+  };
+  return x_block == 8 ? with_kind(std::true_type{}) : with_kind(std::false_type{});
 #else
   TORCH_CHECK(false, "quant_tiles_linear needs AVX-512 with VNNI");
   return x;
@@ -796,7 +814,7 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor steps_lows, Tensor units, Tensor? fifth_bits, "
         "Tensor? dense, int max_gemv_rows) -> Tensor");
   m.def("quant_tiles_linear(Tensor x, Tensor tiles, Tensor tile_scales, Tensor? fifth_masks, int bits, Tensor? dense, "
-        "int max_tile_rows) -> Tensor");
+        "int max_tile_rows, int x_block=8) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
