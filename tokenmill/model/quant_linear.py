@@ -84,9 +84,9 @@ def int4_rows_layout() -> bool:
 
 def tiles_layout() -> bool:
     """Whether packed weights take the tile layout and kernel (`tokenmill::quant_tiles_linear`,
-    AVX-512 only) wherever those load. On an Ice Lake Xeon (2 threads, SmolLM2's and Gemma 3's
-    layer shapes) it is 1.3-2.3x faster than the row GEMVs at 1 to 512 tokens, as fast as a dense
-    fp32 matmul from 128 tokens on (160-180 GMAC/s)."""
+    AVX-512 with VNNI only) wherever those load. On an Ice Lake Xeon (2 threads, SmolLM2's and
+    Gemma 3's layer shapes) it is 1.3-2.3x faster than the row GEMVs at 1 to 512 tokens, as fast as a
+    dense fp32 matmul from 128 tokens on (160-180 GMAC/s)."""
     return (torch.backends.cpu.get_cpu_capability() == "AVX512" and kernels.load()
             and torch.ops.tokenmill.tiles_built())
 
