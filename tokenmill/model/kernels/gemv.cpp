@@ -641,10 +641,13 @@ inline __m512i broadcast4(const int8_t* x) {
 constexpr int64_t tile_group_bytes(int bits) { return bits == 8 ? 512 : 256; }
 constexpr int64_t kTileFifthGroupBytes = 64;
 
+// row_totals: with one scale and low per weight row (tile_scales (N / 16, 1, 2, 16)), each activation
+// row's sum of x, whose product with the low is added once after the last group; else nullptr.
 template <int M, int Bits, bool Fifth, bool Fine, typename T>
-void quant_tiles(const int8_t* xq, const float* scales, const float* sums, int64_t K, const uint8_t* tiles,
-                 const uint8_t* fifth, const float* tile_scales, bool row_scales, T* y, int64_t N, int64_t tile0,
+void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const float* row_totals, int64_t K,
+                 const uint8_t* tiles, const uint8_t* fifth, const float* tile_scales, T* y, int64_t N, int64_t tile0,
                  int64_t tile1) {
+  const bool row_scales = row_totals != nullptr;
   const int64_t groups = K / 32, scale_stride = row_scales ? 0 : 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   for (int64_t t = tile0; t < tile1; ++t) {
@@ -687,7 +690,8 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, int64
         }
       }
       if constexpr (!Fine)
-        for (int i = 0; i < M; ++i) fine[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(whole[i]), _mm512_set1_ps(scales[(i * groups + g) * 4]));
+        for (int i = 0; i < M; ++i)
+          fine[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(whole[i]), _mm512_set1_ps(scales[(i * groups + g) * 4]));
       if (row_scales) {  // the rows' scale and low apply once, after the last group
         for (int i = 0; i < M; ++i) acc[i] = _mm512_add_ps(fine[i], acc[i]);
         continue;
@@ -701,11 +705,8 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, int64
     }
     if (row_scales) {
       const __m512 row_scale = _mm512_loadu_ps(ts), row_low = _mm512_loadu_ps(ts + 16);
-      for (int i = 0; i < M; ++i) {
-        float total = 0.0f;  // of x over the row
-        for (int64_t g = 0; g < groups; ++g) total += sums[i * groups + g];
-        acc[i] = _mm512_fmadd_ps(row_low, _mm512_set1_ps(total), _mm512_mul_ps(acc[i], row_scale));
-      }
+      for (int i = 0; i < M; ++i)
+        acc[i] = _mm512_fmadd_ps(row_low, _mm512_set1_ps(row_totals[i]), _mm512_mul_ps(acc[i], row_scale));
     }
     for (int i = 0; i < M; ++i) {
       T* out = y + i * N + t * 16;
@@ -729,19 +730,24 @@ template <int Bits, bool Fifth, bool Fine, typename T>
 at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint8_t* fifth,
                           const at::Tensor& tile_scales) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
-  const bool row_scales = tile_scales.size(1) == 1;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantizedRows xq = quantize_rows<T>(x, true, false, !Fine);
+  std::vector<float> totals;  // per activation row, for weights with one scale per row (quant_tiles)
+  if (tile_scales.size(1) == 1) {
+    totals.assign(M, 0.0f);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t g = 0; g < groups; ++g) totals[i] += xq.sums[i * groups + g];
+  }
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const float* ts = tile_scales.data_ptr<float>();
   T* out = y.data_ptr<T>();
   over_row_blocks(
       M, N / 16,
       [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
-        quant_tiles<decltype(rows)::value, Bits, Fifth, Fine>(xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4,
-                                                        xq.sums.get() + m0 * groups, K, q, fifth, ts, row_scales,
-                                                        out + m0 * N, N, t0, t1);
+        quant_tiles<decltype(rows)::value, Bits, Fifth, Fine>(
+            xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4, xq.sums.get() + m0 * groups,
+            totals.empty() ? nullptr : totals.data() + m0, K, q, fifth, ts, out + m0 * N, N, t0, t1);
       },
       kTilesPerTask, kTilesPerChunk);
   return y;
