@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
-from tokenmill.model.quant_linear import QuantEmbedding, QuantLinear, int4_rows_layout
+from tokenmill.model.quant_linear import COARSE_X_BLOCK, FINE_X_BLOCK, QuantEmbedding, QuantLinear, int4_rows_layout
 
 VOCAB = 96
 HF_CONFIGS = {
@@ -168,6 +168,10 @@ def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_pat
     else:
         torch.testing.assert_close(ours, twin, atol=KEPT_ATOL[qtype], rtol=0)
         kinds = {m.kind for m in from_gguf.model.modules() if isinstance(m, QuantLinear)}
+        x_blocks = {name.rsplit(".", 1)[-1]: m.x_block for name, m in from_gguf.model.named_modules()
+                    if isinstance(m, QuantLinear)}
+        if qtype != Q.F32:  # the down projection's outliers keep finer activation scales
+            assert x_blocks.pop("down_proj") == FINE_X_BLOCK and set(x_blocks.values()) == {COARSE_X_BLOCK}
         if qtype == Q.Q5_0:
             assert kinds >= ({"int5"} if int4_rows_layout() else {"int8"})
 

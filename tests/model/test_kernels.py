@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
-from tokenmill.model.quant_linear import (HEAD_X_BLOCK, MAX_STEP, Int4Rows, QuantLinear, dense_crossover,
+from tokenmill.model.quant_linear import (COARSE_X_BLOCK, MAX_STEP, Int4Rows, QuantLinear, dense_crossover,
                                          dense_packed_form, int4_rows_layout, pack_fifth_bits, pack_int4_rows,
                                          pack_tiles, tiles_layout, unpack_int4_rows, unpack_tiles)
 from tokenmill.model.transformer import RMSNorm
@@ -268,8 +268,8 @@ def test_quant_linear_takes_tiles_on_avx512(kind: str) -> None:
         weight = (q.float().view(96, -1, 32) * scale[..., None] + low[..., None]).view(96, 128)
     torch.testing.assert_close(tiles(x), int8_activations(x) @ weight.t(), atol=1e-4, rtol=1e-4)
     assert ((rows(x) - tiles(x)).norm() / tiles(x).norm()).item() < 1e-3
-    head = QuantLinear(96, 128, torch.float32, **{kind: data}, x_block=HEAD_X_BLOCK)
-    torch.testing.assert_close(head(x), int8_activations(x, per=32) @ weight.t(), atol=1e-4, rtol=1e-4)
+    coarse = QuantLinear(96, 128, torch.float32, **{kind: data}, x_block=COARSE_X_BLOCK)
+    torch.testing.assert_close(coarse(x), int8_activations(x, per=32) @ weight.t(), atol=1e-4, rtol=1e-4)
     kind, data = dense_packed_form(torch.randn(100, 128), kind)
     assert not QuantLinear(100, 128, torch.float32, **{kind: data}).tiles  # rows not in whole tiles of 16
 

@@ -17,8 +17,8 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
-    BODY_X_BLOCK,
-    HEAD_X_BLOCK,
+    COARSE_X_BLOCK,
+    FINE_X_BLOCK,
     QuantEmbedding,
     QuantLinear,
     dense_crossover,
@@ -169,15 +169,16 @@ class _Builder:
                 ws = [state.pop(f"layers.{i}.{p}.weight") for p in parts]
                 bs = [state.pop(f"layers.{i}.{p}.bias", None) for p in parts]
                 owner, attr = target.split(".")
-                setattr(getattr(layer, owner), attr, self.linear(ws, bs))
+                x_block = FINE_X_BLOCK if target == "mlp.down_proj" else COARSE_X_BLOCK
+                setattr(getattr(layer, owner), attr, self.linear(ws, bs, x_block))
         embed = state.pop("embed.weight")
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
         if head is not None:
-            model.lm_head = self.linear([head], [None], x_block=HEAD_X_BLOCK)
+            model.lm_head = self.linear([head], [None], x_block=COARSE_X_BLOCK)
         elif keep_quantized or self.quantization in ("int8", "int4"):
             # tied, but the head needs its own packed form
-            model.lm_head = self.linear([embed], [None], x_block=HEAD_X_BLOCK)
+            model.lm_head = self.linear([embed], [None], x_block=COARSE_X_BLOCK)
         if keep_quantized:
             # looked up from the file's rows as they are: a tied head's re-quantized int8 rows
             # would cost perplexity (SmolLM2, decode path: +0.1%) to save only the pages of rows
@@ -193,7 +194,7 @@ class _Builder:
         return model.eval().requires_grad_(False)
 
     def linear(self, weights: list[Weight], biases: list[torch.Tensor | None],
-               x_block: int = BODY_X_BLOCK) -> nn.Module:
+               x_block: int = FINE_X_BLOCK) -> nn.Module:
         """One module computing the concatenated outputs of these checkpoint projections (x_block:
         see `QuantLinear`)."""
         bias = None
