@@ -357,7 +357,9 @@ def test_gated_activation_refuses_what_it_cannot_compute() -> None:
 
 @pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                     (torch.float32, torch.float16), (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256), (6, 2, 16)])
+# query heads per KV head: 3, 4, 3, 7 (attended 4 then 3 at a time), 2 and 1
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(9, 3, 64), (4, 1, 256), (6, 2, 16), (14, 2, 64), (4, 2, 48), (2, 2, 32)])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
 def test_decode_attention_matches_batched_matmuls(dtype: torch.dtype, cache_dtype: torch.dtype, heads: int,
                                                   kv_heads: int, head_dim: int, window: int | None,

@@ -25,95 +25,108 @@ constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kChunk = 64;  // context positions per task
 static_assert(kChunk % simd::kWidth == 0, "a chunk's scores are padded to whole vectors within it");
 
-template <typename T>
-float dot(const float* q, const T* k, int64_t dim) {
+// Most query heads attended together: they share each key and value row loaded (and widened)
+constexpr int kMaxHeads = 4;
+
+// scores[h * kChunk + j] = q[h] . row j, for H query heads at once: kWidth / H rows at a time, their
+// H x (kWidth / H) dot products summed across lanes together (transposed_sums)
+template <int H, typename C>
+void head_scores(const float (*q)[kMaxHeadDim], const C* base, const int64_t* rows, int64_t count, int64_t row_stride,
+                 int64_t dim, float* scores) {
   using namespace simd;
-  Vec a = zero(), b = zero();
-  int64_t i = 0;
-  for (; i + 2 * kWidth <= dim; i += 2 * kWidth) {
-    a = fmadd(load(q + i), load(k + i), a);
-    b = fmadd(load(q + i + kWidth), load(k + i + kWidth), b);
+  constexpr int R = kWidth / H;
+  for (int64_t j = 0; j < count; j += R) {
+    Vec acc[kWidth];
+    const C* k[R];
+    for (int i = 0; i < kWidth; ++i) acc[i] = zero();
+    for (int r = 0; r < R; ++r) k[r] = base + rows[std::min(j + r, count - 1)] * row_stride;  // past the end: repeats
+    for (int64_t i = 0; i < dim; i += kWidth) {
+      Vec qv[H];
+      for (int h = 0; h < H; ++h) qv[h] = load(q[h] + i);
+      for (int r = 0; r < R; ++r) {
+        const Vec kv = load(k[r] + i);
+        for (int h = 0; h < H; ++h) acc[h * R + r] = fmadd(qv[h], kv, acc[h * R + r]);
+      }
+    }
+    float lanes[kWidth];
+    store(lanes, transposed_sums(acc));
+    const int64_t n = std::min<int64_t>(R, count - j);
+    for (int h = 0; h < H; ++h)
+      for (int64_t r = 0; r < n; ++r) scores[h * kChunk + j + r] = lanes[h * R + r];
   }
-  if (i < dim) a = fmadd(load(q + i), load(k + i), a);
-  return sum(add(a, b));
 }
 
-// The dot products of q with kWidth rows, as one vector
-template <typename T>
-simd::Vec dots(const float* q, const T* base, const int64_t* rows, int64_t row_stride, int64_t dim) {
+// acc[h * acc_stride + 0:N vectors] = sum_j probs[h * kChunk + j] * rows[j][0:N vectors] for H heads
+template <int N, int H, typename C>
+void weighted_rows(const float* probs, const C* base, const int64_t* rows, int64_t count, int64_t row_stride,
+                   float* acc, int64_t acc_stride) {
   using namespace simd;
-  Vec acc[kWidth];
-  const T* k[kWidth];
-  for (int r = 0; r < kWidth; ++r) {
-    acc[r] = zero();
-    k[r] = base + rows[r] * row_stride;
-  }
-  for (int64_t i = 0; i < dim; i += kWidth) {
-    const Vec qv = load(q + i);
-    for (int r = 0; r < kWidth; ++r) acc[r] = fmadd(qv, load(k[r] + i), acc[r]);
-  }
-  return transposed_sums(acc);
-}
-
-// acc[0:N vectors] = sum_j probs[j] * rows[j][0:N vectors], the sums held in registers
-template <int N, typename T>
-void weighted_rows(const float* probs, const T* base, const int64_t* rows, int64_t count, int64_t row_stride,
-                   float* acc) {
-  using namespace simd;
-  Vec a[N];
-  for (int i = 0; i < N; ++i) a[i] = zero();
+  Vec a[H][N];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < N; ++i) a[h][i] = zero();
   for (int64_t j = 0; j < count; ++j) {
-    const T* v = base + rows[j] * row_stride;
-    const Vec p = set1(probs[j]);
-    for (int i = 0; i < N; ++i) a[i] = fmadd(p, load(v + i * kWidth), a[i]);
-  }
-  for (int i = 0; i < N; ++i) store(acc + i * kWidth, a[i]);
-}
-
-// Attention of one query head over one chunk of a sequence's admitted keys (`rows`, `count` > 0 of
-// them): the chunk's score maximum, its sum of exp(score - maximum) and the exp-weighted sum of its
-// value rows (`acc`), which `merge_chunks` combines across chunks. scores: scratch of count
-// rounded up to kWidth.
-template <typename T, typename C>
-void attend_chunk(const T* q_in, const C* k_cache, const C* v_cache, const int64_t* rows, int64_t count,
-                  int64_t row_stride, int64_t dim, float scale, std::optional<double> softcap, float* scores,
-                  float& top_out, float& total_out, float* acc) {
-  using namespace simd;
-  float q[kMaxHeadDim];
-  for (int64_t i = 0; i < dim; i += kWidth) store(q + i, mul(load(q_in + i), set1(scale)));
-  int64_t j = 0;
-  for (; j + kWidth <= count; j += kWidth) store(scores + j, dots(q, k_cache, rows + j, row_stride, dim));
-  for (; j < count; ++j) scores[j] = dot(q, k_cache + rows[j] * row_stride, dim);
-  if (softcap) {
-    const float cap = static_cast<float>(*softcap);
-    for (int64_t j = 0; j < count; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
-  }
-  const int64_t padded = (count + kWidth - 1) / kWidth * kWidth;
-  std::fill(scores + count, scores + padded, -std::numeric_limits<float>::infinity());
-  Vec top_lanes = set1(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < padded; j += kWidth) top_lanes = max(top_lanes, load(scores + j));
-  float lanes[kWidth];
-  store(lanes, top_lanes);
-  const float top = *std::max_element(lanes, lanes + kWidth);
-  Vec total = zero();
-  for (int64_t j = 0; j < padded; j += kWidth) {
-    const Vec p = exp(sub(load(scores + j), set1(top)));
-    store(scores + j, p);
-    if (j + kWidth <= count) total = add(total, p);
-  }
-  float denominator = sum(total);
-  for (int64_t j = count / kWidth * kWidth; j < count; ++j) denominator += scores[j];
-  for (int64_t c = 0; c < dim; c += 8 * kWidth) {
-    switch (std::min<int64_t>(8, (dim - c) / kWidth)) {
-      case 8: weighted_rows<8>(scores, v_cache + c, rows, count, row_stride, acc + c); break;
-      case 4: weighted_rows<4>(scores, v_cache + c, rows, count, row_stride, acc + c); break;
-      case 2: weighted_rows<2>(scores, v_cache + c, rows, count, row_stride, acc + c); break;
-      default:
-        for (int64_t i = c; i < dim; i += kWidth) weighted_rows<1>(scores, v_cache + i, rows, count, row_stride, acc + i);
+    const C* v = base + rows[j] * row_stride;
+    Vec p[H];
+    for (int h = 0; h < H; ++h) p[h] = set1(probs[h * kChunk + j]);
+    for (int i = 0; i < N; ++i) {
+      const Vec x = load(v + i * kWidth);
+      for (int h = 0; h < H; ++h) a[h][i] = fmadd(p[h], x, a[h][i]);
     }
   }
-  top_out = top;
-  total_out = denominator;
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < N; ++i) store(acc + h * acc_stride + i * kWidth, a[h][i]);
+}
+
+// Attention of H query heads (q_in: H rows of dim) sharing one KV head over one chunk of a
+// sequence's admitted keys (`rows`, `count` > 0 of them): per head, the chunk's score maximum, its
+// sum of exp(score - maximum) and the exp-weighted sum of its value rows, which `merge_chunks`
+// combines across chunks; head h's results at tops[h * part_stride], totals[...] and
+// accs + h * part_stride * dim.
+template <int H, typename T, typename C>
+void attend_chunk(const T* q_in, const C* k_cache, const C* v_cache, const int64_t* rows, int64_t count,
+                  int64_t row_stride, int64_t dim, float scale, std::optional<double> softcap, float* tops,
+                  float* totals, float* accs, int64_t part_stride) {
+  using namespace simd;
+  float q[H][kMaxHeadDim];
+  float scores[H * kChunk];
+  for (int h = 0; h < H; ++h)
+    for (int64_t i = 0; i < dim; i += kWidth) store(q[h] + i, mul(load(q_in + h * dim + i), set1(scale)));
+  head_scores<H>(q, k_cache, rows, count, row_stride, dim, scores);
+  const int64_t padded = (count + kWidth - 1) / kWidth * kWidth;
+  for (int h = 0; h < H; ++h) {
+    float* s = scores + h * kChunk;
+    if (softcap) {
+      const float cap = static_cast<float>(*softcap);
+      for (int64_t j = 0; j < count; ++j) s[j] = std::tanh(s[j] / cap) * cap;
+    }
+    std::fill(s + count, s + padded, -std::numeric_limits<float>::infinity());
+    Vec top_lanes = set1(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < padded; j += kWidth) top_lanes = max(top_lanes, load(s + j));
+    const float top = max_of(top_lanes);
+    Vec total = zero();
+    for (int64_t j = 0; j < padded; j += kWidth) {
+      const Vec p = exp(sub(load(s + j), set1(top)));
+      store(s + j, p);
+      if (j + kWidth <= count) total = add(total, p);
+    }
+    float denominator = sum(total);
+    for (int64_t j = count / kWidth * kWidth; j < count; ++j) denominator += s[j];
+    tops[h * part_stride] = top;
+    totals[h * part_stride] = denominator;
+  }
+  const int64_t acc_stride = part_stride * dim;
+  constexpr int kMost = H <= 2 ? 8 : 4;  // value vectors per pass: H x kMost sums in registers
+  for (int64_t c = 0; c < dim;) {
+    const int64_t left = (dim - c) / kWidth;
+    const int n = left >= kMost ? kMost : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    switch (n) {
+      case 8: weighted_rows<8, H>(scores, v_cache + c, rows, count, row_stride, accs + c, acc_stride); break;
+      case 4: weighted_rows<4, H>(scores, v_cache + c, rows, count, row_stride, accs + c, acc_stride); break;
+      case 2: weighted_rows<2, H>(scores, v_cache + c, rows, count, row_stride, accs + c, acc_stride); break;
+      default: weighted_rows<1, H>(scores, v_cache + c, rows, count, row_stride, accs + c, acc_stride);
+    }
+    c += n * kWidth;
+  }
 }
 
 // out = sum_c exp(top_c - M) acc_c / sum_c exp(top_c - M) total_c over one head's chunks, M their
@@ -135,8 +148,10 @@ void merge_chunks(const float* tops, const float* totals, const float* accs, int
 }
 
 // Tasks are (sequence, KV head, chunk of kChunk context positions): the query heads sharing a KV
-// head take their turns over the same chunk while its rows are in cache, and a batch of one still
-// has tasks for every thread. The chunks' partial results are merged per (sequence, query head).
+// head attend together, up to kMaxHeads at a time, so that each row is loaded and widened once for
+// all of them (32 sequences at ~170 positions, float16 cache, Ice Lake: Gemma 3's 18 layers 11.1 ->
+// 4.2-5.6 ms, SmolLM2's 30 layers 14.3 -> 6.9-9.8 ms, against one head at a time), and a batch of one
+// still has tasks for every thread. The chunks' partial results are merged per (sequence, query head).
 template <typename T, typename C>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
          const at::Tensor& mask, at::Tensor& out, double scale, std::optional<double> softcap) {
@@ -156,7 +171,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   float* totals = tops + parts;
   float* accs = totals + parts;
   at::parallel_for(0, batch * kv_heads * chunks, 1, [&](int64_t t0, int64_t t1) {
-    float scores[kChunk];
     int64_t rows[kChunk];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (kv_heads * chunks), g = t / chunks % kv_heads, c = t % chunks;
@@ -166,13 +180,24 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         rows[count] = sp[b * context + j];
         count += mp[b * context + j];
       }
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const int64_t part = (b * heads + h) * chunks + c;
-        tops[part] = -std::numeric_limits<float>::infinity();
-        totals[part] = 0.0f;
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kMaxHeads) {
+        const int64_t n = std::min<int64_t>(kMaxHeads, (g + 1) * group - h0), part = (b * heads + h0) * chunks + c;
+        for (int64_t h = 0; h < n; ++h) {
+          tops[part + h * chunks] = -std::numeric_limits<float>::infinity();
+          totals[part + h * chunks] = 0.0f;
+        }
         if (count == 0) continue;  // merge_chunks leaves the chunk out
-        attend_chunk(qp + (b * heads + h) * dim, kp + g * dim, vp + g * dim, rows, count, row_stride, dim,
-                     static_cast<float>(scale), softcap, scores, tops[part], totals[part], accs + part * dim);
+        const T* qh = qp + (b * heads + h0) * dim;
+        const C* kg = kp + g * dim;
+        const C* vg = vp + g * dim;
+        const float s = static_cast<float>(scale);
+        float* acc = accs + part * dim;
+        switch (n) {
+          case 4: attend_chunk<4>(qh, kg, vg, rows, count, row_stride, dim, s, softcap, tops + part, totals + part, acc, chunks); break;
+          case 3: attend_chunk<3>(qh, kg, vg, rows, count, row_stride, dim, s, softcap, tops + part, totals + part, acc, chunks); break;
+          case 2: attend_chunk<2>(qh, kg, vg, rows, count, row_stride, dim, s, softcap, tops + part, totals + part, acc, chunks); break;
+          default: attend_chunk<1>(qh, kg, vg, rows, count, row_stride, dim, s, softcap, tops + part, totals + part, acc, chunks);
+        }
       }
     }
   });

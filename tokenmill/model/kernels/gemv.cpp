@@ -683,17 +683,19 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
           if constexpr (Fine) {  // a scale per quarter j: its sums converted and scaled apart
             const __m512i d = dot4(dot4(_mm512_setzero_si512(), first, broadcast4(x)), second, broadcast4(x + 16));
             fine[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(scales[(i * groups + g) * 4 + j]),
-                                      j == 0 ? _mm512_setzero_ps() : fine[i]);
+                                      j != 0 ? fine[i] : row_scales ? acc[i] : _mm512_setzero_ps());
           } else {
             whole[i] = dot4(dot4(whole[i], first, broadcast4(x)), second, broadcast4(x + 16));
           }
         }
       }
       if constexpr (!Fine)
-        for (int i = 0; i < M; ++i)
-          fine[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(whole[i]), _mm512_set1_ps(scales[(i * groups + g) * 4]));
-      if (row_scales) {  // the rows' scale and low apply once, after the last group
-        for (int i = 0; i < M; ++i) acc[i] = _mm512_add_ps(fine[i], acc[i]);
+        for (int i = 0; i < M; ++i) {
+          const __m512 sums_x = _mm512_cvtepi32_ps(whole[i]), scale_x = _mm512_set1_ps(scales[(i * groups + g) * 4]);
+          fine[i] = row_scales ? _mm512_fmadd_ps(sums_x, scale_x, acc[i]) : _mm512_mul_ps(sums_x, scale_x);
+        }
+      if (row_scales) {  // fine already holds acc: the rows' scale and low apply once, after the last group
+        for (int i = 0; i < M; ++i) acc[i] = fine[i];
         continue;
       }
       const __m512 group_scale = _mm512_loadu_ps(ts + g * scale_stride);
