@@ -204,3 +204,16 @@ def test_logprobs_absent_or_empty_when_not_asked() -> None:
     assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
     out = Sampler()(LOGITS, build([S(logprobs=0)] * 6))
     assert out.logprobs.shape == (6,) and out.top_ids.shape == (6, 0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])  # the greedy path and the random one
+def test_rows_without_a_finite_highest_logit_are_unusable(temperature: float) -> None:
+    """NaN, +inf or nothing but -inf: unusable; a row with some -inf (a masked token) is fine."""
+    logits = LOGITS.clone()
+    logits[0, 3] = float("nan")
+    logits[1, 9] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, :10] = float("-inf")
+    out = Sampler()(logits, build([S(temperature=temperature)] * 6))
+    assert out.usable.tolist() == [False, False, False, True, True, True]
+    assert out.token_ids[3].item() >= 10  # never a masked token

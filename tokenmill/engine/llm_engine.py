@@ -295,24 +295,16 @@ class LLMEngine:
             self._sample(logits, [s for _, s in sample_rows], touched)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], touched: dict[str, _Parent]) -> None:
-        # a row's sum is finite exactly when its logits are (they are far too small to overflow),
-        # and one pass of a sum costs 20 us where isfinite(...).all() takes 0.4 ms on 262k logits
-        finite = torch.isfinite(logits.sum(dim=-1))
-        if not bool(finite.all()):  # one request's numerical failure must not reach the others
-            for seq, ok in zip(seqs, finite.tolist()):
-                if not ok:
-                    self._fail(seq, "the model produced non-finite logits for this request")
-                    touched[seq.parent.request_id] = seq.parent
-            keep = finite.nonzero().flatten()
-            seqs = [seqs[i] for i in keep.tolist()]
-            logits = logits[keep]
-            if not seqs:
-                return
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.req.prompt_token_ids for s in seqs], [s.req.output_token_ids for s in seqs],
             [s.generator for s in seqs], logits.shape[-1], [s.stop_ids for s in seqs],
         )
         out = self.sampler(logits, batch)
+        if not bool(out.usable.all()):  # one request's numerical failure must not reach the others
+            for seq, ok in zip(seqs, out.usable.tolist()):
+                if not ok:
+                    self._fail(seq, "the model produced non-finite logits for this request")
+                    touched[seq.parent.request_id] = seq.parent
         sampled = out.token_ids.tolist()
         lp = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
