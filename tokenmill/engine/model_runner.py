@@ -15,10 +15,9 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch._dynamo.aot_compile import AOTCompiledFunction
-from torch.fx.experimental import _config as shape_config
 
 from tokenmill import model as model_package
 from tokenmill.catalog import cache_root, mark_used, prune_cache
@@ -26,6 +25,9 @@ from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, resolve_kv_cache_dtype
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.transformer import Transformer
+
+if TYPE_CHECKING:  # dynamo takes ~1 s to import: the compile thread imports it, off the start's path
+    from torch._dynamo.aot_compile import AOTCompiledFunction
 
 log = logging.getLogger("tokenmill.engine")
 # Inductor accumulates float sums longer than 4096 in chunks, and guards a graph traced with a
@@ -198,6 +200,8 @@ class ModelRunner:
         # would otherwise be assumed equal to it, and the first real batch would recompile.
         # Specialized floats: the layers' constants (norm eps, softmax scale) would otherwise
         # be graph inputs, boxed into tensors on every call (~1.5 ms of a 12 ms step).
+        from torch.fx.experimental import _config as shape_config
+
         graphs = {}
         with torch.inference_mode(), shape_config.patch(use_duck_shape=False), \
                 torch._dynamo.config.patch(specialize_float=True):
