@@ -162,9 +162,9 @@ TILE_ROWS = 16  # weight rows per tile of `quant_tiles_linear`
 # Activations per int8 scale in the tile kernel. One scale per 32 makes it 1.3-1.6x faster than one
 # per 8 but rounds small activations next to large ones more coarsely. The MLP's down projection
 # takes act(gate) x up, whose outliers are the model's largest, so it keeps 8; the other layers and
-# the output head take 32. Perplexity over the dequantized weights' (8 chunks of 512 of the GPL,
-# prompt / decode path): SmolLM2 +0.17% / +0.35% this way, +0.45% / +0.63% with 32 everywhere and
-# +0.29% / +0.29% with 8 everywhere; Gemma 3 +0.26% / +0.16%, 32 everywhere +0.28% (prompts).
+# the output head take 32. Perplexity over the dequantized weights' (`tokenmill perplexity`, 8
+# chunks of 512 of the GPL, prompt / decode path): SmolLM2 +0.17% / +0.18% this way (d822f07),
+# +0.45% / +0.63% with 32 everywhere and +0.29% / +0.29% with 8 everywhere; Gemma 3 +0.09% / +0.21%.
 FINE_X_BLOCK = 8
 COARSE_X_BLOCK = 32
 # Weights packed into tiles at a time: Gemma 3's 262k x 640 int8 head took 0.85 / 0.57 / 0.38 /
