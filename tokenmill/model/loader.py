@@ -193,8 +193,7 @@ class _Builder:
             raise ModelFileError(self.path, f"no weights for {', '.join(left[:3])}")
         return model.eval().requires_grad_(False)
 
-    def linear(self, weights: list[Weight], biases: list[torch.Tensor | None],
-               x_block: int = FINE_X_BLOCK) -> nn.Module:
+    def linear(self, weights: list[Weight], biases: list[torch.Tensor | None], x_block: int) -> nn.Module:
         """One module computing the concatenated outputs of these checkpoint projections (x_block:
         see `QuantLinear`)."""
         bias = None

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -187,16 +188,16 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           totals[part + h * chunks] = 0.0f;
         }
         if (count == 0) continue;  // merge_chunks leaves the chunk out
-        const T* qh = qp + (b * heads + h0) * dim;
-        const C* kg = kp + g * dim;
-        const C* vg = vp + g * dim;
-        const float s = static_cast<float>(scale);
-        float* acc = accs + part * dim;
+        const auto attend = [&](auto together) {  // the n heads, as a template argument
+          attend_chunk<decltype(together)::value>(qp + (b * heads + h0) * dim, kp + g * dim, vp + g * dim, rows, count,
+                                                  row_stride, dim, static_cast<float>(scale), softcap, tops + part,
+                                                  totals + part, accs + part * dim, chunks);
+        };
         switch (n) {
-          case 4: attend_chunk<4>(qh, kg, vg, rows, count, row_stride, dim, s, softcap, tops + part, totals + part, acc, chunks); break;
-          case 3: attend_chunk<3>(qh, kg, vg, rows, count, row_stride, dim, s, softcap, tops + part, totals + part, acc, chunks); break;
-          case 2: attend_chunk<2>(qh, kg, vg, rows, count, row_stride, dim, s, softcap, tops + part, totals + part, acc, chunks); break;
-          default: attend_chunk<1>(qh, kg, vg, rows, count, row_stride, dim, s, softcap, tops + part, totals + part, acc, chunks);
+          case 4: attend(std::integral_constant<int, 4>{}); break;
+          case 3: attend(std::integral_constant<int, 3>{}); break;
+          case 2: attend(std::integral_constant<int, 2>{}); break;
+          default: attend(std::integral_constant<int, 1>{});
         }
       }
     }
