@@ -29,11 +29,18 @@ static_assert(kChunk % simd::kWidth == 0, "a chunk's scores are padded to whole 
 // Most query heads attended together: they share each key and value row loaded (and widened)
 constexpr int kMaxHeads = 4;
 
+// Requests the cache lines of a row of dim values into the cache level of Hint (_MM_HINT_T0: L1, T1: L2)
+template <int Hint, typename C>
+inline void prefetch_row(const C* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(C)); b += 64) _mm_prefetch(bytes + b, static_cast<decltype(_MM_HINT_T0)>(Hint));
+}
+
 // scores[h * kChunk + j] = q[h] . row j, for H query heads at once: kWidth / H rows at a time, their
 // H x (kWidth / H) dot products summed across lanes together (transposed_sums)
 template <int H, typename C>
-void head_scores(const float (*q)[kMaxHeadDim], const C* base, const int64_t* rows, int64_t count, int64_t row_stride,
-                 int64_t dim, float* scores) {
+void head_scores(const float (*q)[kMaxHeadDim], const C* base, const C* values, const int64_t* rows, int64_t count,
+                 int64_t row_stride, int64_t dim, float* scores) {
   using namespace simd;
   constexpr int R = kWidth / H;
   for (int64_t j = 0; j < count; j += R) {
@@ -41,6 +48,14 @@ void head_scores(const float (*q)[kMaxHeadDim], const C* base, const int64_t* ro
     const C* k[R];
     for (int i = 0; i < kWidth; ++i) acc[i] = zero();
     for (int r = 0; r < R; ++r) k[r] = base + rows[std::min(j + r, count - 1)] * row_stride;  // past the end: repeats
+    // The rows' slots scatter over the cache's blocks, where the hardware prefetchers cannot follow:
+    // the next R key rows are fetched now, and these rows' values for the second pass (32 sequences
+    // at 170 positions in 16-slot blocks, float16, Ice Lake: SmolLM2's 30 layers 13-16.5 -> 11.7-12
+    // ms, Gemma 3's 18 layers 10.0 -> 7.4-7.8 ms; ~8-10 GB/s of the 18 that a plain sum reads)
+    for (int64_t r = j; r < std::min(count, j + R); ++r) {
+      if (r + R < count) prefetch_row<_MM_HINT_T0>(base + rows[r + R] * row_stride, dim);
+      prefetch_row<_MM_HINT_T1>(values + rows[r] * row_stride, dim);
+    }
     for (int64_t i = 0; i < dim; i += kWidth) {
       Vec qv[H];
       for (int h = 0; h < H; ++h) qv[h] = load(q[h] + i);
@@ -92,7 +107,7 @@ void attend_chunk(const T* q_in, const C* k_cache, const C* v_cache, const int64
   float scores[H * kChunk];
   for (int h = 0; h < H; ++h)
     for (int64_t i = 0; i < dim; i += kWidth) store(q[h] + i, mul(load(q_in + h * dim + i), set1(scale)));
-  head_scores<H>(q, k_cache, rows, count, row_stride, dim, scores);
+  head_scores<H>(q, k_cache, v_cache, rows, count, row_stride, dim, scores);
   const int64_t padded = (count + kWidth - 1) / kWidth * kWidth;
   for (int h = 0; h < H; ++h) {
     float* s = scores + h * kChunk;
