@@ -38,7 +38,8 @@ inline void prefetch_row(const C* row, int64_t dim) {
 }
 
 // scores[h * kChunk + j] = q[h] . row j, for H query heads at once: kWidth / H rows at a time, their
-// H x (kWidth / H) dot products summed across lanes together (transposed_sums)
+// H x (kWidth / H) dot products summed across lanes together (transposed_sums); the rows' values (at
+// the same slots of `values`) are prefetched for attend_chunk's second pass
 template <int H, typename C>
 void head_scores(const float (*q)[kMaxHeadDim], const C* base, const C* values, const int64_t* rows, int64_t count,
                  int64_t row_stride, int64_t dim, float* scores) {
@@ -56,7 +57,7 @@ void head_scores(const float (*q)[kMaxHeadDim], const C* base, const C* values, 
     // a plain sum over a large tensor reads ~18).
     for (int64_t r = j; r < std::min(count, j + R); ++r) {
       if (r + R < count) prefetch_row<_MM_HINT_T0>(base + rows[r + R] * row_stride, dim);
-      prefetch_row<_MM_HINT_T1>(values + rows[r] * row_stride, dim);
+      prefetch_row<_MM_HINT_T1>(values + (k[r - j] - base), dim);
     }
     for (int64_t i = 0; i < dim; i += kWidth) {
       Vec qv[H];

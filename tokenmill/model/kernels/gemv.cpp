@@ -621,10 +621,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // (x_block 32: quantize_blocks, coarse). Per 32 a group's 8 dpbusd add up in int32 lanes and are
 // converted and scaled once instead of four times, which makes the kernel 1.3-1.6x faster (Gemma 3's
 // layers and head, 32 and 512 tokens, Ice Lake Xeon), but rounds small activations next to large
-// ones more coarsely: SmolLM2's perplexity (8 chunks of 512 of the GPL) with every layer per 32 was
-// +0.45% (prompts) and +0.63% (decode) over its dequantized weights' against +0.29% / +0.29% per 8,
-// and with 8 only in the MLP's down projections (whose inputs hold the outliers), +0.17% / +0.18%
-// (Gemma 3: +0.09% / +0.21%). So that is what models take (`QuantLinear.x_block`,
+// ones more coarsely, which costs the MLP's down projections (whose inputs hold the outliers) the most
+// perplexity: models take 8 there and 32 elsewhere (`QuantLinear.x_block`; the figures are at
 // `quant_linear.FINE_X_BLOCK`).
 // Tiles need VNNI: without it, dot4's pairs of products of int8 q + 128 (up to 255) with x overflow int16.
 #if defined(SIMD_AVX512) && defined(__AVX512VNNI__)
