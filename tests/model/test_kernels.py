@@ -234,6 +234,16 @@ def test_quant_tiles_linear_switches_to_the_dense_copy_beyond_its_rows(tokens: i
 
 
 @needs_avx512
+@pytest.mark.parametrize("tokens", [4, 5])
+def test_quant_tiles_linear_takes_fine_activation_scales_beyond_max_coarse_rows(tokens: int) -> None:
+    _, _, _, packed = _random_tiles(32, 64, 8, 1)
+    x = torch.randn(tokens, 64)
+    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 32, 4)
+    reference = int8_activations(x, per=32 if tokens <= 4 else 8) @ unpack_tiles(packed).t()
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+
+
+@needs_avx512
 def test_quant_tiles_linear_rejects_what_it_cannot_multiply() -> None:
     _, _, _, packed = _random_tiles(16, 64, 4, 0)
     linear = torch.ops.tokenmill.quant_tiles_linear

@@ -14,6 +14,8 @@ from tokenmill.model.loader import load_model
 from tokenmill.model import quant_linear
 from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
+    PACKED_DENSE_CROSSOVER,
+    TILES_DENSE_CROSSOVER,
     Int4Rows,
     QuantLinear,
     dense_packed_form,
@@ -22,6 +24,7 @@ from tokenmill.model.quant_linear import (
     pack_fifth_bits,
     pack_int4_rows,
     pack_tiles,
+    tiles_layout,
     unpack_int4_rows,
     unpack_tiles,
 )
@@ -90,6 +93,29 @@ def test_loader_gives_a_large_int8_head_no_dense_copy(tiny_model_dir, monkeypatc
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert [m.out_features for m in layers if m.dense is None] == [320]
     assert all(m.dense is not None for m in layers if m.out_features != 320)
+
+
+def test_large_int8_matrix_in_whole_tiles_takes_the_tile_kernel_in_bf16(monkeypatch) -> None:
+    torch.manual_seed(4)
+    monkeypatch.setattr(quant_linear, "LARGE_INT8_WEIGHTS", 96 * 64)
+    kind, data = dense_packed_form(torch.randn(96, 64), "int8")
+    layer = QuantLinear(96, 64, torch.bfloat16, **{kind: data})
+    # where the tile kernel serves, the head's chunks give way to it at every batch size
+    assert layer.tiles == tiles_layout() and layer.large_int8 == (not layer.tiles)
+    weight = data[0].float() * data[1][:, None]
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    for tokens in (1, 8, 40):
+        expected = x[:tokens].float() @ weight.t()
+        error = (layer(x[:tokens]).float() - expected).norm() / expected.norm()
+        assert error < 2e-2, (tokens, error)  # x rounded to int8 (tiles) or the output to bf16
+
+
+def test_bf16_tile_layers_keep_dense_copies_from_the_tiles_crossover(tiny_model_dir) -> None:
+    loaded = load_model(tiny_model_dir, dtype="bf16", progress=False, quantization="int4")
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert layers
+    for m in layers:
+        assert m.dense_min_tokens == (TILES_DENSE_CROSSOVER if m.tiles else PACKED_DENSE_CROSSOVER["int4"])
 
 
 def test_merging_int4_with_int8_parts_brings_them_to_int8() -> None:

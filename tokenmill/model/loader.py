@@ -26,6 +26,7 @@ from tokenmill.model.quant_linear import (
     is_large_int8,
     merge_packed,
     packed_form,
+    takes_tiles,
 )
 from tokenmill.model.transformer import Transformer
 
@@ -91,7 +92,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bo
     dense_min_tokens: quantized layers also keep a dense copy, used for batches of at least that
     many tokens (prefill, wide decode), where dense matmuls beat the weight-only kernels. None
     picks the measured crossover (`quant_linear.dense_crossover`: in fp32, no copy where tokenmill's
-    row kernels serve, else 65 tokens; in bf16, 16 for int4 and 8 for int8); 0 keeps no copies.
+    row kernels serve, else 65 tokens; in bf16, 48 for the tile kernel (AVX-512 with VNNI), else 16
+    for int4 and 8 for int8); 0 keeps no copies.
     """
     path = Path(path)
     dtype = parse_dtype(dtype)
@@ -214,9 +216,10 @@ class _Builder:
             kind, data = merge_packed([packed_form(w) for w in weights])
         else:
             kind, data = merge_packed([dense_packed_form(_dense(w, torch.float32), q) for w in weights])
-        threshold = self.dense_min_tokens if self.dense_min_tokens is not None else dense_crossover(kind, self.dtype)
+        threshold = (self.dense_min_tokens if self.dense_min_tokens is not None
+                     else dense_crossover(kind, self.dtype, takes_tiles(rows, cols)))
         if is_large_int8(kind, rows * cols):
-            threshold = 0  # an output head: multiplied in dequantized chunks instead (see QuantLinear)
+            threshold = 0  # an output head: tiles or dequantized chunks serve every batch (see QuantLinear)
         dense = _cat_rows([_dense(w, self.dtype) for w in weights]) if threshold > 0 else None
         _release(weights)
         return QuantLinear(rows, cols, self.dtype, **{kind: data}, bias=bias, dense=dense,

@@ -37,7 +37,9 @@ INT5_EXACT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K})
 # Beyond the GEMV's batch sizes (bf16, or without tokenmill's kernels) it is multiplied in row chunks
 # dequantized on the fly, as fast as a dense copy up to ~32 tokens (Gemma 3's head: 49 vs 47 ms at
 # 32 tokens, 86 vs 77 at 64) without the copy's memory (336 MB for that head), so such a matrix
-# never gets a dense copy.
+# never gets a dense copy. Where the tile layout serves, such a matrix takes it like any other, in bf16
+# too: on an AMX Xeon, Gemma 3's head at 8 / 32 / 64 tokens took 8.5 / 19.4 / 33.5 ms in tiles against
+# 22.5 / 38.0 / 50.1 in chunks (the same at 1 token: 5.9 against 5.8 for the GEMV).
 LARGE_INT8_WEIGHTS = 1 << 24
 # Rows of such a matrix dequantized at a time (here and in `tokenmill::int8_linear`), measured on
 # Gemma 3's 262k x 640 head: 8192 in bf16 (10 MB, stays in cache; AVX-512 EPYC), 2048 in fp32 and
@@ -63,14 +65,18 @@ FP32_GEMV_MAX_TOKENS = 64
 # Xeon), which serve until tokenmill's kernels are built, or where they cannot be (5-bit weights,
 # which only tokenmill's int4 row kernel reads, take int4's)
 PACKED_DENSE_CROSSOVER = {"int4": 16, "int5": 16, "int8": 8}
+# The same for the tile kernel against a bf16 copy, on an AMX Xeon (every layer of SmolLM2 / Gemma 3 in
+# turn, 2 threads): at 8 tokens 5.6 / 5.3 ms against 19.4 / 17.5, at 32 17.1 / 15.4 against 20.4 /
+# 19.6, at 48 22.3 / 22.4 against 24.3 / 21.9, at 64 29.5 / 28.1 against 23.6 / 22.4
+TILES_DENSE_CROSSOVER = 48
 
 
-def dense_crossover(kind: str, dtype: torch.dtype) -> int:
-    """The batch size (tokens) from which a dense copy of a layer beats its kind's kernels; 0 where
-    none does (the layer keeps no copy)."""
+def dense_crossover(kind: str, dtype: torch.dtype, tiles: bool = False) -> int:
+    """The batch size (tokens) from which a dense copy of a layer beats its kind's kernels (tiles:
+    the tile kernel's); 0 where none does (the layer keeps no copy)."""
     if dtype == torch.float32:
         return 0 if int4_rows_layout() else FP32_GEMV_MAX_TOKENS + 1
-    return PACKED_DENSE_CROSSOVER[kind]
+    return TILES_DENSE_CROSSOVER if tiles else PACKED_DENSE_CROSSOVER[kind]
 
 
 def int4_rows_layout() -> bool:
@@ -80,6 +86,11 @@ def int4_rows_layout() -> bool:
     faster), and on AVX-512, where they match at batch 1 and ours is 1.2-1.35x faster at 8 and 32
     tokens (the same shapes on an Ice Lake Xeon). It also keeps 5-bit weights exact."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and kernels.load()
+
+
+def takes_tiles(rows: int, cols: int) -> bool:
+    """Whether a packed matrix of this shape takes the tile layout (`tiles_layout`) by default."""
+    return tiles_layout() and rows % TILE_ROWS == 0 and cols % INT4_GROUP == 0
 
 
 def tiles_layout() -> bool:
@@ -167,6 +178,11 @@ TILE_ROWS = 16  # weight rows per tile of `quant_tiles_linear`
 # +0.45% / +0.63% with 32 everywhere and +0.29% / +0.29% with 8 everywhere; Gemma 3 +0.09% / +0.21%.
 FINE_X_BLOCK = 8
 COARSE_X_BLOCK = 32
+# A coarse output head (tiles of a large int8 matrix) takes 8 beyond these many tokens: the logits of
+# every prompt token (perplexity, prompt logprobs), where its cost shows. Gemma 3, bf16, prompt path
+# against the dequantized weights' 14.8979: 14.9781 (+0.54%) coarse, 14.9516 (+0.36%) fine; a
+# decode batch (up to this many sequences) keeps 32 (decode path 14.9059, +0.05%)
+HEAD_COARSE_MAX_TOKENS = 64
 # Weights packed into tiles at a time: Gemma 3's 262k x 640 int8 head took 0.85 / 0.57 / 0.38 /
 # 0.16 s in chunks of 64k / 256k / 1M / 4M weights (fewer, larger copies)
 PACK_CHUNK_WEIGHTS = 1 << 22
@@ -383,8 +399,7 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         self.kind = "int4" if int4 is not None else "int5" if int5 is not None else "int8"
         if tiles is None:
-            tiles = (tiles_layout() and out_features % TILE_ROWS == 0 and in_features % INT4_GROUP == 0
-                     and not (is_large_int8(self.kind, out_features * in_features) and dtype != torch.float32))
+            tiles = takes_tiles(out_features, in_features)
         self.tiles = tiles
         self.x_block = x_block
         if int4 is not None and int4_rows is None:
@@ -421,6 +436,8 @@ class QuantLinear(nn.Module):
         self.dense = None if dense is None else nn.Parameter(dense.to(dtype), requires_grad=False)
         self.dense_min_tokens = dense_min_tokens
         self.large_int8 = not tiles and is_large_int8(self.kind, out_features * in_features)  # int8 rows kept
+        head_tiles = tiles and x_block == COARSE_X_BLOCK and is_large_int8(self.kind, out_features * in_features)
+        self.max_coarse_tokens = HEAD_COARSE_MAX_TOKENS if head_tiles else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel(x.shape[0], self._native_fits(x))
@@ -431,7 +448,7 @@ class QuantLinear(nn.Module):
             if self.tiles:
                 y = torch.ops.tokenmill.quant_tiles_linear(x, self.tile_q, self.tile_scales, self.fifth_masks,
                                                            self.tile_bits, dense, self._gemv_max_tokens(x.dtype),
-                                                           self.x_block)
+                                                           self.x_block, self.max_coarse_tokens)
             elif self.int4_rows:
                 y = torch.ops.tokenmill.int4_rows_linear(x, *self._int4_rows(), self.fifth_bits, dense,
                                                          self._gemv_max_tokens(x.dtype))

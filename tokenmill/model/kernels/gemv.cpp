@@ -756,11 +756,14 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
 #endif
 
 // y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5) or 8; beyond max_tile_rows rows,
-// with the layer's dense copy where it has one (bf16 on CPUs with AMX).
+// with the layer's dense copy where it has one (bf16 on CPUs with AMX). x_block 32 serves up to
+// max_coarse_rows rows (all if negative), 8 beyond them.
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
                               const c10::optional<at::Tensor>& fifth_masks, int64_t bits,
-                              const c10::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block) {
+                              const c10::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
+                              int64_t max_coarse_rows) {
   if (x.size(0) > max_tile_rows && dense.has_value()) return at::linear(x, *dense);
+  if (max_coarse_rows >= 0 && x.size(0) > max_coarse_rows) x_block = 8;
 #ifdef TILES_BUILT
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
@@ -821,7 +824,7 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor steps_lows, Tensor units, Tensor? fifth_bits, "
         "Tensor? dense, int max_gemv_rows) -> Tensor");
   m.def("quant_tiles_linear(Tensor x, Tensor tiles, Tensor tile_scales, Tensor? fifth_masks, int bits, Tensor? dense, "
-        "int max_tile_rows, int x_block=8) -> Tensor");
+        "int max_tile_rows, int x_block=8, int max_coarse_rows=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
