@@ -234,6 +234,23 @@ def test_quant_tiles_linear_switches_to_the_dense_copy_beyond_its_rows(tokens: i
 
 
 @needs_avx512
+@pytest.mark.parametrize("exact_in_half", [True, False])
+def test_quant_tiles_keep_group_scales_in_float16_only_where_exact(exact_in_half: bool) -> None:
+    torch.manual_seed(2)
+    q = torch.randint(0, 16, (32, 64))
+    scale, low = torch.rand(32, 2) / 10, -torch.rand(32, 2) / 10
+    if exact_in_half:  # Q4_0 / Q4_1 / Q5_0: float16 in the file
+        scale, low = scale.half().float(), low.half().float()
+    packed = pack_tiles(q, scale, low, 4)
+    assert packed.tile_scales.dtype == (torch.float16 if exact_in_half else torch.float32)
+    weight = (q.view(32, 2, 32) * scale[..., None] + low[..., None]).view(32, 64)
+    torch.testing.assert_close(unpack_tiles(packed), weight)  # exact either way
+    x = torch.randn(3, 64)
+    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 8)
+    torch.testing.assert_close(out, int8_activations(x) @ weight.t(), atol=1e-4, rtol=1e-4)
+
+
+@needs_avx512
 @pytest.mark.parametrize("tokens", [4, 5])
 def test_quant_tiles_linear_takes_fine_activation_scales_beyond_max_coarse_rows(tokens: int) -> None:
     _, _, _, packed = _random_tiles(32, 64, 8, 1)
@@ -257,6 +274,8 @@ def test_quant_tiles_linear_rejects_what_it_cannot_multiply() -> None:
         linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, None, 8, None, 4)
     with pytest.raises(RuntimeError, match="tile_scales must be"):
         linear(torch.randn(1, 64), packed.tiles, packed.tile_scales.double(), None, 4, None, 4)
+    with pytest.raises(RuntimeError, match="tile_scales must be"):  # float16 only with a pair per group
+        linear(torch.randn(1, 64), packed.tiles, packed.tile_scales[:, :1].half().contiguous(), None, 4, None, 4)
     with pytest.raises(RuntimeError, match="fifth_masks"):
         linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, packed.tiles, 4, None, 4)
 

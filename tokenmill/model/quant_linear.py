@@ -192,7 +192,10 @@ class QuantTiles(NamedTuple):
     """int4, 5-bit or int8 weights in the tile layout of `quant_tiles_linear`: w = scale x q + low."""
 
     tiles: torch.Tensor  # uint8: per tile of 16 rows, group of 32 and sub-block j, the q of 16 rows x 8 elements
-    tile_scales: torch.Tensor  # (rows / 16, cols / 32 or 1, 2, 16) float32: each group's (or row's) scale and low
+    # (rows / 16, cols / 32 or 1, 2, 16): each group's (or row's) scale and low, float16 where that
+    # holds every group's exactly (Q4_0, Q4_1, Q5_0: 4-bit tiles of 0.625 bytes per weight against 0.75),
+    # else float32
+    tile_scales: torch.Tensor
     fifth_masks: torch.Tensor | None  # 5-bit: (rows / 16, cols / 32, 64) uint8, the fifth bits as byte masks
     bits: int  # 4 (5 with fifth_masks) or 8
 
@@ -210,7 +213,8 @@ def pack_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: in
     groups, count = cols // INT4_GROUP, rows // TILE_ROWS
     tiles = torch.empty(count, groups, 4, 2 if bits == 8 else 1, TILE_ROWS, 4, dtype=torch.uint8)
     fifth = torch.empty(count, groups, 4, 2, 8, dtype=torch.uint8) if bits == 5 else None
-    tile_scales = torch.empty(count, scale.shape[1], 2, TILE_ROWS)
+    exact_half = scale.shape[1] > 1 and all(torch.equal(v.half().float(), v.float()) for v in (scale, low))
+    tile_scales = torch.empty(count, scale.shape[1], 2, TILE_ROWS, dtype=torch.float16 if exact_half else torch.float32)
     signed = q.dtype == torch.int8
     step = max(1, PACK_CHUNK_WEIGHTS // (cols * TILE_ROWS))
     for t0 in range(0, count, step):
@@ -251,7 +255,7 @@ def unpack_tiles(tiles: QuantTiles) -> torch.Tensor:
             bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).view(count, groups, 4, 2, TILE_ROWS, 4)
             q = q + 16 * bits
     q = q.permute(0, 4, 1, 3, 2, 5).reshape(count * TILE_ROWS, groups, INT4_GROUP).float()
-    scale, low = (tiles.tile_scales[:, :, k].transpose(1, 2).reshape(count * TILE_ROWS, -1, 1) for k in (0, 1))
+    scale, low = (tiles.tile_scales[:, :, k].float().transpose(1, 2).reshape(count * TILE_ROWS, -1, 1) for k in (0, 1))
     return (q * scale + low).view(count * TILE_ROWS, groups * INT4_GROUP)
 
 

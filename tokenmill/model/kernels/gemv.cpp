@@ -640,18 +640,24 @@ inline __m512i broadcast4(const int8_t* x) {
 constexpr int64_t tile_group_bytes(int bits) { return bits == 8 ? 512 : 256; }
 constexpr int64_t kTileFifthGroupBytes = 64;
 
+// 16 scales or lows of a tile, as float32 or float16 (S)
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // row_totals: with one scale and low per weight row (tile_scales (N / 16, 1, 2, 16)), each activation
 // row's sum of x, whose product with the low is added once after the last group; else nullptr.
-template <int M, int Bits, bool Fifth, bool Fine, typename T>
+template <int M, int Bits, bool Fifth, bool Fine, typename T, typename S>
 void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const float* row_totals, int64_t K,
-                 const uint8_t* tiles, const uint8_t* fifth, const float* tile_scales, T* y, int64_t N, int64_t tile0,
+                 const uint8_t* tiles, const uint8_t* fifth, const S* tile_scales, T* y, int64_t N, int64_t tile0,
                  int64_t tile1) {
   const bool row_scales = row_totals != nullptr;
   const int64_t groups = K / 32, scale_stride = row_scales ? 0 : 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   for (int64_t t = tile0; t < tile1; ++t) {
     const uint8_t* q = tiles + t * groups * tile_group_bytes(Bits);
-    const float* ts = tile_scales + t * (row_scales ? 1 : groups) * 32;
+    const S* ts = tile_scales + t * (row_scales ? 1 : groups) * 32;
     __m512 acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -697,15 +703,15 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
         for (int i = 0; i < M; ++i) acc[i] = fine[i];
         continue;
       }
-      const __m512 group_scale = _mm512_loadu_ps(ts + g * scale_stride);
-      const __m512 group_low = _mm512_loadu_ps(ts + g * scale_stride + 16);
+      const __m512 group_scale = load_scales(ts + g * scale_stride);
+      const __m512 group_low = load_scales(ts + g * scale_stride + 16);
       for (int i = 0; i < M; ++i) {
         acc[i] = _mm512_fmadd_ps(fine[i], group_scale, acc[i]);
         acc[i] = _mm512_fmadd_ps(group_low, _mm512_set1_ps(sums[i * groups + g]), acc[i]);
       }
     }
     if (row_scales) {
-      const __m512 row_scale = _mm512_loadu_ps(ts), row_low = _mm512_loadu_ps(ts + 16);
+      const __m512 row_scale = load_scales(ts), row_low = load_scales(ts + 16);
       for (int i = 0; i < M; ++i)
         acc[i] = _mm512_fmadd_ps(row_low, _mm512_set1_ps(row_totals[i]), _mm512_mul_ps(acc[i], row_scale));
     }
@@ -727,7 +733,7 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
 constexpr int64_t kTilesPerTask = 2;
 constexpr int64_t kTilesPerChunk = 4;
 
-template <int Bits, bool Fifth, bool Fine, typename T>
+template <int Bits, bool Fifth, bool Fine, typename T, typename S>
 at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint8_t* fifth,
                           const at::Tensor& tile_scales) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
@@ -741,12 +747,12 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
       for (int64_t g = 0; g < groups; ++g) totals[i] += xq.sums[i * groups + g];
   }
   const uint8_t* q = tiles.data_ptr<uint8_t>();
-  const float* ts = tile_scales.data_ptr<float>();
+  const S* ts = tile_scales.data_ptr<S>();
   T* out = y.data_ptr<T>();
   over_row_blocks(
       M, N / 16,
       [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
-        quant_tiles<decltype(rows)::value, Bits, Fifth, Fine>(
+        quant_tiles<decltype(rows)::value, Bits, Fifth, Fine, T, S>(
             xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4, xq.sums.get() + m0 * groups,
             totals.empty() ? nullptr : totals.data() + m0, K, q, fifth, ts, out + m0 * N, N, t0, t1);
       },
@@ -769,9 +775,12 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "quant_tiles_linear: x must be a 2-D bfloat16 or float32 tensor");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_tiles_linear: bits must be 4 or 8");
+  const bool half_scales = tile_scales.scalar_type() == at::kHalf;
   TORCH_CHECK(tile_scales.dim() == 4 && tile_scales.size(2) == 2 && tile_scales.size(3) == 16 &&
-                  tile_scales.scalar_type() == at::kFloat && tile_scales.is_contiguous(),
-              "quant_tiles_linear: tile_scales must be contiguous float32 (N / 16, K / 32 or 1, 2, 16)");
+                  (tile_scales.scalar_type() == at::kFloat || (half_scales && tile_scales.size(1) > 1)) &&
+                  tile_scales.is_contiguous(),
+              "quant_tiles_linear: tile_scales must be contiguous float32 (N / 16, K / 32 or 1, 2, 16), or float16 "
+              "(N / 16, K / 32, 2, 16)");
   const int64_t tiles_count = tile_scales.size(0), groups = x.size(1) / 32;
   TORCH_CHECK(x.size(1) % 32 == 0 && (tile_scales.size(1) == groups || tile_scales.size(1) == 1),
               "quant_tiles_linear: x's width must be the weight's");
@@ -789,8 +798,12 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
   const auto with_dtype = [&](auto bits_fifth, auto fine) {
     constexpr int kBits = decltype(bits_fifth)::value == 8 ? 8 : 4;
     constexpr bool kFifth = decltype(bits_fifth)::value == 5, kFine = decltype(fine)::value;
-    return dtype == at::kFloat ? quant_tiles_as<kBits, kFifth, kFine, float>(x, tiles, fifth, tile_scales)
-                               : quant_tiles_as<kBits, kFifth, kFine, at::BFloat16>(x, tiles, fifth, tile_scales);
+    const auto with_scales = [&](auto scale) {
+      using S = decltype(scale);
+      return dtype == at::kFloat ? quant_tiles_as<kBits, kFifth, kFine, float, S>(x, tiles, fifth, tile_scales)
+                                 : quant_tiles_as<kBits, kFifth, kFine, at::BFloat16, S>(x, tiles, fifth, tile_scales);
+    };
+    return half_scales ? with_scales(c10::Half{}) : with_scales(float{});
   };
   const auto with_kind = [&](auto fine) {
     if (bits == 8) return with_dtype(std::integral_constant<int, 8>{}, fine);
