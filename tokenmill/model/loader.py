@@ -216,14 +216,15 @@ class _Builder:
             kind, data = merge_packed([packed_form(w) for w in weights])
         else:
             kind, data = merge_packed([dense_packed_form(_dense(w, torch.float32), q) for w in weights])
+        tiles = takes_tiles(rows, cols)
         threshold = (self.dense_min_tokens if self.dense_min_tokens is not None
-                     else dense_crossover(kind, self.dtype, takes_tiles(rows, cols)))
+                     else dense_crossover(kind, self.dtype, tiles))
         if is_large_int8(kind, rows * cols):
             threshold = 0  # an output head: tiles or dequantized chunks serve every batch (see QuantLinear)
         dense = _cat_rows([_dense(w, self.dtype) for w in weights]) if threshold > 0 else None
         _release(weights)
         return QuantLinear(rows, cols, self.dtype, **{kind: data}, bias=bias, dense=dense,
-                           dense_min_tokens=threshold, x_block=x_block)
+                           dense_min_tokens=threshold, tiles=tiles, x_block=x_block)
 
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:

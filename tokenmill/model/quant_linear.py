@@ -439,9 +439,9 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.dense = None if dense is None else nn.Parameter(dense.to(dtype), requires_grad=False)
         self.dense_min_tokens = dense_min_tokens
-        self.large_int8 = not tiles and is_large_int8(self.kind, out_features * in_features)  # int8 rows kept
-        head_tiles = tiles and x_block == COARSE_X_BLOCK and is_large_int8(self.kind, out_features * in_features)
-        self.max_coarse_tokens = HEAD_COARSE_MAX_TOKENS if head_tiles else -1
+        large = is_large_int8(self.kind, out_features * in_features)  # an output head
+        self.large_int8 = large and not tiles  # int8 rows kept
+        self.max_coarse_tokens = HEAD_COARSE_MAX_TOKENS if large else -1  # the tile kernel's; -1: no limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel(x.shape[0], self._native_fits(x))

@@ -614,8 +614,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // nibbles, the second in the high: 64 bytes per quarter), 8-bit q take one byte each (128), and 5-bit
 // q add a 64-bit mask of fifth bits per vector. Each group's float scale and low per row come apart
 // (tile_scales: (N / 16, K / 32, 2, 16), float32 or float16, or one float32 pair per row for all
-// groups, (N / 16, 1, 2, 16): an int8 row's q + 128 and -128 x its scale), so that w = scale x q + low. dpbusd makes each row's sum
-// of 4 products per instruction, and a group's 8 of them add up in int32 lanes.
+// groups, (N / 16, 1, 2, 16): an int8 row's q + 128 and -128 x its scale), so that
+// w = scale x q + low. dpbusd makes each row's sum of 4 products per instruction, and a group's 8 of
+// them add up in int32 lanes.
 //
 // The activations come with one scale per 8 (x_block 8, as for the GEMVs) or per group of 32
 // (x_block 32: quantize_blocks, coarse). Per 32 a group's 8 dpbusd add up in int32 lanes and are
