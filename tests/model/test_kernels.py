@@ -260,6 +260,42 @@ def test_quant_tiles_linear_takes_fine_activation_scales_beyond_max_coarse_rows(
     torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
 
 
+def _amx_usable() -> bool:
+    return kernels.load() and torch.ops.tokenmill.amx_usable()
+
+
+needs_amx = pytest.mark.skipif(not _amx_usable(), reason="the tile kernel's AMX path needs a CPU with AMX")
+
+
+@needs_amx
+@pytest.mark.parametrize("tokens", [1, 16, 17, 70])  # padded to blocks of 16 rows; 64 rows per pass
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("half_scales", [True, False])
+def test_quant_tiles_linear_on_amx_multiplies_the_bf16_weights(tokens: int, bits: int, half_scales: bool) -> None:
+    _, _, _, packed = _random_tiles(16 * 37, 160, bits, tokens + bits)
+    if not half_scales:
+        packed = packed._replace(tile_scales=packed.tile_scales.float())
+    assert packed.tile_scales.dtype == (torch.float16 if half_scales and bits != 8 else torch.float32)
+    x = torch.randn(tokens, 160, dtype=torch.bfloat16)
+    reference = x.float() @ unpack_tiles(packed).bfloat16().float().t()  # no int8 activations
+
+    def error(amx_min_rows: int) -> float:
+        out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 8, -1, amx_min_rows)
+        assert out.dtype == torch.bfloat16 and out.shape == (tokens, 16 * 37)
+        return ((out.float() - reference).norm() / reference.norm()).item()
+
+    assert error(tokens) < 2.5e-3  # the output's bf16 rounding
+    assert error(tokens + 1) > 3e-3  # below amx_min_rows, the int8 products
+
+
+@needs_amx
+def test_quant_tiles_linear_keeps_float32_rows_off_amx() -> None:
+    _, _, _, packed = _random_tiles(32, 64, 4, 3)
+    x = torch.randn(20, 64)
+    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 8, -1, 0)
+    torch.testing.assert_close(out, int8_activations(x) @ unpack_tiles(packed).t(), atol=1e-4, rtol=1e-4)
+
+
 @needs_avx512
 def test_quant_tiles_linear_rejects_what_it_cannot_multiply() -> None:
     _, _, _, packed = _random_tiles(16, 64, 4, 0)

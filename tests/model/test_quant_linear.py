@@ -14,10 +14,12 @@ from tokenmill.model.loader import load_model
 from tokenmill.model import quant_linear
 from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
+    AMX_MIN_TOKENS,
     PACKED_DENSE_CROSSOVER,
     TILES_DENSE_CROSSOVER,
     Int4Rows,
     QuantLinear,
+    amx_tiles,
     dense_packed_form,
     exact_groups,
     merge_packed,
@@ -110,12 +112,16 @@ def test_large_int8_matrix_in_whole_tiles_takes_the_tile_kernel_in_bf16(monkeypa
         assert error < 2e-2, (tokens, error)  # x rounded to int8 (tiles) or the output to bf16
 
 
-def test_bf16_tile_layers_keep_dense_copies_from_the_tiles_crossover(tiny_model_dir) -> None:
+def test_bf16_tile_layers_keep_dense_copies_from_the_tiles_crossover_unless_on_amx(tiny_model_dir) -> None:
     loaded = load_model(tiny_model_dir, dtype="bf16", progress=False, quantization="int4")
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert layers
     for m in layers:
-        assert m.dense_min_tokens == (TILES_DENSE_CROSSOVER if m.tiles else PACKED_DENSE_CROSSOVER["int4"])
+        if m.tiles and amx_tiles():  # the tile kernel's AMX path serves wide batches
+            assert m.dense is None and m.amx_min_tokens == AMX_MIN_TOKENS
+        else:
+            assert m.dense_min_tokens == (TILES_DENSE_CROSSOVER if m.tiles else PACKED_DENSE_CROSSOVER["int4"])
+            assert m.amx_min_tokens == -1
 
 
 def test_merging_int4_with_int8_parts_brings_them_to_int8() -> None:

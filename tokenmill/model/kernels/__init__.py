@@ -142,7 +142,8 @@ def _int4_rows_shape(x: torch.Tensor, nibbles: torch.Tensor, steps_lows: torch.T
 
 def _quant_tiles_shape(x: torch.Tensor, tiles: torch.Tensor, tile_scales: torch.Tensor,
                        fifth_masks: torch.Tensor | None, bits: int, dense: torch.Tensor | None,
-                       max_tile_rows: int, x_block: int = 8, max_coarse_rows: int = -1) -> torch.Tensor:
+                       max_tile_rows: int, x_block: int = 8, max_coarse_rows: int = -1,
+                       amx_min_rows: int = -1) -> torch.Tensor:
     return x.new_empty(x.shape[0], tile_scales.shape[0] * 16)
 
 

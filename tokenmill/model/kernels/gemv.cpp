@@ -760,6 +760,216 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
       kTilesPerTask, kTilesPerChunk);
   return y;
 }
+
+// AMX: with many activation rows the tile kernel's integer products give way to the CPU's matrix
+// unit, fed bf16. Each (tile, group) of weights is dequantized once (w = scale x q + low, rounded to
+// bf16 as a dense copy is) into a B tile, 16 k-pairs x 16 weight rows, which then multiplies every
+// block of 16 activation rows (A tiles, read in place from the bf16 rows) with tdpbf16ps into fp32
+// C tiles that hold the sums over the whole row: no activation rounding, no per-group scaling of
+// outputs. The dequantization (~150 vector instructions a group of 512 weights) does not depend on
+// the number of rows, so this wins from a few blocks of rows on; the weights stay in their bytes.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX_BUILT 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Linux hands out the AMX state only to processes that ask (oneDNN asks too; asking twice is fine)
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: C, up to 4 blocks of 16 activation rows; tmm4: A; tmm5: B. All 16 rows x 64 bytes.
+void load_tile_config() {
+  TileConfig config;
+  for (int i = 0; i < 6; ++i) config.rows[i] = 16, config.colsb[i] = 64;
+  _tile_loadconfig(&config);
+}
+
+// Byte indices (in byte 1 of each int32 lane, for mask_permutexvar_epi8) that take a tile vector's
+// bytes (4c + e: row c's q at element base + e) to a B tile row: lane l of the first half holds row
+// l / 2 at element base + l % 2 (even) or base + 2 + l % 2 (odd), the second half rows 8-15
+inline __m512i b_row_indices(bool odd, bool second_half) {
+  alignas(64) int32_t lanes[16];
+  for (int l = 0; l < 16; ++l) lanes[l] = (4 * (l / 2) + l % 2 + (odd ? 2 : 0) + (second_half ? 32 : 0)) << 8;
+  return _mm512_load_si512(lanes);
+}
+
+// q to bf16 scale x q + low, 32 at a time. A q byte dropped into bits 8-15 of 1.0f makes the float
+// 1 + q 2^-15, so one FMA with scale 2^15 and low - scale 2^15 gives the weight, no conversion
+// (the low's rounding errs by at most scale / 512, 16x less than the bf16 weight's rounding).
+struct Dequantizer {
+  const __m512i index[2][2] = {{b_row_indices(false, false), b_row_indices(false, true)},
+                               {b_row_indices(true, false), b_row_indices(true, true)}};
+  const __m512i pair_first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i pair_second = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  const __m512i one = _mm512_set1_epi32(0x3F800000);
+  static constexpr __mmask64 kByte1 = 0x2222222222222222ULL;
+  static constexpr float kMagicScale = 32768.0f;
+
+  // The two B rows (k-pairs base / 2 and base / 2 + 1) of a tile vector v for elements base..base+3
+  inline void rows(__m512i v, const __m512 (&scale)[2], const __m512 (&low)[2], uint16_t* out) const {
+    for (int odd = 0; odd < 2; ++odd) {
+      __m512 half[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512 q = _mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(one, kByte1, index[odd][h], v));
+        half[h] = _mm512_fmadd_ps(q, scale[h], low[h]);
+      }
+      _mm512_storeu_si512(out + odd * 32, (__m512i)_mm512_cvtne2ps_pbh(half[1], half[0]));
+    }
+  }
+
+  // Group g of a tile as a B tile (16 rows of 32 bf16: row p holds elements 2p, 2p + 1 of each weight row)
+  template <int Bits, bool Fifth, typename S>
+  inline void group(const uint8_t* q, const uint8_t* fifth, const S* ts, uint16_t* out) const {
+    const __m512 s = _mm512_mul_ps(load_scales(ts), _mm512_set1_ps(kMagicScale)), l = load_scales(ts + 16);
+    const __m512 scale[2] = {_mm512_permutexvar_ps(pair_first, s), _mm512_permutexvar_ps(pair_second, s)};
+    const __m512 low[2] = {_mm512_sub_ps(_mm512_permutexvar_ps(pair_first, l), scale[0]),
+                           _mm512_sub_ps(_mm512_permutexvar_ps(pair_second, l), scale[1])};
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    for (int j = 0; j < 4; ++j) {
+      __m512i first, second;  // elements 4j..4j+3 and 16+4j..16+4j+3
+      if constexpr (Bits == 8) {
+        first = _mm512_loadu_si512(q + j * 128);
+        second = _mm512_loadu_si512(q + j * 128 + 64);
+      } else {
+        const __m512i b = _mm512_loadu_si512(q + j * 64);
+        first = _mm512_and_si512(b, nibble);
+        second = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+        if constexpr (Fifth) {
+          __mmask64 m0, m1;
+          std::memcpy(&m0, fifth + j * 16, 8);
+          std::memcpy(&m1, fifth + j * 16 + 8, 8);
+          first = _mm512_mask_add_epi8(first, m0, first, bit4);
+          second = _mm512_mask_add_epi8(second, m1, second, bit4);
+        }
+      }
+      rows(first, scale, low, out + (2 * j) * 32);
+      rows(second, scale, low, out + (8 + 2 * j) * 32);
+    }
+  }
+};
+
+// C tiles 0..Blocks-1 += A (activation rows at x, Blocks blocks of 16 rows apart by `stride` bytes) x B
+template <int Blocks>
+inline void multiply_blocks(const uint16_t* x, int64_t row_stride, const uint16_t* b) {
+  _tile_loadd(5, b, 64);
+  _tile_loadd(4, x, row_stride * 2);
+  _tile_dpbf16ps(0, 4, 5);
+  if constexpr (Blocks > 1) {
+    _tile_loadd(4, x + 16 * row_stride, row_stride * 2);
+    _tile_dpbf16ps(1, 4, 5);
+  }
+  if constexpr (Blocks > 2) {
+    _tile_loadd(4, x + 32 * row_stride, row_stride * 2);
+    _tile_dpbf16ps(2, 4, 5);
+  }
+  if constexpr (Blocks > 3) {
+    _tile_loadd(4, x + 48 * row_stride, row_stride * 2);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+template <int Blocks>
+inline void zero_blocks() {
+  _tile_zero(0);
+  if constexpr (Blocks > 1) _tile_zero(1);
+  if constexpr (Blocks > 2) _tile_zero(2);
+  if constexpr (Blocks > 3) _tile_zero(3);
+}
+
+template <int Blocks>
+inline void store_blocks(float* c) {
+  _tile_stored(0, c, 64);
+  if constexpr (Blocks > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (Blocks > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (Blocks > 3) _tile_stored(3, c + 768, 64);
+}
+
+constexpr int64_t kAmxBlocks = 4;  // C tiles: activation rows per pass, 64
+
+// y (M, N) of T = x (padded to Mp rows, bf16) W^T, for the tiles [tile0, tile1)
+template <int Bits, bool Fifth, typename S>
+void amx_tiles(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* tiles, const uint8_t* fifth,
+               const S* tile_scales, bool row_scales, uint16_t* y, int64_t N, int64_t tile0, int64_t tile1) {
+  const int64_t groups = K / 32;
+  const Dequantizer dequantizer;
+  thread_local std::vector<uint16_t> dequantized;  // the tile's B tiles, one per group
+  dequantized.resize(groups * 512);
+  uint16_t* b = dequantized.data();
+  alignas(64) float c[kAmxBlocks * 256];
+  load_tile_config();
+  for (int64_t t = tile0; t < tile1; ++t) {
+    const uint8_t* q = tiles + t * groups * tile_group_bytes(Bits);
+    const S* ts = tile_scales + t * (row_scales ? 1 : groups) * 32;
+    const auto dequantize = [&](int64_t g) {
+      dequantizer.group<Bits, Fifth>(q + g * tile_group_bytes(Bits),
+                                     Fifth ? fifth + (t * groups + g) * kTileFifthGroupBytes : nullptr,
+                                     ts + (row_scales ? 0 : g * 32), b + g * 512);
+    };
+    for (int64_t m0 = 0; m0 < Mp; m0 += 16 * kAmxBlocks) {
+      const int64_t blocks = std::min<int64_t>(kAmxBlocks, (Mp - m0) / 16);
+      const auto pass = [&](auto count) {
+        constexpr int kBlocks = decltype(count)::value;
+        zero_blocks<kBlocks>();
+        if (m0 == 0) {  // each group's products one group behind its dequantization, which they overlap
+          dequantize(0);
+          for (int64_t g = 1; g < groups; ++g) {
+            dequantize(g);
+            multiply_blocks<kBlocks>(x + g * 32 - 32, K, b + g * 512 - 512);
+          }
+          multiply_blocks<kBlocks>(x + groups * 32 - 32, K, b + groups * 512 - 512);
+        } else {
+          for (int64_t g = 0; g < groups; ++g) multiply_blocks<kBlocks>(x + m0 * K + g * 32, K, b + g * 512);
+        }
+        store_blocks<kBlocks>(c);
+      };
+      switch (blocks) {
+        case 1: pass(std::integral_constant<int, 1>{}); break;
+        case 2: pass(std::integral_constant<int, 2>{}); break;
+        case 3: pass(std::integral_constant<int, 3>{}); break;
+        default: pass(std::integral_constant<int, 4>{}); break;
+      }
+      for (int64_t i = 0; i < std::min(16 * blocks, M - m0); ++i) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + i) * N + t * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + i * 16)));
+      }
+    }
+  }
+  _tile_release();
+}
+
+// y = x W^T for bf16 rows x
+template <int Bits, bool Fifth, typename S>
+at::Tensor amx_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint8_t* fifth,
+                        const at::Tensor& tile_scales) {
+  const int64_t M = x.size(0), K = x.size(1), N = tile_scales.size(0) * 16, Mp = (M + 15) / 16 * 16;
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor xp = x;  // padded with zeros to whole blocks of 16 rows
+  if (Mp != M || !x.is_contiguous()) {
+    xp = at::zeros({Mp, K}, x.options());
+    xp.narrow(0, 0, M).copy_(x);
+  }
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
+  const uint8_t* q = tiles.data_ptr<uint8_t>();
+  const S* ts = tile_scales.data_ptr<S>();
+  const bool row_scales = tile_scales.size(1) == 1;
+  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N / 16, kTilesPerTask, [&](int64_t t0, int64_t t1) {
+    amx_tiles<Bits, Fifth, S>(xs, M, Mp, K, q, fifth, ts, row_scales, out, N, t0, t1);
+  });
+  return y;
+}
+#endif
 #endif
 
 // y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5) or 8; beyond max_tile_rows rows,
@@ -768,7 +978,7 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
                               const c10::optional<at::Tensor>& fifth_masks, int64_t bits,
                               const c10::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
-                              int64_t max_coarse_rows) {
+                              int64_t max_coarse_rows, int64_t amx_min_rows) {
   if (x.size(0) > max_tile_rows && dense.has_value()) return at::linear(x, *dense);
   if (max_coarse_rows >= 0 && x.size(0) > max_coarse_rows) x_block = 8;
 #ifdef TILES_BUILT
@@ -796,6 +1006,21 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
     fifth = fifth_masks->data_ptr<uint8_t>();
   }
   TORCH_CHECK(x_block == 8 || x_block == 32, "quant_tiles_linear: x_block must be 8 or 32");
+#ifdef AMX_BUILT
+  if (dtype == at::kBFloat16 && amx_min_rows >= 0 && x.size(0) >= amx_min_rows && amx_permitted()) {
+    const auto with_kind = [&](auto bits_fifth) {
+      constexpr int kBits = decltype(bits_fifth)::value == 8 ? 8 : 4;
+      constexpr bool kFifth = decltype(bits_fifth)::value == 5;
+      const auto with_scales = [&](auto scale) {
+        return amx_tiles_as<kBits, kFifth, decltype(scale)>(x, tiles, fifth, tile_scales);
+      };
+      return half_scales ? with_scales(c10::Half{}) : with_scales(float{});
+    };
+    if (bits == 8) return with_kind(std::integral_constant<int, 8>{});
+    if (fifth != nullptr) return with_kind(std::integral_constant<int, 5>{});
+    return with_kind(std::integral_constant<int, 4>{});
+  }
+#endif
   const auto with_dtype = [&](auto bits_fifth, auto fine) {
     constexpr int kBits = decltype(bits_fifth)::value == 8 ? 8 : 4;
     constexpr bool kFifth = decltype(bits_fifth)::value == 5, kFine = decltype(fine)::value;
@@ -827,10 +1052,20 @@ bool tiles_built() {
 #endif
 }
 
+// Whether the tile kernel can hand bf16 rows to AMX here (built for it, and Linux lets this process)
+bool amx_usable() {
+#ifdef AMX_BUILT
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("tiles_built() -> bool", &tiles_built);
+  m.def("amx_usable() -> bool", &amx_usable);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, Tensor? dense, "
         "int max_packed_rows) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows, int chunk_rows) "
@@ -838,7 +1073,7 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor steps_lows, Tensor units, Tensor? fifth_bits, "
         "Tensor? dense, int max_gemv_rows) -> Tensor");
   m.def("quant_tiles_linear(Tensor x, Tensor tiles, Tensor tile_scales, Tensor? fifth_masks, int bits, Tensor? dense, "
-        "int max_tile_rows, int x_block=8, int max_coarse_rows=-1) -> Tensor");
+        "int max_tile_rows, int x_block=8, int max_coarse_rows=-1, int amx_min_rows=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
