@@ -38,11 +38,20 @@ inline Vec times_pow2(Vec a, Vec n) { return _mm512_scalef_ps(a, n); }  // a * 2
 inline float sum(Vec a) { return _mm512_reduce_add_ps(a); }
 inline float max_of(Vec a) { return _mm512_reduce_max_ps(a); }
 inline uint32_t equal_lanes(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // bit i: lane i
-// lane i = sum(v[i]), for kWidth vectors
+// lane i = sum(v[i]), for kWidth vectors: a tree of in-lane unpacks and cross-lane shuffles (~45
+// instructions, against ~130 for 16 separate reductions)
 inline Vec transposed_sums(const Vec* v) {
-  alignas(64) float sums[kWidth];
-  for (int i = 0; i < kWidth; ++i) sums[i] = sum(v[i]);
-  return _mm512_load_ps(sums);
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] at 0, 2 and v[2i+1] at 1, 3
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: v[4i + j] at j
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // the four 128-bit lanes of each quad summed: pairs of lanes, then pairs of those
+  const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
 }
 
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
