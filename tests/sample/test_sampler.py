@@ -184,6 +184,17 @@ def test_empirical_frequencies_match_reference(params: SamplingParams) -> None:
     assert chi2 < 30, (counts, expected)  # df <= 7; 30 is past the 0.9999 quantile
 
 
+@pytest.mark.parametrize("u, expected", [(0.0, 2), (1.0, 5)])
+def test_draws_at_either_end_of_the_unit_interval_keep_to_tokens_of_positive_mass(monkeypatch, u: float,
+                                                                                expected: int) -> None:
+    """Tokens 0-1 and 6-7 filtered out by top-k: u = 0 takes the first kept token, and u = 1 (a u
+    just below 1 whose product with the row's mass rounds up to the mass itself) the last one."""
+    logits = torch.tensor([[-5.0, -4.0, 3.0, 2.5, 2.0, 1.5, -3.0, -6.0]])
+    batch = SamplingBatch.build([S(top_k=4)], [[]], [[]], [None], 8, [frozenset()])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, u))
+    assert Sampler()(logits, batch).token_ids.tolist() == [expected]
+
+
 def test_logprobs_come_from_processed_logits_before_temperature() -> None:
     params = [S(logprobs=3, temperature=0.5, repetition_penalty=1.3), S(), S(logprobs=0, top_k=4),
               S(logprobs=5, temperature=0, logit_bias={2: 10.0}), S(logprobs=1, top_p=0.7, frequency_penalty=1.0),

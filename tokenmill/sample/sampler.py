@@ -2,8 +2,8 @@
 
 Order (as vLLM v1): min_tokens masking, logit bias and penalties change the raw logits
 ("processed logits"); logprobs and greedy picks come from those; random rows then divide by their
-temperature, apply top-k, top-p and min-p, and sample by an exponential race so that rows with a
-seed draw their noise from their own generator and give the same tokens whatever batch they are in.
+temperature, apply top-k, top-p and min-p, and sample by inverse CDF (one uniform per row) so that rows with a
+seed draw from their own generator and give the same tokens whatever batch they are in.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class SamplingBatch:
     bias_index: Index | None  # (rows, token ids) of logit_bias entries
     bias_values: torch.Tensor | None  # float32 biases matching bias_index
     min_tokens_index: Index | None  # (rows, token ids) to mask while the output is shorter than min_tokens
-    seeded_rows: list[int]  # random rows that draw noise from their own generator
+    seeded_rows: list[int]  # random rows that draw from their own generator
     generators: list[torch.Generator]  # one per seeded row
-    any_unseeded_random: bool  # whether the batched noise draw is needed
+    any_unseeded_random: bool  # whether the batched draw is needed
     all_greedy: bool  # plain Python flags, so branching on them needs no device sync
     all_random: bool
     max_num_logprobs: int | None  # largest `logprobs` requested in the batch, None if none
@@ -163,7 +163,7 @@ class Sampler:
             highest = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         else:
             highest = logits.amax(dim=-1)
-            token_ids = _exponential_race(sampling_logits(logits, batch).softmax(dim=-1), batch)
+            token_ids = _inverse_cdf(sampling_logits(logits, batch).softmax(dim=-1), batch)
             if not batch.all_random:
                 token_ids = torch.where(batch.greedy, greedy_ids(logits), token_ids)
         usable = torch.isfinite(highest)
@@ -237,17 +237,23 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     return torch.empty_like(ordered).scatter_(1, order, ordered)
 
 
-def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Sample argmax(p_i / E_i) with E_i ~ Exp(1), which picks i with probability p_i.
+def _inverse_cdf(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sample token i with probability p_i: the first token whose cumulative mass exceeds u x the
+    row's total, u ~ U[0, 1), one draw per row.
 
-    The noise is drawn in vocabulary order, one full row per seeded request from its own
-    generator, so a seeded row's token depends only on its own logits and generator state.
+    One uniform per row, where an exponential race (argmax p_i / E_i) drew one exponential per
+    vocabulary entry: 32 rows of SmolLM2's 49k took 0.9 ms against 27 ms, of Gemma 3's 262k 15
+    against 165 ms. A seeded row draws its u from its own generator, so its token depends only on
+    its own logits and generator state. Tokens of zero probability are never picked: the mass
+    strictly exceeds u x total only past a positive one.
     """
-    noise = torch.empty_like(probs)
-    if batch.any_unseeded_random:
-        noise.exponential_()
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    u = torch.rand(probs.shape[0], 1, device=probs.device) if batch.any_unseeded_random else \
+        torch.empty(probs.shape[0], 1, device=probs.device)
     for row, generator in zip(batch.seeded_rows, batch.generators):
-        noise[row].exponential_(generator=generator)
-    # exponential_ may return exactly 0, which would make a filtered-out 0/0 a NaN that argmax picks.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+        u[row] = torch.rand(1, generator=generator, device=probs.device)
+    ids = torch.searchsorted(cdf, u * total, right=True)
+    # u x total may round up to the total itself: then the row's last token of positive mass
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(ids, last).squeeze(1)
