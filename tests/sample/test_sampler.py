@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from tokenmill.model import kernels
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
+from tokenmill.sample import sampler as sampler_module
 from tokenmill.sample.sampler import process_logits, sampling_logits
 
 V = 50
@@ -17,6 +19,16 @@ GEN = np.random.default_rng(0)
 PROMPTS = [list(GEN.integers(0, V, size=n)) for n in (5, 1, 12, 3, 8, 6)]
 OUTPUTS = [list(GEN.integers(0, V, size=n)) for n in (4, 0, 9, 2, 1, 6)]
 LOGITS = torch.from_numpy(GEN.normal(0, 3, size=(6, V))).float()
+
+
+@pytest.fixture(params=["kernel", "tensor ops"])
+def random_path(request, monkeypatch) -> str:
+    """Random rows sampled by tokenmill's CPU kernel (`sample_ids`), or by tensor ops where it is not loaded."""
+    if request.param == "kernel":
+        assert kernels.load(), "the CPU kernels did not build"
+    else:
+        monkeypatch.setattr(sampler_module.kernels, "loaded", lambda: False)
+    return request.param
 
 
 def build(params: list[SamplingParams], generators: list | None = None) -> SamplingBatch:
@@ -167,8 +179,9 @@ def test_input_logits_are_not_modified() -> None:
     assert torch.equal(logits, LOGITS)
 
 
-@pytest.mark.parametrize("params", [S(top_k=3), S(top_p=0.8), S(temperature=0.7, top_k=6, top_p=0.9, min_p=0.1)])
-def test_empirical_frequencies_match_reference(params: SamplingParams) -> None:
+@pytest.mark.parametrize("params", [S(temperature=0.6), S(top_k=3), S(top_p=0.8),
+                                    S(temperature=0.7, top_k=6, top_p=0.9, min_p=0.1)])
+def test_empirical_frequencies_match_reference(params: SamplingParams, random_path: str) -> None:
     """Many rows with the same small-vocab logits: counts fit the filtered distribution (chi-square)."""
     vocab, n = 8, 20_000
     logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7]]).expand(n, vocab)
@@ -186,7 +199,7 @@ def test_empirical_frequencies_match_reference(params: SamplingParams) -> None:
 
 @pytest.mark.parametrize("u, expected", [(0.0, 2), (1.0, 5)])
 def test_draws_at_either_end_of_the_unit_interval_keep_to_tokens_of_positive_mass(monkeypatch, u: float,
-                                                                                expected: int) -> None:
+                                                                                expected: int, random_path: str) -> None:
     """Tokens 0-1 and 6-7 filtered out by top-k: u = 0 takes the first kept token, and u = 1 (a u
     just below 1 whose product with the row's mass rounds up to the mass itself) the last one."""
     logits = torch.tensor([[-5.0, -4.0, 3.0, 2.5, 2.0, 1.5, -3.0, -6.0]])

@@ -38,6 +38,9 @@ inline Vec times_pow2(Vec a, Vec n) { return _mm512_scalef_ps(a, n); }  // a * 2
 inline float sum(Vec a) { return _mm512_reduce_add_ps(a); }
 inline float max_of(Vec a) { return _mm512_reduce_max_ps(a); }
 inline uint32_t equal_lanes(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // bit i: lane i
+inline Vec keep_greater(Vec v, Vec x, Vec floor) {  // v where x > floor, else 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, floor, _CMP_GT_OQ), v);
+}
 // lane i = sum(v[i]), for kWidth vectors: a tree of in-lane unpacks and cross-lane shuffles (~45
 // instructions, against ~130 for 16 separate reductions)
 inline Vec transposed_sums(const Vec* v) {
@@ -105,6 +108,9 @@ inline float max_of(Vec a) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 inline uint32_t equal_lanes(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }  // bit i: lane i
+inline Vec keep_greater(Vec v, Vec x, Vec floor) {  // v where x > floor, else 0
+  return _mm256_and_ps(v, _mm256_cmp_ps(x, floor, _CMP_GT_OQ));
+}
 // lane i = sum(v[i]), for kWidth vectors: pairwise horizontal adds, then the two 128-bit halves
 inline Vec transposed_sums(const Vec* v) {
   const Vec s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
