@@ -135,7 +135,9 @@ FILTERS = {
 
 
 @pytest.mark.parametrize("feature", FILTERS)
-def test_sampling_distribution_matches_reference(feature: str) -> None:
+@pytest.mark.parametrize("candidates", [1024, 12, 2])  # whole rows sorted; top candidates first (50 logits)
+def test_sampling_distribution_matches_reference(feature: str, candidates: int, monkeypatch) -> None:
+    monkeypatch.setattr(sampler_module, "FILTER_CANDIDATES", candidates)
     check_distribution(FILTERS[feature])
 
 

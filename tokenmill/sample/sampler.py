@@ -221,8 +221,43 @@ def sampling_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+# Tokens that top-k and top-p consider first, the highest of each row: a whole vocabulary sorted took
+# 64 / 352 ms a step for 32 rows of SmolLM2's / Gemma 3's (49k / 262k entries), these 1024 a few.
+# A row whose top-p cut is not decided within them (a flat distribution) takes the full sort.
+FILTER_CANDIDATES = 1024
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Both filters on one ascending sort, then scattered back to vocabulary order."""
+    """Both filters, each row's on its highest FILTER_CANDIDATES logits where they decide it (exactly:
+    a top-k within them, or a top-p cut within their mass), else on one ascending sort of the whole
+    row; rows without an effective filter keep their logits."""
+    rows, vocab = logits.shape
+    no_rows = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    limited = top_k < vocab if top_k is not None else no_rows
+    nucleus = top_p < 1 if top_p is not None else no_rows
+    count = max([FILTER_CANDIDATES] + ([int(top_k[limited].max())] if bool(limited.any()) else []))
+    if count >= vocab:
+        return _sorted_top_k_top_p(logits, top_k, top_p)
+    values, order = logits.topk(count, dim=-1)  # descending
+    if top_k is not None:
+        values = values.masked_fill(torch.arange(count, device=logits.device) >= top_k.unsqueeze(1), float("-inf"))
+    covered = limited
+    if top_p is not None:
+        # mass above each candidate, over the top-k set where a row has one, else the whole row
+        total = torch.where(limited, values.logsumexp(dim=-1), logits.logsumexp(dim=-1)).unsqueeze(1)
+        mass = (values - total).exp()
+        above = mass.cumsum(dim=-1) - mass
+        values = values.masked_fill(above >= top_p.unsqueeze(1), float("-inf"))
+        covered = limited | (nucleus & (above[:, -1] + mass[:, -1] >= top_p))  # the cut within the candidates
+    out = torch.where(covered.unsqueeze(1), torch.full_like(logits, float("-inf")).scatter_(1, order, values), logits)
+    rest = (limited | nucleus) & ~covered
+    if bool(rest.any()):
+        out = torch.where(rest.unsqueeze(1), _sorted_top_k_top_p(logits, top_k, top_p), out)
+    return out
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Both filters on one ascending sort of each whole row, then scattered back to vocabulary order."""
     ordered, order = logits.sort(dim=-1)
     if top_k is not None:
         kth_largest = ordered.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
