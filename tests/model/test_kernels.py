@@ -387,6 +387,34 @@ def test_greedy_ids_refuse_what_they_cannot_compute() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 17, 49152 + 5])
+def test_sample_ids_take_the_first_token_past_each_rows_draw(dtype: torch.dtype, width: int) -> None:
+    torch.manual_seed(width)
+    logits = (torch.randn(8, width) * 3).to(dtype)
+    logits[:, ::3] = float("-inf")  # filtered out: never picked
+    logits[:, 1 % width] = 2.0
+    temperature = torch.tensor([1.0, 0.5, 2.0, 0.7, 1.0, 1.3, 0.9, 1.0])
+    uniforms = torch.tensor([0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.999, 1.0 - 2.0 ** -24])
+    ids = torch.ops.tokenmill.sample_ids(logits, 1 / temperature, uniforms)
+    weights = (logits.double() / temperature.double()[:, None]).softmax(dim=-1)
+    cdf = weights.cumsum(dim=-1)
+    for row in range(8):
+        token = int(ids[row])
+        assert weights[row, token] > 0, (row, token)
+        threshold = float(uniforms[row])
+        before = float(cdf[row, token - 1]) if token else 0.0
+        # the kernel's fp32 sums may cross the threshold a token early or late only within their rounding
+        assert before <= threshold + 1e-5 and float(cdf[row, token]) > threshold - 1e-5, (row, token)
+
+
+def test_sample_ids_refuse_what_they_cannot_compute() -> None:
+    with pytest.raises(RuntimeError, match="2-D float32 or bfloat16"):
+        torch.ops.tokenmill.sample_ids(torch.zeros(2, 4, dtype=torch.float16), torch.ones(2), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="one float32 per row"):
+        torch.ops.tokenmill.sample_ids(torch.zeros(2, 4), torch.ones(3), torch.zeros(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(5, 576), (1, 16), (7, 4, 256)])
 def test_rms_norm_matches_the_eager_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     torch.manual_seed(len(shape))

@@ -4,9 +4,11 @@ Decoding a few tokens is bound by the bytes of weight read per step, so small ba
 weight-only kernels that read the packed bytes directly: tokenmill's own for int8 (tokenmill/model/
 kernels, twice the speed of PyTorch's) and for int4 wherever they build (x86 with AVX2 or AVX-512);
 PyTorch's int4 kernel elsewhere. On AVX-512 every packed layer whose rows come in whole tiles of 16
-takes the tile layout (`pack_tiles`), whose outer-product kernel serves every batch size. Large batches (prefill, wide decode) are bound by arithmetic: with bf16 (oneDNN's, AMX on
-recent Xeons) a dense matmul wins, and a layer also holds a dense copy for them (`dense_min_tokens`);
-with fp32 on AVX2, tokenmill's GEMVs keep up with a dense fp32 matmul at every size and serve alone.
+takes the tile layout (`pack_tiles`), whose outer-product kernel serves every batch size; on CPUs
+with AMX, bf16 batches of `AMX_MIN_TOKENS` or more go from the same bytes to the matrix unit.
+Elsewhere large batches (prefill, wide decode) are bound by arithmetic: with bf16 a dense matmul
+wins, and a layer also holds a dense copy for them (`dense_min_tokens`); with fp32 on AVX2,
+tokenmill's GEMVs keep up with a dense fp32 matmul at every size and serve alone.
 
 GGUF formats map onto the int4 kernels' form (group of 32, w = scale * q + low, q in 0..15, as
 ggml writes them) without loss for Q4_0, Q4_1 and Q4_K, and where tokenmill's int4 row kernel

@@ -6,7 +6,8 @@ weight-only kernel or a bf16 matmul) by the number of rows when they run, so one
 serves every batch size with the best of both. `gated_activation` is the MLP's act(gate) * up in
 one pass, for eager steps (activation.cpp), and `rms_norm` the model's norm (norm.cpp);
 `decode_attention` attends one query token per sequence over the paged KV cache (attention.cpp);
-`greedy_ids` is a vectorized argmax of each row of logits (sample.cpp). Building takes ~10 s of one
+`greedy_ids` is a vectorized argmax of each row of logits and `sample_ids` a draw from each
+row's softmax (sample.cpp). Building takes ~10 s of one
 core (g++ through
 `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
 kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the

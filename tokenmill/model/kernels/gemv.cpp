@@ -859,7 +859,7 @@ struct Dequantizer {
   }
 };
 
-// C tiles 0..Blocks-1 += A (activation rows at x, Blocks blocks of 16 rows apart by `stride` bytes) x B
+// C tiles 0..Blocks-1 += A x B: A the Blocks blocks of 16 activation rows from x (rows of row_stride elements)
 template <int Blocks>
 inline void multiply_blocks(const uint16_t* x, int64_t row_stride, const uint16_t* b) {
   _tile_loadd(5, b, 64);
@@ -897,7 +897,7 @@ inline void store_blocks(float* c) {
 
 constexpr int64_t kAmxBlocks = 4;  // C tiles: activation rows per pass, 64
 
-// y (M, N) of T = x (padded to Mp rows, bf16) W^T, for the tiles [tile0, tile1)
+// y (M, N, bf16) = x (bf16, padded with zeros to Mp rows) W^T, for the tiles [tile0, tile1)
 template <int Bits, bool Fifth, typename S>
 void amx_tiles(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* tiles, const uint8_t* fifth,
                const S* tile_scales, bool row_scales, uint16_t* y, int64_t N, int64_t tile0, int64_t tile1) {
@@ -973,7 +973,8 @@ at::Tensor amx_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint
 #endif
 
 // y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5) or 8; beyond max_tile_rows rows,
-// with the layer's dense copy where it has one (bf16 on CPUs with AMX). x_block 32 serves up to
+// with the layer's dense copy where it has one. bf16 x of amx_min_rows rows or more (never if
+// negative) goes to AMX where this build and the process have it; else x_block 32 serves up to
 // max_coarse_rows rows (all if negative), 8 beyond them.
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
                               const c10::optional<at::Tensor>& fifth_masks, int64_t bits,
