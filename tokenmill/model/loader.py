@@ -92,8 +92,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bo
     dense_min_tokens: quantized layers also keep a dense copy, used for batches of at least that
     many tokens (prefill, wide decode), where dense matmuls beat the weight-only kernels. None
     picks the measured crossover (`quant_linear.dense_crossover`: in fp32, no copy where tokenmill's
-    row kernels serve, else 65 tokens; in bf16, 48 for the tile kernel (AVX-512 with VNNI), else 16
-    for int4 and 8 for int8); 0 keeps no copies.
+    row kernels serve, else 65 tokens; in bf16, none for the tile kernel where it has AMX, 48 for
+    it elsewhere (AVX-512 with VNNI), else 16 for int4 and 8 for int8); 0 keeps no copies.
     """
     path = Path(path)
     dtype = parse_dtype(dtype)

@@ -40,8 +40,9 @@ INT5_EXACT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K})
 # dequantized on the fly, as fast as a dense copy up to ~32 tokens (Gemma 3's head: 49 vs 47 ms at
 # 32 tokens, 86 vs 77 at 64) without the copy's memory (336 MB for that head), so such a matrix
 # never gets a dense copy. Where the tile layout serves, such a matrix takes it like any other, in bf16
-# too: on an AMX Xeon, Gemma 3's head at 8 / 32 / 64 tokens took 8.5 / 19.4 / 33.5 ms in tiles against
-# 22.5 / 38.0 / 50.1 in chunks (the same at 1 token: 5.9 against 5.8 for the GEMV).
+# too: on an AMX Xeon, Gemma 3's head at 8 / 32 / 64 tokens took 8.5 / 19.4 / 33.5 ms in tiles' int8
+# products against 22.5 / 38.0 / 50.1 in chunks (the same at 1 token: 5.9 against 5.8 for the GEMV);
+# from AMX_MIN_TOKENS on it goes to AMX like the other tile layers.
 LARGE_INT8_WEIGHTS = 1 << 24
 # Rows of such a matrix dequantized at a time (here and in `tokenmill::int8_linear`), measured on
 # Gemma 3's 262k x 640 head: 8192 in bf16 (10 MB, stays in cache; AVX-512 EPYC), 2048 in fp32 and

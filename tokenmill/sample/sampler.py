@@ -2,8 +2,8 @@
 
 Order (as vLLM v1): min_tokens masking, logit bias and penalties change the raw logits
 ("processed logits"); logprobs and greedy picks come from those; random rows then divide by their
-temperature, apply top-k, top-p and min-p, and sample by inverse CDF (one uniform per row) so that rows with a
-seed draw from their own generator and give the same tokens whatever batch they are in.
+temperature, apply top-k, top-p and min-p, and sample by inverse CDF (one uniform draw per row) so
+that rows with a seed draw from their own generator and give the same tokens whatever batch they are in.
 """
 
 from __future__ import annotations
@@ -289,9 +289,11 @@ def _random_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     for row, generator in zip(batch.seeded_rows, batch.generators):
         u[row] = torch.rand(1, generator=generator, device=logits.device)
     if logits.device.type == "cpu" and logits.dim() == 2 and kernels.loaded():
-        if batch.top_k is None and batch.top_p is None and batch.min_p is None:
-            return torch.ops.tokenmill.sample_ids(logits, batch.temperature.reciprocal(), u)
-        return torch.ops.tokenmill.sample_ids(sampling_logits(logits, batch), torch.ones_like(u), u)
+        if batch.top_k is None and batch.top_p is None and batch.min_p is None:  # the kernel divides
+            x, inverse_temperature = logits, batch.temperature.reciprocal()
+        else:
+            x, inverse_temperature = sampling_logits(logits, batch), torch.ones_like(u)
+        return torch.ops.tokenmill.sample_ids(x, inverse_temperature, u)
     cdf = sampling_logits(logits, batch).softmax(dim=-1).cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     ids = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)

@@ -1007,37 +1007,32 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
     fifth = fifth_masks->data_ptr<uint8_t>();
   }
   TORCH_CHECK(x_block == 8 || x_block == 32, "quant_tiles_linear: x_block must be 8 or 32");
-#ifdef AMX_BUILT
-  if (dtype == at::kBFloat16 && amx_min_rows >= 0 && x.size(0) >= amx_min_rows && amx_permitted()) {
-    const auto with_kind = [&](auto bits_fifth) {
-      constexpr int kBits = decltype(bits_fifth)::value == 8 ? 8 : 4;
-      constexpr bool kFifth = decltype(bits_fifth)::value == 5;
-      const auto with_scales = [&](auto scale) {
-        return amx_tiles_as<kBits, kFifth, decltype(scale)>(x, tiles, fifth, tile_scales);
-      };
-      return half_scales ? with_scales(c10::Half{}) : with_scales(float{});
-    };
+  // run(kind, scale) with kind 4, 5 (4-bit q with fifth bits) or 8 as an integral_constant and scale
+  // a value of the tile scales' type: the template arguments of either kernel
+  const auto with_weights = [&](const auto& run) {
+    const auto with_kind = [&](auto kind) { return half_scales ? run(kind, c10::Half{}) : run(kind, float{}); };
     if (bits == 8) return with_kind(std::integral_constant<int, 8>{});
     if (fifth != nullptr) return with_kind(std::integral_constant<int, 5>{});
     return with_kind(std::integral_constant<int, 4>{});
+  };
+#ifdef AMX_BUILT
+  if (dtype == at::kBFloat16 && amx_min_rows >= 0 && x.size(0) >= amx_min_rows && amx_permitted()) {
+    return with_weights([&](auto kind, auto scale) {
+      constexpr int kKind = decltype(kind)::value;
+      return amx_tiles_as<kKind == 8 ? 8 : 4, kKind == 5, decltype(scale)>(x, tiles, fifth, tile_scales);
+    });
   }
 #endif
-  const auto with_dtype = [&](auto bits_fifth, auto fine) {
-    constexpr int kBits = decltype(bits_fifth)::value == 8 ? 8 : 4;
-    constexpr bool kFifth = decltype(bits_fifth)::value == 5, kFine = decltype(fine)::value;
-    const auto with_scales = [&](auto scale) {
+  const auto products = [&](auto fine) {
+    return with_weights([&](auto kind, auto scale) {
+      constexpr int kKind = decltype(kind)::value, kBits = kKind == 8 ? 8 : 4;
+      constexpr bool kFifth = kKind == 5, kFine = decltype(fine)::value;
       using S = decltype(scale);
       return dtype == at::kFloat ? quant_tiles_as<kBits, kFifth, kFine, float, S>(x, tiles, fifth, tile_scales)
                                  : quant_tiles_as<kBits, kFifth, kFine, at::BFloat16, S>(x, tiles, fifth, tile_scales);
-    };
-    return half_scales ? with_scales(c10::Half{}) : with_scales(float{});
+    });
   };
-  const auto with_kind = [&](auto fine) {
-    if (bits == 8) return with_dtype(std::integral_constant<int, 8>{}, fine);
-    if (fifth != nullptr) return with_dtype(std::integral_constant<int, 5>{}, fine);
-    return with_dtype(std::integral_constant<int, 4>{}, fine);
-  };
-  return x_block == 8 ? with_kind(std::true_type{}) : with_kind(std::false_type{});
+  return x_block == 8 ? products(std::true_type{}) : products(std::false_type{});
 #else
   TORCH_CHECK(false, "quant_tiles_linear needs AVX-512 with VNNI");
   return x;
