@@ -268,7 +268,8 @@ needs_amx = pytest.mark.skipif(not _amx_usable(), reason="the tile kernel's AMX 
 
 
 @needs_amx
-@pytest.mark.parametrize("tokens", [1, 16, 17, 70])  # padded to blocks of 16 rows; 64 rows per pass
+# padded to blocks of 16 rows; 64 rows a pass, from 256 (300) in panels: 32 rows x 2 tiles a pass
+@pytest.mark.parametrize("tokens", [1, 16, 17, 70, 300])
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("half_scales", [True, False])
 def test_quant_tiles_linear_on_amx_multiplies_the_bf16_weights(tokens: int, bits: int, half_scales: bool) -> None:
@@ -286,6 +287,20 @@ def test_quant_tiles_linear_on_amx_multiplies_the_bf16_weights(tokens: int, bits
 
     assert error(tokens) < 2.5e-3  # the output's bf16 rounding
     assert error(tokens + 1) > 3e-3  # below amx_min_rows, the int8 products
+
+
+@needs_amx
+@pytest.mark.parametrize("tokens", [256, 273])
+def test_quant_tiles_linear_on_amx_in_panels_covers_every_tile_and_row(tokens: int) -> None:
+    # 1600 wide: 50 groups a tile, panels of 4 of a thread's tiles; 11 tiles: odd ends of panels;
+    # 273 rows: a last block of 16 rows alone
+    _, _, _, packed = _random_tiles(16 * 11, 1600, 4, tokens)
+    x = torch.randn(tokens, 1600, dtype=torch.bfloat16)
+    reference = x.float() @ unpack_tiles(packed).bfloat16().float().t()
+    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 8, -1, 0).float()
+    row_errors = (out - reference).norm(dim=1) / reference.norm(dim=1)
+    column_errors = (out - reference).norm(dim=0) / reference.norm(dim=0)
+    assert row_errors.max() < 5e-3 and column_errors.max() < 5e-3
 
 
 @needs_amx
