@@ -13,7 +13,8 @@ from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention
 from tokenmill.model.quant_linear import (COARSE_X_BLOCK, MAX_STEP, Int4Rows, QuantLinear, dense_crossover,
                                          dense_packed_form, int4_rows_layout, pack_fifth_bits, pack_int4_rows,
                                          pack_tiles, tiles_layout, unpack_int4_rows, unpack_tiles)
-from tokenmill.model.transformer import RMSNorm
+from tokenmill.model.config import RopeSettings
+from tokenmill.model.transformer import RMSNorm, Rotary, apply_rotary
 from tokenmill.sample.sampler import greedy_ids
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
@@ -431,15 +432,17 @@ def test_sample_ids_refuse_what_they_cannot_compute() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(5, 576), (1, 16), (7, 4, 256)])
-def test_rms_norm_matches_the_eager_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])  # a bf16 model's norms are bf16
+def test_rms_norm_matches_the_eager_norm(dtype: torch.dtype, shape: tuple[int, ...], weight_dtype: torch.dtype) -> None:
     torch.manual_seed(len(shape))
     norm = RMSNorm(shape[-1], 1e-6)
     norm.weight.data.normal_()
+    norm.to(weight_dtype)
     x = torch.randn(*shape).to(dtype)
     if len(shape) == 3:  # heads of a fused projection's output: a strided view
         x = torch.randn(shape[0], shape[1] * shape[2] + 32).to(dtype)[:, :shape[1] * shape[2]].view(shape)
     x32 = x.float()
-    reference = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight).to(dtype)
+    reference = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()).to(dtype)
     out = torch.ops.tokenmill.rms_norm(x, norm.weight, 1e-6)
     assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -451,9 +454,37 @@ def test_rms_norm_refuses_what_it_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="multiple of"):
         torch.ops.tokenmill.rms_norm(torch.zeros(2, 20), torch.ones(20), 1e-6)
     with pytest.raises(RuntimeError, match="weight must be"):
-        torch.ops.tokenmill.rms_norm(torch.zeros(2, 32), torch.ones(32, dtype=torch.bfloat16), 1e-6)
+        torch.ops.tokenmill.rms_norm(torch.zeros(2, 32), torch.ones(32, dtype=torch.float16), 1e-6)
     with pytest.raises(RuntimeError, match="contiguous heads"):
         torch.ops.tokenmill.rms_norm(torch.zeros(32, 2).t(), torch.ones(32), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, head_dim", [(9, 64), (1, 256), (3, 32)])
+def test_rotary_matches_the_rotate_half_embedding(dtype: torch.dtype, heads: int, head_dim: int) -> None:
+    torch.manual_seed(heads)
+    tokens = 21
+    # heads of a fused projection's output: a strided view
+    x = torch.randn(tokens, heads * head_dim + 64).to(dtype)[:, :heads * head_dim].view(tokens, heads, head_dim)
+    cos, sin = Rotary(RopeSettings(theta=10000.0), head_dim).tables(torch.arange(100, 100 + tokens), dtype)
+    half = head_dim // 2
+    x1, x2, c, s = x[..., :half].double(), x[..., half:].double(), cos.double(), sin.double()
+    reference = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    out = torch.ops.tokenmill.rotary(x, cos, sin)
+    assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), reference, **tolerance)
+    torch.testing.assert_close(apply_rotary(x, cos, sin), out, atol=0, rtol=0)  # eager steps take it
+
+
+def test_rotary_refuses_what_it_cannot_compute() -> None:
+    cos = sin = torch.zeros(2, 1, 16)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        torch.ops.tokenmill.rotary(torch.zeros(2, 32, 2).transpose(1, 2), cos, sin)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        torch.ops.tokenmill.rotary(torch.zeros(2, 1, 24), torch.zeros(2, 1, 12), torch.zeros(2, 1, 12))
+    with pytest.raises(RuntimeError, match="tables of x's dtype"):
+        torch.ops.tokenmill.rotary(torch.zeros(2, 1, 32), cos.bfloat16(), sin.bfloat16())
 
 
 def test_gated_activation_refuses_what_it_cannot_compute() -> None:

@@ -37,7 +37,7 @@ def _fused_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether tokenmill's one-pass RMSNorm applies: eager CPU steps (a compiled graph fuses the
     norm itself) on rows, or heads of rows, with a contiguous last dimension in whole vectors."""
     return (not torch.compiler.is_compiling() and x.device.type == "cpu" and kernels.loaded()
-            and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.float32
+            and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype in (torch.float32, torch.bfloat16)
             and x.dim() in (2, 3) and x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == x.shape[2])
             and x.shape[-1] % 16 == 0)
 
@@ -56,8 +56,19 @@ class Rotary:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x of shape (T, heads, head_dim) with tables from `Rotary.tables`."""
+    if _fused_rotary_fits(x, cos, sin):
+        return torch.ops.tokenmill.rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _fused_rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether tokenmill's one-pass rotary embedding applies: eager CPU steps (a compiled graph fuses
+    it itself) on heads of rows with a contiguous last dimension, halves in whole vectors."""
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and kernels.loaded()
+            and x.dtype in (torch.bfloat16, torch.float32) and cos.dtype == sin.dtype == x.dtype
+            and cos.is_contiguous() and sin.is_contiguous() and x.dim() == 3 and x.stride(-1) == 1
+            and x.stride(1) == x.shape[2] and x.shape[-1] % 32 == 0)
 
 
 class Attention(nn.Module):

@@ -4,11 +4,10 @@
 PyTorch's `_weight_int8pack_mm` (see gemv.cpp). It and `int4_linear` pick their means (a
 weight-only kernel or a bf16 matmul) by the number of rows when they run, so one compiled graph
 serves every batch size with the best of both. `gated_activation` is the MLP's act(gate) * up in
-one pass, for eager steps (activation.cpp), and `rms_norm` the model's norm (norm.cpp);
-`decode_attention` attends one query token per sequence over the paged KV cache (attention.cpp);
+one pass, for eager steps (activation.cpp), `rms_norm` the model's norm (norm.cpp) and `rotary`
+the rotary embedding (rotary.cpp); `decode_attention` attends one query token per sequence over the paged KV cache (attention.cpp);
 `greedy_ids` is a vectorized argmax of each row of logits and `sample_ids` a draw from each
-row's softmax (sample.cpp). Building takes ~10 s of one
-core (g++ through
+row's softmax (sample.cpp). Building takes ~10 s of one core (g++ through
 `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
 kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the
 torch version and the CPU's features, so later starts load it in milliseconds. Where it cannot be
@@ -32,7 +31,7 @@ from tokenmill.catalog import cache_root
 
 log = logging.getLogger("tokenmill.kernels")
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("gemv.cpp", "activation.cpp", "norm.cpp", "attention.cpp", "sample.cpp")]
+           for name in ("gemv.cpp", "activation.cpp", "norm.cpp", "rotary.cpp", "attention.cpp", "sample.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
@@ -95,6 +94,7 @@ def load(build: bool = True) -> bool:
         torch.library.register_fake("tokenmill::decode_attention")(_decode_attention_shape)
         torch.library.register_fake("tokenmill::greedy_ids")(_greedy_ids_shape)
         torch.library.register_fake("tokenmill::rms_norm")(_rms_norm_shape)
+        torch.library.register_fake("tokenmill::rotary")(_rotary_shape)
         _loaded = True
         return True
 
@@ -154,6 +154,10 @@ def _decode_attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _rms_norm_shape(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _rotary_shape(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 

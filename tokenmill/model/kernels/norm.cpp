@@ -1,6 +1,7 @@
 // RMSNorm of rows, for eager steps: PyTorch runs it as six passes over the activations (pow, mean,
 // add, rsqrt, two products), ~10% of an eager 512-token prompt of SmolLM2 with its 61 norms. Here one
-// pass sums the squares and one writes the scaled rows, in float32 as the model's RMSNorm computes.
+// pass sums the squares and one writes the scaled rows, in float32 as the model's RMSNorm computes
+// (float32 or bfloat16 weights, widened).
 // Compiled graphs fuse this themselves.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -12,8 +13,8 @@
 
 namespace {
 
-template <typename T>
-void norm_row(const T* x, const float* weight, T* y, int64_t dim, float eps) {
+template <typename T, typename W>
+void norm_row(const T* x, const W* weight, T* y, int64_t dim, float eps) {
   using namespace simd;
   Vec a = zero(), b = zero();
   int64_t i = 0;
@@ -39,20 +40,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
               "rms_norm: x must be float32 or bfloat16");
   const int64_t dim = x.size(-1), rows = x.size(0), heads = x.dim() == 3 ? x.size(1) : 1;
   TORCH_CHECK(dim % simd::kWidth == 0, "rms_norm: the dimension must be a multiple of ", simd::kWidth);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == dim,
-              "rms_norm: weight must be contiguous float32 of x's last dimension");
+  TORCH_CHECK((weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
+                  weight.is_contiguous() && weight.numel() == dim,
+              "rms_norm: weight must be contiguous float32 or bfloat16 of x's last dimension");
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t row_stride = x.stride(0), grain = std::max<int64_t>(1, 16384 / (heads * dim));
-  const float* w = weight.data_ptr<float>();
-  const auto run = [&](auto* in, auto* o) {
+  const auto run = [&](auto* in, auto* o, auto* w) {
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t h = 0; h < heads; ++h)
           norm_row(in + r * row_stride + h * dim, w, o + (r * heads + h) * dim, dim, static_cast<float>(eps));
     });
   };
-  if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), out.data_ptr<float>());
-  else run(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  const auto with_weight = [&](auto* in, auto* o) {
+    if (weight.scalar_type() == at::kFloat) run(in, o, weight.data_ptr<float>());
+    else run(in, o, weight.data_ptr<at::BFloat16>());
+  };
+  if (x.scalar_type() == at::kFloat) with_weight(x.data_ptr<float>(), out.data_ptr<float>());
+  else with_weight(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
   return out;
 }
 
