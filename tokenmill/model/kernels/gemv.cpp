@@ -788,7 +788,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0-3: C, up to 4 blocks of 16 activation rows; tmm4: A; tmm5: B. All 16 rows x 64 bytes.
+// All 16 rows x 64 bytes. amx_tiles: tmm0-3 C (up to 4 blocks of 16 activation rows), tmm4 A, tmm5 B;
+// amx_tiles_panels: tmm0-3 C (2 x 2), tmm4-5 A, tmm6-7 B.
 void load_tile_config() {
   TileConfig config;
   for (int i = 0; i < 8; ++i) config.rows[i] = 16, config.colsb[i] = 64;
@@ -970,11 +971,13 @@ inline void multiply_group_2x2(const uint16_t* x, int64_t K, const uint16_t* b, 
 constexpr int64_t kAmxPanelBytes = 256 << 10;  // dequantized B tiles that many rows pass through in turn
 constexpr int64_t kAmxPanelMinRows = 256;      // from these many (padded) rows on
 
-// amx_tiles for many rows: with 64 rows a pass, their A tiles no longer fit in L1 and every tile's
-// pass reloads them from L2, ~60 cycles a product against ~16 for the matrix unit. Here the B tiles
-// of a panel of tiles (kAmxPanelBytes) are dequantized once, while the first 32 rows pass through
-// them, and then each further 32 rows (A in L1) take the panel 2 tiles at a time: each load serves
-// two products. Every tile layer of SmolLM2 at 512 / 2048 rows: 62 / 464 ms -> 53 / 202.
+// amx_tiles for many rows: there every tile takes all rows through its B tiles, 64 rows a pass, so
+// the rows' A tiles come from L2 or beyond once per tile (a tile load from L2 costs more than the
+// ~16 cycles of a product: ~60 a product measured so). Here the B tiles of a panel of tiles
+// (kAmxPanelBytes) are dequantized once, while the first 32 rows pass through them, and each further
+// 32 rows (their A tiles in L1) take the panel 2 tiles at a time: each load serves two products.
+// Every tile layer (no head), best of 7, in the same minutes: SmolLM2 at 512 / 2048 rows 68 / 432 ms
+// -> 59 / 242, Gemma 3 67 / 474 -> 54 / 215; at 128 rows no faster, hence kAmxPanelMinRows.
 template <int Bits, bool Fifth, typename S>
 void amx_tiles_panels(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* tiles,
                       const uint8_t* fifth, const S* tile_scales, bool row_scales, uint16_t* y, int64_t N,
