@@ -33,11 +33,17 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def _fused_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether tokenmill's one-pass RMSNorm applies: eager CPU steps (a compiled graph fuses the
-    norm itself) on rows, or heads of rows, with a contiguous last dimension in whole vectors."""
+def _eager_kernel_fits(x: torch.Tensor) -> bool:
+    """Whether tokenmill's one-pass elementwise kernels (norm, rotary, gated activation) may take x:
+    eager CPU steps in float32 or bf16 (a compiled graph fuses these itself)."""
     return (not torch.compiler.is_compiling() and x.device.type == "cpu" and kernels.loaded()
-            and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype in (torch.float32, torch.bfloat16)
+            and x.dtype in (torch.bfloat16, torch.float32))
+
+
+def _fused_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether tokenmill's one-pass RMSNorm applies: rows, or heads of rows, with a contiguous last
+    dimension in whole vectors."""
+    return (_eager_kernel_fits(x) and weight.dtype in (torch.float32, torch.bfloat16)
             and x.dim() in (2, 3) and x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == x.shape[2])
             and x.shape[-1] % 16 == 0)
 
@@ -63,12 +69,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def _fused_rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether tokenmill's one-pass rotary embedding applies: eager CPU steps (a compiled graph fuses
-    it itself) on heads of rows with a contiguous last dimension, halves in whole vectors."""
-    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and kernels.loaded()
-            and x.dtype in (torch.bfloat16, torch.float32) and cos.dtype == sin.dtype == x.dtype
-            and cos.is_contiguous() and sin.is_contiguous() and x.dim() == 3 and x.stride(-1) == 1
-            and x.stride(1) == x.shape[2] and x.shape[-1] % 32 == 0)
+    """Whether tokenmill's one-pass rotary embedding applies: heads of rows with a contiguous last
+    dimension, halves in whole vectors, tables of x's dtype."""
+    return (_eager_kernel_fits(x) and cos.dtype == sin.dtype == x.dtype and cos.is_contiguous()
+            and sin.is_contiguous() and x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]
+            and x.shape[-1] % 32 == 0)
 
 
 class Attention(nn.Module):
@@ -123,9 +128,8 @@ class MLP(nn.Module):
 
 
 def _fused_activation_fits(gate_up: torch.Tensor) -> bool:
-    """Whether the C++ act(gate) * up applies: eager CPU steps (a compiled graph fuses it itself)."""
-    return (not torch.compiler.is_compiling() and gate_up.device.type == "cpu" and kernels.loaded()
-            and gate_up.dtype in (torch.bfloat16, torch.float32) and gate_up.dim() == 2 and gate_up.is_contiguous())
+    """Whether the C++ act(gate) * up applies: a contiguous (tokens, 2 x width) tensor."""
+    return _eager_kernel_fits(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous()
 
 
 class DecoderLayer(nn.Module):

@@ -898,6 +898,24 @@ inline void store_blocks(float* c) {
 
 constexpr int64_t kAmxBlocks = 4;  // C tiles: activation rows per pass, 64
 
+// Group g of tile t of a layer's tiles (tile_scales: per group, or one pair per row) into a B tile at out
+template <int Bits, bool Fifth, typename S>
+inline void dequantize_group(const Dequantizer& dequantizer, const uint8_t* tiles, const uint8_t* fifth,
+                             const S* tile_scales, bool row_scales, int64_t groups, int64_t t, int64_t g,
+                             uint16_t* out) {
+  dequantizer.group<Bits, Fifth>(tiles + (t * groups + g) * tile_group_bytes(Bits),
+                                 Fifth ? fifth + (t * groups + g) * kTileFifthGroupBytes : nullptr,
+                                 tile_scales + (t * (row_scales ? 1 : groups) + (row_scales ? 0 : g)) * 32, out);
+}
+
+// The first `rows` rows of a stored C tile (16 x 16 fp32 at c) as bf16 into y's tile column t
+inline void write_rows(const float* c, int64_t rows, uint16_t* y, int64_t N, int64_t t) {
+  for (int64_t i = 0; i < rows; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * N + t * 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + i * 16)));
+  }
+}
+
 // y (M, N, bf16) = x (bf16, padded with zeros to Mp rows) W^T, for the tiles [tile0, tile1)
 template <int Bits, bool Fifth, typename S>
 void amx_tiles(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* tiles, const uint8_t* fifth,
@@ -910,12 +928,8 @@ void amx_tiles(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const uint8_
   alignas(64) float c[kAmxBlocks * 256];
   load_tile_config();
   for (int64_t t = tile0; t < tile1; ++t) {
-    const uint8_t* q = tiles + t * groups * tile_group_bytes(Bits);
-    const S* ts = tile_scales + t * (row_scales ? 1 : groups) * 32;
     const auto dequantize = [&](int64_t g) {
-      dequantizer.group<Bits, Fifth>(q + g * tile_group_bytes(Bits),
-                                     Fifth ? fifth + (t * groups + g) * kTileFifthGroupBytes : nullptr,
-                                     ts + (row_scales ? 0 : g * 32), b + g * 512);
+      dequantize_group<Bits, Fifth>(dequantizer, tiles, fifth, tile_scales, row_scales, groups, t, g, b + g * 512);
     };
     for (int64_t m0 = 0; m0 < Mp; m0 += 16 * kAmxBlocks) {
       const int64_t blocks = std::min<int64_t>(kAmxBlocks, (Mp - m0) / 16);
@@ -940,10 +954,7 @@ void amx_tiles(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const uint8_
         case 3: pass(std::integral_constant<int, 3>{}); break;
         default: pass(std::integral_constant<int, 4>{}); break;
       }
-      for (int64_t i = 0; i < std::min(16 * blocks, M - m0); ++i) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + i) * N + t * 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + i * 16)));
-      }
+      write_rows(c, std::min(16 * blocks, M - m0), y + m0 * N, N, t);
     }
   }
   _tile_release();
@@ -992,10 +1003,8 @@ void amx_tiles_panels(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const
   for (int64_t p0 = tile0; p0 < tile1; p0 += panel_tiles) {
     const int64_t p1 = std::min(tile1, p0 + panel_tiles);
     const auto dequantize = [&](int64_t t, int64_t g) {
-      dequantizer.group<Bits, Fifth>(tiles + (t * groups + g) * tile_group_bytes(Bits),
-                                     Fifth ? fifth + (t * groups + g) * kTileFifthGroupBytes : nullptr,
-                                     tile_scales + (t * (row_scales ? 1 : groups) + (row_scales ? 0 : g)) * 32,
-                                     panel.data() + (t - p0) * tile_stride + g * 512);
+      dequantize_group<Bits, Fifth>(dequantizer, tiles, fifth, tile_scales, row_scales, groups, t, g,
+                                    panel.data() + (t - p0) * tile_stride + g * 512);
     };
     for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
       const int row_blocks = Mp - m0 >= 32 ? 2 : 1;
@@ -1005,10 +1014,7 @@ void amx_tiles_panels(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const
         const uint16_t* b = panel.data() + (t - p0) * tile_stride;
         const auto block = [&](auto row_count, auto col_count) {
           constexpr int kRows = decltype(row_count)::value, kCols = decltype(col_count)::value;
-          _tile_zero(0);
-          if constexpr (kCols > 1) _tile_zero(1);
-          if constexpr (kRows > 1) _tile_zero(2);
-          if constexpr (kRows > 1 && kCols > 1) _tile_zero(3);
+          zero_blocks<4>();  // those of a narrower edge block stay zero
           if (m0 == 0) {  // each group's products one group behind its dequantization, which they overlap
             for (int64_t g = 0; g <= groups; ++g) {
               if (g < groups) {
@@ -1021,10 +1027,7 @@ void amx_tiles_panels(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const
             for (int64_t g = 0; g < groups; ++g)
               multiply_group_2x2<kRows, kCols>(a + g * 32, K, b + g * 512, tile_stride);
           }
-          _tile_stored(0, c, 64);
-          if constexpr (kCols > 1) _tile_stored(1, c + 256, 64);
-          if constexpr (kRows > 1) _tile_stored(2, c + 512, 64);
-          if constexpr (kRows > 1 && kCols > 1) _tile_stored(3, c + 768, 64);
+          store_blocks<4>(c);
         };
         using One = std::integral_constant<int, 1>;
         using Two = std::integral_constant<int, 2>;
@@ -1035,14 +1038,9 @@ void amx_tiles_panels(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const
           if (cols == 2) block(One{}, Two{});
           else block(One{}, One{});
         }
-        for (int r = 0; r < row_blocks; ++r) {
-          for (int64_t i = 0; i < std::min<int64_t>(16, M - m0 - r * 16); ++i) {
-            for (int j = 0; j < cols; ++j) {
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r * 16 + i) * N + (t + j) * 16),
-                                  (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + (r * 2 + j) * 256 + i * 16)));
-            }
-          }
-        }
+        for (int r = 0; r < row_blocks; ++r)
+          for (int j = 0; j < cols; ++j)
+            write_rows(c + (r * 2 + j) * 256, std::min<int64_t>(16, M - m0 - r * 16), y + (m0 + r * 16) * N, N, t + j);
       }
     }
   }
