@@ -49,7 +49,7 @@ at::Tensor gated_activation(const at::Tensor& gate_up, std::string_view kind) {
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, width}, gate_up.options());
   const bool gelu = kind == "gelu_tanh";
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  const int64_t grain = simd::rows_per_task(width);
   AT_DISPATCH_SWITCH(gate_up.scalar_type(), "gated_activation",
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       const auto* in = gate_up.data_ptr<at::BFloat16>(); auto* o = out.data_ptr<at::BFloat16>();

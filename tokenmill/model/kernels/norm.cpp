@@ -44,7 +44,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
                   weight.is_contiguous() && weight.numel() == dim,
               "rms_norm: weight must be contiguous float32 or bfloat16 of x's last dimension");
   at::Tensor out = at::empty(x.sizes(), x.options());
-  const int64_t row_stride = x.stride(0), grain = std::max<int64_t>(1, 16384 / (heads * dim));
+  const int64_t row_stride = x.stride(0), grain = simd::rows_per_task(heads * dim);
   const auto run = [&](auto* in, auto* o, auto* w) {
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)

@@ -23,7 +23,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
                 "rotary: cos and sin must be contiguous (tokens, 1, dim / 2) tables of x's dtype");
   }
   at::Tensor out = at::empty(x.sizes(), x.options());
-  const int64_t row_stride = x.stride(0), grain = std::max<int64_t>(1, 16384 / (heads * dim));
+  const int64_t row_stride = x.stride(0), grain = simd::rows_per_task(heads * dim);
   const auto run = [&](const auto* in, const auto* c, const auto* s, auto* o) {
     using namespace simd;
     at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {

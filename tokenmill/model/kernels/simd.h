@@ -1,14 +1,22 @@
 // The few fp32 vector operations the kernels are written in, on AVX-512 where the CPU has it, else
-// on AVX2 with FMA: one kernel source for both kinds of x86 machine this project runs on.
+// on AVX2 with FMA: one kernel source for both kinds of x86 machine this project runs on. Also the
+// elementwise kernels' split of rows over threads.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace simd {
+
+// Rows per task of the elementwise kernels (norm, rotary, gated activation): ~16k elements each, so
+// that a decode step's few rows stay on the calling thread and a prompt's spread over all of them
+inline int64_t rows_per_task(int64_t row_elements) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1));
+}
 
 // The sum of 8 floats: AVX2's vector, and the integer GEMVs' on either kind of machine (gemv.cpp)
 inline float sum8(__m256 a) {
