@@ -232,3 +232,41 @@ def test_bad_requests_are_refused_and_leave_nothing(tiny_loaded) -> None:
 def test_default_kv_budget_is_a_power_of_two_of_a_quarter_of_free_ram(free_gib, budget_gib) -> None:
     """Small changes in free memory must not change the pool size: compiled graphs depend on it."""
     assert _default_kv_budget(int(free_gib * 2**30)) == int(budget_gib * 2**30)
+
+
+def test_warming_the_kv_pool_writes_only_unheld_blocks_up_to_the_limit(tiny_loaded, monkeypatch) -> None:
+    from tokenmill.engine import llm_engine
+
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=64, block_size=16)
+    cache, pool = engine.runner.cache, engine.kv.block_pool
+    per_block = cache.k[0][:16].nbytes
+    monkeypatch.setattr(llm_engine, "KV_WARM_BYTES", 3 * per_block)  # units of 3 blocks
+    monkeypatch.setattr(llm_engine, "KV_WARM_AHEAD", 20 * 2 * len(cache.k) * per_block)  # 20 blocks past the used
+    for t in cache.k + cache.v:
+        t[:cache.pad_slot].fill_(7.0)
+    held = [b.block_id for b in pool.get_new_blocks(2)]  # blocks 0 and 1, in use
+    cached_block = pool.get_new_blocks(1)[0]  # block 2: full, cached, then freed
+    pool.cached[("h",)] = cached_block
+    cached_block.block_hash = ("h",)
+    pool.free_blocks([cached_block])
+
+    units = 0
+    while engine.warm_kv_cache():
+        units += 1
+    assert units == 8 * 2 * len(cache.k)  # blocks 0-23 (to 3 + 20, in whole units of 3), every tensor
+
+    def block(t: torch.Tensor, i: int) -> torch.Tensor:
+        return t[i * 16:(i + 1) * 16]
+
+    for t in cache.k + cache.v:
+        for i in held + [cached_block.block_id]:
+            assert bool((block(t, i) == 7.0).all()), f"block {i} was written"
+        for i in range(3, 24):
+            assert bool((block(t, i) == 0).all()), f"block {i} was not warmed"
+        assert bool((t[24 * 16:cache.pad_slot] == 7.0).all()), "warmed past the limit"
+
+    pool.get_new_blocks(10)  # blocks 3..12 taken: the limit moves to 33
+    assert engine.warm_kv_cache()
+    while engine.warm_kv_cache():
+        pass
+    assert bool((cache.k[0][24 * 16:33 * 16] == 0).all())

@@ -66,11 +66,14 @@ class AsyncLLMEngine:
             built.set_exception(exc)
             return
         built.set_result(None)
+        warming = True  # the KV pool, while idle (see LLMEngine.warm_kv_cache)
         try:
             while not self._stop.is_set():
-                block = not self.engine.has_unfinished_requests()
-                self._run_commands(block)
-                if self.engine.has_unfinished_requests():
+                self._run_commands(block=not warming and not self.engine.has_unfinished_requests())
+                if warming and not self.engine.has_unfinished_requests():
+                    warming = self.engine.warm_kv_cache()
+                elif self.engine.has_unfinished_requests():
+                    warming = True  # steps take blocks: more of the pool may want warming when idle
                     outputs = self.engine.step()
                     for out in outputs:
                         self._deliver(out.request_id, out)

@@ -89,6 +89,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.used_end = 0  # one past the highest block id ever handed out (fresh blocks go in id order)
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,6 +115,7 @@ class BlockPool:
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
+        self.used_end = max(self.used_end, max((b.block_id for b in blocks), default=-1) + 1)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -86,6 +86,10 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
+    def zero_blocks(self, tensor: torch.Tensor, first_block: int, end_block: int) -> None:
+        """Zero blocks [first_block, end_block) of one of the pool's tensors (`k[i]` or `v[i]`)."""
+        tensor[first_block * self.block_size:end_block * self.block_size].zero_()
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
