@@ -48,6 +48,19 @@ def test_compiled_decode_matches_eager(runner, batch_size: int) -> None:
     assert torch.isfinite(compiled).all()
 
 
+def test_compiled_steps_reuse_one_logits_buffer(runner) -> None:
+    prompts, tables = PROMPTS, TABLES
+    runner.forward(prompts, [len(p) for p in prompts], tables)
+    first = runner.forward([[7]] * 3, [len(p) + 1 for p in prompts], tables)
+    step = ([[9]] * 3, [len(p) + 2 for p in prompts], tables)
+    second = runner.forward(*step)
+    assert second.data_ptr() == first.data_ptr() and second.dtype == torch.float32
+    eager = runner.model.compute_logits(runner.forward(*step, hidden_only=True))
+    torch.testing.assert_close(second, eager, rtol=1e-4, atol=1e-4)
+    smaller = runner.forward([[7]] * 2, [len(p) + 3 for p in prompts[:2]], tables[:2])
+    assert smaller.shape == (2, second.shape[1]) and smaller.data_ptr() == first.data_ptr()
+
+
 def test_pad_slot_is_clean_after_warmup(runner) -> None:
     pad = runner.cache.pad_slot
     assert all(bool((t[pad] == 0).all()) for t in runner.cache.k + runner.cache.v)
@@ -56,7 +69,7 @@ def test_pad_slot_is_clean_after_warmup(runner) -> None:
 def test_batch_without_a_graph_runs_eagerly(runner, monkeypatch, caplog) -> None:
     # a graph specialized to batch 2 (dynamo's eager backend: nothing to build) stands in for a
     # warm-up that missed a shape; its guards reject batch 3 and the step must not recompile
-    static = torch.compile(model_runner.decode_logits, fullgraph=True, dynamic=False, backend="eager")
+    static = torch.compile(model_runner.decode_head, fullgraph=True, dynamic=False, backend="eager")
     with torch.inference_mode():
         graph = static.aot_compile(((runner.model, runner.cache, *runner._warmup_inputs(2)), {}))
     monkeypatch.setattr(runner, "_compiled_decode", {1: graph, 2: graph})

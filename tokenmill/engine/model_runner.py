@@ -65,6 +65,7 @@ class ModelRunner:
         self.compile_requested = compile
         self._compile_thread: threading.Thread | None = None
         self.uncompiled_decode_steps = 0  # decode steps no compiled graph fitted (run eagerly)
+        self._logits: torch.Tensor | None = None  # see _logits_buffer
         self._kernel_build = kernels.build_in_background() if self.cache.k[0].device.type == "cpu" else None
         if compile and not defer_compile:
             self.start_compile()
@@ -103,16 +104,17 @@ class ModelRunner:
 
         Returns float32 logits of each sequence's last new token (num_seqs, vocab), or of every new
         token (total_tokens, vocab) when all_logits is set; with hidden_only, the final hidden
-        states instead of logits (for callers that need logits of only some tokens).
+        states instead of logits (for callers that need logits of only some tokens). A compiled
+        decode step's logits are overwritten by the next one's (see `_logits_buffer`).
         """
         query_lens = [len(t) for t in token_ids]
         batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot)
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
         self._set_threads(self.max_threads)  # this thread's OpenMP setting; compiled kernels were built for it
         if self._compiled_decode is not None and not hidden_only and self._is_decode(query_lens, context_lens):
-            logits = self._run_compiled(flat, batch)
-            if logits is not None:
-                return logits
+            head = self._run_compiled(flat, batch)
+            if head is not None:
+                return self.model.finish_logits(head, out=self._logits_buffer(head.shape))
         hidden = self.model(flat, self.cache, batch)
         if hidden_only:
             return hidden
@@ -121,8 +123,18 @@ class ModelRunner:
             hidden = hidden[last]
         return self.model.compute_logits(hidden)
 
+    def _logits_buffer(self, shape: torch.Size) -> torch.Tensor:
+        """Where compiled decode steps leave their logits, reused from step to step: a new tensor
+        of 32 rows of Gemma 3's 262k float32 logits (34 MB, above what glibc's heap serves) was
+        mapped and faulted in afresh every step (~3 ms of a ~45 ms step)."""
+        rows, vocab = shape
+        if self._logits is None or self._logits.shape[0] < rows:
+            self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.cache.k[0].device)
+        return self._logits[:rows]
+
     def _run_compiled(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
-        """The compiled step's logits, or None for a batch its graph's guards reject.
+        """The compiled step's head products (`decode_head`), or None for a batch its graph's
+        guards reject.
 
         Dynamo's guards (~2,700 checks per graph: every weight's shape, dtype and identity, the
         cache, the input shapes) took 1.7 ms of a 12-15 ms batch-1 step when checked on every
@@ -201,7 +213,7 @@ class ModelRunner:
         # were graph arguments boxed into tensors on every call, each with guards of its own.
         for tensor in self.cache.k + self.cache.v:
             torch._dynamo.mark_static(tensor, 0)
-        compiled = torch.compile(decode_logits, fullgraph=True, dynamic=True, options=GRAPH_OPTIONS)
+        compiled = torch.compile(decode_head, fullgraph=True, dynamic=True, options=GRAPH_OPTIONS)
         # no "duck sizing": a warm-up batch size equal to some other size (say, the KV heads)
         # would otherwise be assumed equal to it, and the first real batch would recompile.
         # Specialized floats: the layers' constants (norm eps, softmax scale) would otherwise
@@ -271,14 +283,15 @@ def _save_graph(graph: AOTCompiledFunction, path: Path) -> None:
         log.info("could not cache the decode graph at %s (%r)", path, exc)
 
 
-def decode_logits(model: Transformer, cache: KVCache, flat: torch.Tensor,
-                  batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits, and the final hidden states as a second output: an output is stored once, where
-    inductor would otherwise recompute the last norms inside the output head's fused reduction
-    for every one of its rows (Gemma 3's batch-1 step: 36 ms against 17 ms). A function of its
-    arguments only, as `aot_compile` needs: it pickles what the guards look at."""
+def decode_head(model: Transformer, cache: KVCache, flat: torch.Tensor,
+                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output head's products (`Transformer.head_output`), and the final hidden states as a
+    second output: an output is stored once, where inductor would otherwise recompute the last
+    norms inside the output head's fused reduction for every one of its rows (Gemma 3's batch-1
+    step: 36 ms against 17 ms). A function of its arguments only, as `aot_compile` needs: it
+    pickles what the guards look at."""
     hidden = model(flat, cache, batch)
-    return model.compute_logits(hidden), hidden
+    return model.head_output(hidden), hidden
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

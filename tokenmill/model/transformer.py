@@ -185,9 +185,18 @@ class Transformer(nn.Module):
         return next(itertools.chain(self.parameters(), self.buffers())).device
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed.weight)
-        logits = head.float()
+        """Float32 logits of the final hidden states."""
+        return self.finish_logits(self.head_output(hidden))
+
+    def head_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head's products, in the model's dtype: `finish_logits` makes them logits."""
+        return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed.weight)
+
+    def finish_logits(self, head: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`head_output`'s products as float32 logits, soft-capped where the model caps them; written
+        into out (same shape) when given."""
+        logits = head.float() if out is None else out.copy_(head)
         if self.config.final_logit_softcap is not None:
             cap = self.config.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
+            logits.div_(cap).tanh_().mul_(cap)
         return logits
