@@ -61,6 +61,17 @@ def test_compiled_steps_reuse_one_logits_buffer(runner) -> None:
     assert smaller.shape == (2, second.shape[1]) and smaller.data_ptr() == first.data_ptr()
 
 
+def test_argmax_only_steps_get_the_heads_products_as_they_are(runner) -> None:
+    prompts, tables = PROMPTS, TABLES
+    runner.forward(prompts, [len(p) for p in prompts], tables)
+    step = ([[7]] * 3, [len(p) + 1 for p in prompts], tables)
+    logits = runner.forward(*step).clone()
+    raw = runner.forward(*step, argmax_only=True)
+    assert raw.data_ptr() != runner._logits.data_ptr()  # not copied into the float32 buffer
+    assert raw.dtype == runner.loaded.dtype
+    torch.testing.assert_close(raw.float(), logits, rtol=1e-4, atol=1e-4)
+
+
 def test_pad_slot_is_clean_after_warmup(runner) -> None:
     pad = runner.cache.pad_slot
     assert all(bool((t[pad] == 0).all()) for t in runner.cache.k + runner.cache.v)

@@ -21,12 +21,12 @@ def test_nan_logits_fail_only_that_request(tiny_loaded, monkeypatch) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=64)
     original = engine._sample
 
-    def poisoned(logits, seqs, touched):
+    def poisoned(logits, seqs, batch, touched):
         logits = logits.clone()
         for i, seq in enumerate(seqs):
             if seq.req.request_id == "poison" and seq.req.num_output_tokens == 3:
                 logits[i, 5] = float("nan")
-        return original(logits, seqs, touched)
+        return original(logits, seqs, batch, touched)
 
     monkeypatch.setattr(engine, "_sample", poisoned)
     for rid in ("a", "poison", "b"):

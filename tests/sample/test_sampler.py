@@ -153,6 +153,18 @@ def test_greedy_rows_take_argmax_of_processed_logits() -> None:
     assert Sampler()(LOGITS, build([S(temperature=0)] * 6)).token_ids.tolist() == LOGITS.argmax(-1).tolist()
 
 
+def test_argmax_only_batches_keep_the_logits_dtype() -> None:
+    half = LOGITS.to(torch.bfloat16)
+    argmax = build([S(temperature=0)] * 6)
+    assert argmax.argmax_only and process_logits(half, argmax) is half
+    out = Sampler()(half, argmax)
+    assert out.token_ids.tolist() == half.float().argmax(-1).tolist() and bool(out.usable.all())
+    for params in ([S(temperature=0, logprobs=2)] * 6, [S(temperature=0, presence_penalty=1.0)] * 6,
+                   [S(temperature=0)] * 5 + [S()]):
+        batch = build(params)
+        assert not batch.argmax_only and process_logits(half, batch).dtype == torch.float32
+
+
 def test_min_tokens_keeps_stop_ids_from_being_picked() -> None:
     logits = LOGITS.clone()
     logits[:, 7] = 100.0  # a stop id every row would otherwise pick

@@ -319,25 +319,31 @@ class LLMEngine:
             if seq.parent.prompt_logprobs is not None and seq.index == 0 and start < req.num_prompt_tokens:
                 prompt_lp_rows.append((offset, start, n, seq))
             offset += n
+        seqs = [s for _, s in sample_rows]
+        sampling = self._sampling_batch(seqs) if seqs else None
         # When every sequence samples from its last token (decode steps) the runner returns those
         # logits itself, which lets it use its compiled decode graph; otherwise hidden states.
         last_logits = not prompt_lp_rows and len(sample_rows) == len(sched.requests)
-        out = self.runner.forward(token_ids, context_lens, tables, hidden_only=not last_logits)
+        out = self.runner.forward(token_ids, context_lens, tables, hidden_only=not last_logits,
+                                  argmax_only=sampling is not None and sampling.argmax_only)
         self.stats.tokens_computed += offset
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
         for row, start, n, seq in prompt_lp_rows:
             self._prompt_logprobs(out[row:row + n], start, seq)
             touched[seq.parent.request_id] = seq.parent
-        if sample_rows:
+        if sampling is not None:
             logits = out if last_logits else self.runner.model.compute_logits(out[[r for r, _ in sample_rows]])
-            self._sample(logits, [s for _, s in sample_rows], touched)
+            self._sample(logits, seqs, sampling, touched)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], touched: dict[str, _Parent]) -> None:
-        batch = SamplingBatch.build(
+    def _sampling_batch(self, seqs: list[_Sequence]) -> SamplingBatch:
+        return SamplingBatch.build(
             [s.params for s in seqs], [s.req.prompt_token_ids for s in seqs], [s.req.output_token_ids for s in seqs],
-            [s.generator for s in seqs], logits.shape[-1], [s.stop_ids for s in seqs],
+            [s.generator for s in seqs], self.loaded.config.vocab_size, [s.stop_ids for s in seqs],
         )
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], batch: SamplingBatch,
+                touched: dict[str, _Parent]) -> None:
         out = self.sampler(logits, batch)
         if not bool(out.usable.all()):  # one request's numerical failure must not reach the others
             for seq, ok in zip(seqs, out.usable.tolist()):

@@ -99,13 +99,16 @@ class ModelRunner:
         block_tables: list[list[int]],
         all_logits: bool = False,
         hidden_only: bool = False,
+        argmax_only: bool = False,
     ) -> torch.Tensor:
         """Feed sequence i its new tokens token_ids[i], ending at context length context_lens[i].
 
         Returns float32 logits of each sequence's last new token (num_seqs, vocab), or of every new
         token (total_tokens, vocab) when all_logits is set; with hidden_only, the final hidden
         states instead of logits (for callers that need logits of only some tokens). A compiled
-        decode step's logits are overwritten by the next one's (see `_logits_buffer`).
+        decode step's logits are overwritten by the next one's (see `_logits_buffer`); for a caller
+        that only takes their argmaxes, they may stay in the model's dtype (32 rows of Gemma 3's
+        262k made float32: 2 ms of a ~36 ms step).
         """
         query_lens = [len(t) for t in token_ids]
         batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot)
@@ -114,6 +117,8 @@ class ModelRunner:
         if self._compiled_decode is not None and not hidden_only and self._is_decode(query_lens, context_lens):
             head = self._run_compiled(flat, batch)
             if head is not None:
+                if argmax_only and self.model.config.final_logit_softcap is None:
+                    return head
                 return self.model.finish_logits(head, out=self._logits_buffer(head.shape))
         hidden = self.model(flat, self.cache, batch)
         if hidden_only:

@@ -48,6 +48,17 @@ class SamplingBatch:
     all_random: bool
     max_num_logprobs: int | None  # largest `logprobs` requested in the batch, None if none
 
+    @property
+    def needs_processing(self) -> bool:
+        """Whether `process_logits` changes any logit (min_tokens, logit bias, penalties)."""
+        return self.min_tokens_index is not None or self.bias_index is not None or self.output_counts is not None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the batch takes each row's highest logit as it is: the logits' dtype may then stay
+        the model's (an argmax needs no float32 copy)."""
+        return self.all_greedy and self.max_num_logprobs is None and not self.needs_processing
+
     @classmethod
     def build(
         cls,
@@ -186,9 +197,11 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Apply min_tokens masking, logit bias and penalties: what greedy picks and logprobs see."""
-    needs_work = (batch.min_tokens_index is not None or batch.bias_index is not None
-                  or batch.output_counts is not None)
+    """Apply min_tokens masking, logit bias and penalties: what greedy picks and logprobs see. As
+    float32, but for a batch that only takes argmaxes (`SamplingBatch.argmax_only`)."""
+    if batch.argmax_only:
+        return logits
+    needs_work = batch.needs_processing
     logits = logits.to(torch.float32, copy=needs_work)  # one copy, then edit it in place
     if batch.min_tokens_index is not None:
         logits[batch.min_tokens_index] = float("-inf")
