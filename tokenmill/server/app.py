@@ -228,16 +228,32 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) from all streams as they come."""
-        queue: asyncio.Queue = asyncio.Queue()
         timers = [RequestTimer(metrics) for _ in streams]
+
+        def timed(i: int, out: RequestOutput) -> RequestOutput:
+            timers[i].tokens(sum(len(c.token_ids_delta) for c in out.outputs))
+            if out.finished:
+                timers[i].finish([c.finish_reason for c in out.outputs])
+            return out
+
+        if len(streams) == 1 and config.request_timeout is None:
+            # the usual request: its outputs straight through, without a task, a queue and a
+            # wait_for's task between (a hop of each per token, on the thread that also serves
+            # every other stream)
+            try:
+                async for out in streams[0]:
+                    if timed(0, out).error:
+                        raise TokenmillError(out.error)
+                    yield 0, out
+            finally:
+                streams[0].close()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream: RequestStream) -> None:
             try:
                 async for out in stream:
-                    timers[i].tokens(sum(len(c.token_ids_delta) for c in out.outputs))
-                    if out.finished:
-                        timers[i].finish([c.finish_reason for c in out.outputs])
-                    await queue.put((i, out))
+                    await queue.put((i, timed(i, out)))
             except Exception as exc:  # noqa: BLE001 - forwarded to the response stream
                 await queue.put((i, exc))
             await queue.put((i, None))
