@@ -68,9 +68,13 @@ FP32_GEMV_MAX_TOKENS = 64
 # Xeon), which serve until tokenmill's kernels are built, or where they cannot be (5-bit weights,
 # which only tokenmill's int4 row kernel reads, take int4's)
 PACKED_DENSE_CROSSOVER = {"int4": 16, "int5": 16, "int8": 8}
-# The same for the tile kernel against a bf16 copy, on an AMX Xeon (every layer of SmolLM2 / Gemma 3 in
-# turn, 2 threads): at 8 tokens 5.6 / 5.3 ms against 19.4 / 17.5, at 32 17.1 / 15.4 against 20.4 /
-# 19.6, at 48 22.3 / 22.4 against 24.3 / 21.9, at 64 29.5 / 28.1 against 23.6 / 22.4
+# The same for the tile kernel against a bf16 copy where oneDNN multiplies the copy on AMX but the tile
+# kernel cannot (every layer of SmolLM2 / Gemma 3 in turn, AMX Xeon, 2 threads): at 8 tokens 5.6 / 5.3
+# ms against 19.4 / 17.5, at 32 17.1 / 15.4 against 20.4 / 19.6, at 48 22.3 / 22.4 against 24.3 / 21.9,
+# at 64 29.5 / 28.1 against 23.6 / 22.4. Without AMX the copy never wins: on a 2-core Zen 5 EPYC (AVX-512
+# BF16, whose bf16 matmuls reach ~0.8 TFLOP/s) at 32 tokens 9.1 / 7.7 ms against 18.5 / 11.2, at 128
+# 32.6 / 28.5 against 45.1 / 31.4, at 512 121 / 125 against 130 / 132, at 1024 238 / 233 against 247 /
+# 232; so there tile layers keep no copy (~2 bytes a weight saved).
 TILES_DENSE_CROSSOVER = 48
 # From these many bf16 tokens the tile kernel multiplies on AMX where it can (`amx_tiles`): each
 # group of weights dequantized once to bf16 for the matrix unit, instead of the int8 products. Every
@@ -87,7 +91,7 @@ def dense_crossover(kind: str, dtype: torch.dtype, tiles: bool = False) -> int:
     if dtype == torch.float32:
         return 0 if int4_rows_layout() else FP32_GEMV_MAX_TOKENS + 1
     if tiles:
-        return 0 if amx_tiles() else TILES_DENSE_CROSSOVER
+        return TILES_DENSE_CROSSOVER if cpu_has_amx() and not amx_tiles() else 0
     return PACKED_DENSE_CROSSOVER[kind]
 
 
@@ -112,6 +116,11 @@ def tiles_layout() -> bool:
     dense fp32 matmul from 128 tokens on (160-180 GMAC/s)."""
     return (torch.backends.cpu.get_cpu_capability() == "AVX512" and kernels.load()
             and torch.ops.tokenmill.tiles_built())
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX (with which oneDNN multiplies dense bf16 copies on the matrix unit)."""
+    return "amx_bf16" in kernels.cpu_flags().split()
 
 
 def amx_tiles() -> bool:

@@ -17,6 +17,7 @@ PyTorch's kernels. simd.h holds their vector operations for AVX-512 and for AVX2
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -47,12 +48,12 @@ def loaded() -> bool:
 
 def build_directory() -> Path:
     key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
-    for part in (torch.__version__, platform.machine(), _cpu_flags(), *CFLAGS):
+    for part in (torch.__version__, platform.machine(), cpu_flags(), *CFLAGS):
         key.update(part.encode())
     return cache_root() / "kernels" / key.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags: `-march=native` code must not run on another CPU model."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
