@@ -27,12 +27,15 @@ def test_fused_decode_attention_matches_batched_matmuls(window: int | None, soft
     torch.testing.assert_close(_fused_decode_attention(*args), _matmul_decode_attention(*args), rtol=1e-5, atol=1e-5)
 
 
-# A fresh long prompt, a prompt chunk after cached context and a short one: each block of query rows
-# attends to a prefix of the keys only. Decodes beside prompt chunks: the step attends in two parts.
-# Fresh prompts only: their own K/V, causal, in one padded grid.
-STEPS = {"blocks": ([QUERY_BLOCK * 2 + 44, QUERY_BLOCK + 22, 5], [QUERY_BLOCK * 2 + 44, 400, 20]),
+# Long prompt chunks after cached context and a short one: each block of query rows attends to a
+# prefix of the keys only. Decodes beside a chunk and a fresh prompt: the step attends in three
+# parts; a fresh prompt beside chunks, in two. Fresh prompts only: their own K/V, causal, in one
+# padded grid.
+STEPS = {"blocks": ([QUERY_BLOCK * 2 + 44, QUERY_BLOCK + 22, 5], [QUERY_BLOCK * 2 + 60, 400, 20]),
          "decodes and prompts": ([1, QUERY_BLOCK + 22, 1, 60], [37, 400, 150, 60]),
+         "fresh and continued prompts": ([QUERY_BLOCK + 10, 30, 45], [QUERY_BLOCK + 10, 200, 45]),
          "fresh prompts": ([60, 45, 2], [60, 45, 2])}
+PARTS = {"blocks": 0, "decodes and prompts": 3, "fresh and continued prompts": 2, "fresh prompts": 0}
 
 
 @pytest.mark.parametrize("step", list(STEPS))
@@ -58,7 +61,9 @@ def test_prompt_attention_matches_per_sequence_attention(window: int | None, sof
     batch = AttentionBatch.build(query_lens, context_lens, tables, block_size, cache.pad_slot)
     if step == "blocks":
         assert len(batch.query_blocks) == 3 and batch.query_blocks[0][2] < max(context_lens)
-    assert (batch.parts is not None) == (step == "decodes and prompts")
+    assert len(batch.parts or ()) == PARTS[step]
+    if step == "fresh and continued prompts":
+        assert [part.fresh_prompts for part, _ in batch.parts] == [True, False]
     assert batch.fresh_prompts == (step == "fresh prompts")
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim)

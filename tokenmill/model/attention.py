@@ -109,9 +109,9 @@ class AttentionBatch:
     max_q: int
     query_blocks: tuple[tuple[int, int, int], ...]  # (first row, end row, keys any of them sees)
     fresh_prompts: bool = False  # prompts only, all of their context new in this step (no cached prefix)
-    # A step mixing decodes (one new token) with prompt chunks attends in two parts, each a batch of
-    # its own with the indices of its tokens in this one: one padded grid would make every decode
-    # row as long as the longest chunk.
+    # A step mixing decodes (one new token), fresh prompts and prompt chunks after cached context
+    # attends in parts, each a batch of its own with the indices of its tokens in this one: one
+    # padded grid would make every decode row as long as the longest chunk (see `_parts`).
     parts: tuple[tuple[AttentionBatch, torch.Tensor], ...] | None = None
 
     @classmethod
@@ -172,16 +172,21 @@ class AttentionBatch:
     @classmethod
     def _parts(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
                pad_slot: int, device: torch.device | str) -> tuple[tuple[AttentionBatch, torch.Tensor], ...] | None:
-        decoding = [n == 1 for n in query_lens]
-        if all(decoding) or not any(decoding):
+        """The step's sequences by how they attend, where it has more than one kind: decodes (one
+        new token), fresh prompts (no cached context: causal attention to their own K/V) and prompt
+        chunks after cached context (a server's step often ends one prompt's chunk and starts others:
+        together they would all gather their context from the cache)."""
+        kinds = [0 if q == 1 else 1 if q == kv else 2 for q, kv in zip(query_lens, context_lens)]
+        present = sorted(set(kinds))
+        if len(present) == 1:
             return None
-        decoding_tokens = np.repeat(decoding, query_lens)
+        token_kinds = np.repeat(kinds, query_lens)
         parts = []
-        for wanted in (True, False):
-            seqs = [i for i, d in enumerate(decoding) if d == wanted]
+        for wanted in present:
+            seqs = [i for i, kind in enumerate(kinds) if kind == wanted]
             part = cls.build([query_lens[i] for i in seqs], [context_lens[i] for i in seqs],
                              [block_tables[i] for i in seqs], block_size, pad_slot, device)
-            parts.append((part, torch.from_numpy(np.flatnonzero(decoding_tokens == wanted)).to(device)))
+            parts.append((part, torch.from_numpy(np.flatnonzero(token_kinds == wanted)).to(device)))
         return tuple(parts)
 
     def mask(self, window: int | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
