@@ -75,8 +75,7 @@ class AsyncLLMEngine:
                 elif self.engine.has_unfinished_requests():
                     warming = True  # steps take blocks: more of the pool may want warming when idle
                     outputs = self.engine.step()
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
+                    self._deliver_step(outputs)
                     if outputs:
                         # Hand the GIL to the event loop now, while it has tokens to send: most torch
                         # ops keep the GIL, so otherwise the loop waits out a whole switch interval
@@ -122,6 +121,18 @@ class AsyncLLMEngine:
         if target is not None:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, with one wake-up of each event loop for all of them: a wake-up per output
+        wrote the loop's self-pipe and handed it the GIL once per stream (4% of the engine thread's
+        time with 32 streams, Gemma 3 on 2 cores)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _submit(self, command: Callable[[], Any]) -> Future:
         if self.error is not None:
@@ -181,6 +192,11 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 class RequestStream:
