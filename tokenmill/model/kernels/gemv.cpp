@@ -291,10 +291,10 @@ struct QuantizedRows {
 
 // quantize_blocks runs over PyTorch's intra-op threads, kQuantizeElementsPerTask activations each: on
 // the calling thread alone it took ~10% of a 512-token product with a narrow weight (Gemma 3's
-// 640x2048 down projection: 0.75 of 6.5 ms). Fewer (a decode step's rows of a narrow layer) stay on
-// the calling thread: a fork costs more than it saves there (32 x 2048: 24 -> 20 us on two threads,
-// 32 x 640: 11 -> 15).
-constexpr int64_t kQuantizeElementsPerTask = 32 * 1024;
+// 640x2048 down projection: 0.75 of 6.5 ms), and a decode step's 32 rows of 2048 took 24 us of a
+// 1-tile product where two threads take 20 (Zen 5; 32 x 640: 11.1 -> 10.1 us). Fewer rows stay on
+// the calling thread.
+constexpr int64_t kQuantizeElementsPerTask = 8 * 1024;
 
 template <typename T>
 QuantizedRows quantize_rows(const at::Tensor& x, bool with_sums, bool interleaved, bool coarse = false) {
