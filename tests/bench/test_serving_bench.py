@@ -35,6 +35,7 @@ class FakeServer:
     in_flight: int = 0
     max_in_flight: int = 0
     bodies: list[dict] = field(default_factory=list)
+    client_ports: list[int] = field(default_factory=list)  # of each generation request's connection
 
     def app(self) -> Starlette:
         async def models(_: Request) -> JSONResponse:
@@ -50,6 +51,7 @@ class FakeServer:
         async def generate(request: Request) -> StreamingResponse | JSONResponse:
             body = await request.json()
             self.bodies.append(body)
+            self.client_ports.append(request.client.port)
             self.calls += 1
             if self.fail_every and self.calls % self.fail_every == 0:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
@@ -194,6 +196,9 @@ def test_request_rate_and_concurrency_limits(fake) -> None:
     assert fake.max_in_flight == 2
     assert capped.metrics()["completed"] == 10
     assert_sane(capped)
+    # each request on a connection of its own: a kept-alive one that the server closes as it is
+    # reused fails the request (llama-server's did, 4-5 of 64 at concurrency 32)
+    assert len(set(fake.client_ports)) == len(fake.client_ports) == 20
 
 
 def test_failures_are_counted_with_their_errors(fake) -> None:

@@ -182,7 +182,10 @@ async def run_benchmark(config: BenchConfig, progress: Callable[[int, int], None
     # aiohttp parses HTTP in C: on a small machine the client shares the cores with the server it
     # measures, and httpx's pure-Python parsing took ~0.15 ms of CPU per streamed chunk (32 streams
     # of SmolLM2 or Gemma 3 on 2 cores: ~10% of one core taken from the server).
-    connector = aiohttp.TCPConnector(limit=0)
+    # A connection per request (force_close): reusing a kept-alive one that the server is closing
+    # at that moment fails the request (llama-server closes idle ones), and connecting over loopback
+    # costs well under a millisecond of the request's TTFT.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=config.timeout)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as client:
         model = config.model or await _first_model(client, base)
