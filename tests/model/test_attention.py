@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.model import kernels
 from tokenmill.model.attention import (
-    QUERY_BLOCK, AttentionBatch, KVCache, _fused_decode_attention, _matmul_decode_attention, paged_attention,
-    resolve_kv_cache_dtype,
+    QUERY_BLOCK, AttentionBatch, KVCache, _fused_decode_attention, _matmul_decode_attention, decode_attention_fits,
+    paged_attention, resolve_kv_cache_dtype,
 )
 
 
@@ -41,12 +42,13 @@ PARTS = {"blocks": 0, "decodes and prompts": 3, "fresh and continued prompts": 2
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 20.0)])
+@pytest.mark.parametrize("head_dim", [8, 32])  # 32: prompt tokens through the decode kernel, where built
 def test_prompt_attention_matches_per_sequence_attention(window: int | None, softcap: float | None,
-                                                         cache_dtype: torch.dtype, step: str) -> None:
+                                                         cache_dtype: torch.dtype, step: str, head_dim: int) -> None:
     """None of the ways a step's prompts attend (`STEPS`) may change any result. A float16 cache
     holds the new keys rounded, and a float32 model reads them back widened."""
     torch.manual_seed(0)
-    heads, kv_heads, head_dim, block_size, scale = 4, 2, 8, 16, 0.3
+    heads, kv_heads, block_size, scale = 4, 2, 16, 0.3
     query_lens, context_lens = STEPS[step]
     cache = KVCache(num_layers=1, num_blocks=80, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                     dtype=cache_dtype)
@@ -67,6 +69,8 @@ def test_prompt_attention_matches_per_sequence_attention(window: int | None, sof
     assert batch.fresh_prompts == (step == "fresh prompts")
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim)
+    through_kernel = decode_attention_fits(q, cache.k[0]) and batch.token_context_slots is not None
+    assert through_kernel == (head_dim == 32 and kernels.loaded())
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
     out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), scale, softcap, window)
     assert out.dtype == torch.float32
