@@ -8,7 +8,7 @@ import torch
 from tokenmill.model import kernels
 from tokenmill.model.attention import (
     QUERY_BLOCK, AttentionBatch, KVCache, _fused_decode_attention, _matmul_decode_attention, decode_attention_fits,
-    paged_attention, resolve_kv_cache_dtype,
+    paged_attention, prompts_through_kernel, resolve_kv_cache_dtype,
 )
 
 
@@ -70,7 +70,7 @@ def test_prompt_attention_matches_per_sequence_attention(window: int | None, sof
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim)
     through_kernel = decode_attention_fits(q, cache.k[0]) and batch.token_context_slots is not None
-    assert through_kernel == (head_dim == 32 and kernels.loaded())
+    assert through_kernel == (head_dim == 32 and kernels.loaded() and prompts_through_kernel())
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
     out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), scale, softcap, window)
     assert out.dtype == torch.float32
@@ -135,3 +135,12 @@ def test_a_whole_prompt_attends_to_its_own_keys(window: int | None, softcap: flo
         allowed &= positions[:, None] - positions[None, :] < window
     expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(0, 1)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_keep_sdpa_on_cpus_with_amx(monkeypatch) -> None:
+    """The decode kernel takes prompt tokens only where it was measured faster than SDPA: not on AMX."""
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t: avx512f avx512_bf16 amx_bf16 amx_tile")
+    assert AttentionBatch.build([5], [5], [[0]], 16, 16).token_context_slots is None
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t: avx512f avx512_bf16 avx512_vnni")
+    slots = AttentionBatch.build([5, 3], [5, 7], [[0], [1]], 16, 32).token_context_slots
+    assert slots.tolist() == [[0, 1, 2, 3, 4, 32, 32]] * 5 + [[16, 17, 18, 19, 20, 21, 22]] * 3

@@ -37,6 +37,13 @@ QUERY_BLOCK = 128
 KERNEL_PROMPT_MAX_PAIRS = 1 << 21
 
 
+def prompts_through_kernel() -> bool:
+    """Whether prompt tokens may attend through the decode kernel (`KERNEL_PROMPT_MAX_PAIRS`): not on
+    CPUs with AMX, where SDPA's flash kernel multiplies bf16 on the matrix unit (not measured against
+    this kernel there)."""
+    return "amx_bf16" not in kernels.cpu_flags().split()
+
+
 HALF_CACHE_DTYPES = (torch.float16, torch.bfloat16)
 KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -166,7 +173,7 @@ class AttentionBatch:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
         token_slots = None
-        if max_q > 1 and len(token_index) * max_kv <= KERNEL_PROMPT_MAX_PAIRS:
+        if max_q > 1 and len(token_index) * max_kv <= KERNEL_PROMPT_MAX_PAIRS and prompts_through_kernel():
             token_slots = tensor(context_slots[token_index // max_q])
         return cls(
             token_context_slots=token_slots,
