@@ -7,8 +7,8 @@ import torch
 
 from tokenmill.model import kernels
 from tokenmill.model.attention import (
-    QUERY_BLOCK, AttentionBatch, KVCache, _fused_decode_attention, _matmul_decode_attention, decode_attention_fits,
-    paged_attention, prompts_through_kernel, resolve_kv_cache_dtype,
+    QUERY_BLOCK, AttentionBatch, KVCache, _fused_decode_attention, _matmul_decode_attention, kernel_attends_prompts,
+    paged_attention, resolve_kv_cache_dtype,
 )
 
 
@@ -37,12 +37,14 @@ STEPS = {"blocks": ([QUERY_BLOCK * 2 + 44, QUERY_BLOCK + 22, 5], [QUERY_BLOCK * 
          "fresh and continued prompts": ([QUERY_BLOCK + 10, 30, 45], [QUERY_BLOCK + 10, 200, 45]),
          "fresh prompts": ([60, 45, 2], [60, 45, 2])}
 PARTS = {"blocks": 0, "decodes and prompts": 3, "fresh and continued prompts": 2, "fresh prompts": 0}
+# head_dim 32: the decode kernel takes the whole step where it serves (`kernel_attends_prompts`), in
+# one call and no parts
 
 
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 20.0)])
-@pytest.mark.parametrize("head_dim", [8, 32])  # 32: prompt tokens through the decode kernel, where built
+@pytest.mark.parametrize("head_dim", [8, 32])
 def test_prompt_attention_matches_per_sequence_attention(window: int | None, softcap: float | None,
                                                          cache_dtype: torch.dtype, step: str, head_dim: int) -> None:
     """None of the ways a step's prompts attend (`STEPS`) may change any result. A float16 cache
@@ -60,17 +62,19 @@ def test_prompt_attention_matches_per_sequence_attention(window: int | None, sof
         count = -(-kv // block_size)
         tables.append(order[used:used + count])
         used += count
-    batch = AttentionBatch.build(query_lens, context_lens, tables, block_size, cache.pad_slot)
+    through_kernel = kernel_attends_prompts(torch.float32, cache_dtype, head_dim, "cpu")
+    assert through_kernel == (head_dim == 32 and kernels.loaded() and not kernels.cpu_has_amx())
+    batch = AttentionBatch.build(query_lens, context_lens, tables, block_size, cache.pad_slot,
+                                 kernel_prompts=through_kernel)
+    assert (batch.token_context_slots is not None) == through_kernel
     if step == "blocks":
         assert len(batch.query_blocks) == 3 and batch.query_blocks[0][2] < max(context_lens)
-    assert len(batch.parts or ()) == PARTS[step]
-    if step == "fresh and continued prompts":
+    assert len(batch.parts or ()) == (0 if through_kernel else PARTS[step])
+    if step == "fresh and continued prompts" and not through_kernel:
         assert [part.fresh_prompts for part, _ in batch.parts] == [True, False]
     assert batch.fresh_prompts == (step == "fresh prompts")
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim)
-    through_kernel = decode_attention_fits(q, cache.k[0]) and batch.token_context_slots is not None
-    assert through_kernel == (head_dim == 32 and kernels.loaded() and prompts_through_kernel())
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
     out = paged_attention(q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), scale, softcap, window)
     assert out.dtype == torch.float32
@@ -140,7 +144,20 @@ def test_a_whole_prompt_attends_to_its_own_keys(window: int | None, softcap: flo
 def test_prompts_keep_sdpa_on_cpus_with_amx(monkeypatch) -> None:
     """The decode kernel takes prompt tokens only where it was measured faster than SDPA: not on AMX."""
     monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t: avx512f avx512_bf16 amx_bf16 amx_tile")
-    assert AttentionBatch.build([5], [5], [[0]], 16, 16).token_context_slots is None
+    assert not kernel_attends_prompts(torch.bfloat16, torch.bfloat16, 64, "cpu")
     monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t: avx512f avx512_bf16 avx512_vnni")
-    slots = AttentionBatch.build([5, 3], [5, 7], [[0], [1]], 16, 32).token_context_slots
-    assert slots.tolist() == [[0, 1, 2, 3, 4, 32, 32]] * 5 + [[16, 17, 18, 19, 20, 21, 22]] * 3
+    assert kernel_attends_prompts(torch.bfloat16, torch.bfloat16, 64, "cpu") == kernels.loaded()
+    assert not kernel_attends_prompts(torch.bfloat16, torch.bfloat16, 72, "cpu")  # not whole vectors
+
+
+def test_a_step_through_the_kernel_has_a_slot_table_and_a_mask_row_per_token() -> None:
+    batch = AttentionBatch.build([5, 3, 1], [5, 7, 2], [[0], [1], [2]], 16, 48, kernel_prompts=True)
+    assert batch.parts is None  # decodes and prompts together: one call
+    assert batch.token_context_slots.tolist() == ([[0, 1, 2, 3, 4, 48, 48]] * 5 + [[16, 17, 18, 19, 20, 21, 22]] * 3
+                                                  + [[32, 33, 48, 48, 48, 48, 48]])
+    mask = batch.mask(None)
+    assert mask.shape == (9, 7)
+    assert mask[:5].sum(-1).tolist() == [1, 2, 3, 4, 5] and mask[5:8].sum(-1).tolist() == [5, 6, 7]
+    assert mask[8].tolist() == [True, True] + [False] * 5
+    assert batch.mask(2)[4].tolist() == [False, False, False, True, True, False, False]  # a window of 2
+    assert AttentionBatch.build([1, 1], [5, 7], [[0], [1]], 16, 48, kernel_prompts=True).token_context_slots is None

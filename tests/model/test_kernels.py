@@ -175,15 +175,8 @@ def test_int4_rows_linear_rejects_what_it_cannot_multiply() -> None:
         linear(torch.randn(1, 64), *packed, packed.nibbles, None, 4)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        return set(" ".join(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    except OSError:
-        return set()
-
-
 needs_avx512 = pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() != "AVX512" or "avx512_vnni" not in _cpu_flags(),
+    torch.backends.cpu.get_cpu_capability() != "AVX512" or "avx512_vnni" not in kernels.cpu_flags().split(),
     reason="the tile kernel is built for AVX-512 with VNNI only")
 
 

@@ -11,7 +11,7 @@ from tests.model.test_gguf import random_blocks
 from tests.model.test_kernels import int8_activations
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
-from tokenmill.model import quant_linear
+from tokenmill.model import kernels, quant_linear
 from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     AMX_MIN_TOKENS,
@@ -20,7 +20,6 @@ from tokenmill.model.quant_linear import (
     Int4Rows,
     QuantLinear,
     amx_tiles,
-    cpu_has_amx,
     dense_packed_form,
     exact_groups,
     merge_packed,
@@ -123,7 +122,7 @@ def test_bf16_tile_layers_keep_dense_copies_only_where_the_copies_alone_have_amx
         else:
             copy_from = PACKED_DENSE_CROSSOVER["int4"]
             if m.tiles:  # without AMX the tile kernel beats a bf16 copy at every batch size
-                copy_from = TILES_DENSE_CROSSOVER if cpu_has_amx() else 0
+                copy_from = TILES_DENSE_CROSSOVER if kernels.cpu_has_amx() else 0
             assert m.dense_min_tokens == copy_from and (m.dense is None) == (copy_from == 0)
             assert m.amx_min_tokens == -1
 

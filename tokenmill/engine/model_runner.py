@@ -22,7 +22,7 @@ import torch
 from tokenmill import model as model_package
 from tokenmill.catalog import cache_root, mark_used, prune_cache
 from tokenmill.model import kernels
-from tokenmill.model.attention import AttentionBatch, KVCache, resolve_kv_cache_dtype
+from tokenmill.model.attention import AttentionBatch, KVCache, kernel_attends_prompts, resolve_kv_cache_dtype
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.transformer import Transformer
 
@@ -111,7 +111,10 @@ class ModelRunner:
         262k made float32: 2 ms of a ~36 ms step).
         """
         query_lens = [len(t) for t in token_ids]
-        batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot)
+        cache = self.cache.k[0]
+        batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot,
+                                     kernel_prompts=kernel_attends_prompts(self.loaded.dtype, cache.dtype,
+                                                                           cache.shape[-1], cache.device))
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
         self._set_threads(self.max_threads)  # this thread's OpenMP setting; compiled kernels were built for it
         if self._compiled_decode is not None and not hidden_only and self._is_decode(query_lens, context_lens):

@@ -29,19 +29,20 @@ FUSED_DECODE_MAX_HEAD_DIM = 128
 # prompts, per layer: Gemma 3 7.2 -> 5.4 ms, SmolLM2 5.3 -> 3.9 ms (2048 tokens: 99 -> 70, 76 -> 47).
 QUERY_BLOCK = 128
 
-# Where tokenmill's kernels are built, a step's prompt tokens attend through the decode kernel, each
-# token a query of its own over the keys it may see, up to this many (token, context slot) pairs (their
-# slot table: 16 MB): on a Zen 5 EPYC (2 threads) faster than SDPA's flash kernel at every shape
+# A step with prompt tokens attends through the decode kernel where it serves (`kernel_attends_prompts`),
+# every token a query of its own over the keys it may see, up to this many (token, context slot) pairs
+# (their slot table: 16 MB): on a Zen 5 EPYC (2 threads) faster than SDPA's flash kernel at every shape
 # measured (Gemma 3's heads: a 512-token prompt 3.45 against 5.95 ms a layer, 20 prompts of 100
 # tokens 2.46 against 6.04; SmolLM2's: 2.85 against 3.80, 2.00 against 4.47).
 KERNEL_PROMPT_MAX_PAIRS = 1 << 21
 
 
-def prompts_through_kernel() -> bool:
-    """Whether prompt tokens may attend through the decode kernel (`KERNEL_PROMPT_MAX_PAIRS`): not on
-    CPUs with AMX, where SDPA's flash kernel multiplies bf16 on the matrix unit (not measured against
-    this kernel there)."""
-    return "amx_bf16" not in kernels.cpu_flags().split()
+def kernel_attends_prompts(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                           device: torch.device | str) -> bool:
+    """Whether steps with prompt tokens attend through the decode kernel (`KERNEL_PROMPT_MAX_PAIRS`):
+    where it takes the model's tensors (`kernel_fits`), but not on CPUs with AMX, where SDPA's flash
+    kernel multiplies bf16 on the matrix unit (not measured against this kernel there)."""
+    return kernel_fits(dtype, cache_dtype, head_dim, device) and not kernels.cpu_has_amx()
 
 
 HALF_CACHE_DTYPES = (torch.float16, torch.bfloat16)
@@ -123,11 +124,11 @@ class AttentionBatch:
     max_q: int
     query_blocks: tuple[tuple[int, int, int], ...]  # (first row, end row, keys any of them sees)
     fresh_prompts: bool = False  # prompts only, all of their context new in this step (no cached prefix)
-    # (T, max_kv) context slots of each new token's sequence, for prompt tokens attending through the
-    # decode kernel (see KERNEL_PROMPT_MAX_PAIRS); None for decode steps and larger steps
+    # (T, max_kv) context slots of each new token's sequence where the whole step attends through the
+    # decode kernel (`build`'s kernel_prompts); None otherwise, and for decode steps
     token_context_slots: torch.Tensor | None = None
-    # A step mixing decodes (one new token), fresh prompts and prompt chunks after cached context
-    # attends in parts, each a batch of its own with the indices of its tokens in this one: one
+    # Otherwise a step mixing decodes (one new token), fresh prompts and prompt chunks after cached
+    # context attends in parts, each a batch of its own with the indices of its tokens in this one: one
     # padded grid would make every decode row as long as the longest chunk (see `_parts`).
     parts: tuple[tuple[AttentionBatch, torch.Tensor], ...] | None = None
 
@@ -140,10 +141,13 @@ class AttentionBatch:
         block_size: int,
         pad_slot: int,
         device: torch.device | str = "cpu",
+        kernel_prompts: bool = False,
     ) -> AttentionBatch:
         """Describe a step: sequence i adds query_lens[i] tokens ending at context length context_lens[i].
 
-        pad_slot is the cache's never-written zero slot (`KVCache.pad_slot`).
+        pad_slot is the cache's never-written zero slot (`KVCache.pad_slot`). kernel_prompts: a step
+        with prompt tokens attends through the decode kernel, all of its tokens in one call, within
+        `KERNEL_PROMPT_MAX_PAIRS` (the caller's `kernel_attends_prompts`).
         """
         # numpy: a decode step builds these every few milliseconds, and a numpy op costs ~1 us
         # where a torch op on tiny tensors costs ~4
@@ -172,11 +176,9 @@ class AttentionBatch:
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        token_slots = None
-        if max_q > 1 and len(token_index) * max_kv <= KERNEL_PROMPT_MAX_PAIRS and prompts_through_kernel():
-            token_slots = tensor(context_slots[token_index // max_q])
+        through_kernel = kernel_prompts and max_q > 1 and len(token_index) * max_kv <= KERNEL_PROMPT_MAX_PAIRS
         return cls(
-            token_context_slots=token_slots,
+            token_context_slots=tensor(context_slots[token_index // max_q]) if through_kernel else None,
             positions=tensor(positions),
             slot_mapping=tensor(slot_mapping),
             token_index=tensor(token_index),
@@ -187,7 +189,8 @@ class AttentionBatch:
             max_q=max_q,
             query_blocks=_query_blocks(query_lens, context_lens),
             fresh_prompts=max_q > 1 and bool((q_lens == kv_lens).all()),
-            parts=cls._parts(query_lens, context_lens, block_tables, block_size, pad_slot, device),
+            parts=None if through_kernel else cls._parts(query_lens, context_lens, block_tables, block_size, pad_slot,
+                                                         device),
         )
 
     @classmethod
@@ -212,7 +215,7 @@ class AttentionBatch:
 
     def mask(self, window: int | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Boolean (B, 1, max_q, max_kv) mask: causal, within the sliding window when given; for a
-        batch in parts, one per part."""
+        batch in parts, one per part; for a step through the decode kernel, (T, max_kv), a row per token."""
         if self.parts is not None:
             return tuple(part.mask(window) for part, _ in self.parts)
         q = self.query_positions[:, :, None]
@@ -222,6 +225,8 @@ class AttentionBatch:
             allowed &= q - k < window
         # Padded query rows would be all-masked (NaN in SDPA); let them see slot 0 instead.
         allowed[:, :, 0] |= (q < 0)[:, :, 0]
+        if self.token_context_slots is not None:
+            return allowed.reshape(-1, allowed.shape[-1]).index_select(0, self.token_index)
         return allowed[:, None]
 
 
@@ -259,6 +264,9 @@ def paged_attention(
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
+    if batch.token_context_slots is not None:  # every token of the step as a query of the decode kernel
+        return torch.ops.tokenmill.decode_attention(q, k_cache, v_cache, batch.token_context_slots, mask, scale,
+                                                    softcap)
     if batch.parts is None:
         return _attend_cached(q, k, v, k_cache, v_cache, batch, mask, scale, softcap, window)
     out = torch.empty_like(q)
@@ -275,10 +283,6 @@ def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     batch not in parts."""
     if batch.max_q == 1:  # pure decode: one token per sequence, tokens already in batch order
         return _decode_attention(q, k_cache, v_cache, batch.context_slots, mask, scale, softcap)
-    if batch.token_context_slots is not None and decode_attention_fits(q, k_cache):
-        allowed = mask.reshape(-1, mask.shape[-1]).index_select(0, batch.token_index)
-        return torch.ops.tokenmill.decode_attention(q, k_cache, v_cache, batch.token_context_slots, allowed, scale,
-                                                    softcap)
     num_heads, head_dim = q.shape[1:]
     if batch.fresh_prompts and softcap is None and (window is None or batch.max_q <= window):
         # Prompts without cached context attend to their own K/V in causal order: no gather from
@@ -324,9 +328,13 @@ def _decode_attention(
 
 def decode_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `tokenmill::decode_attention` (kernels/attention.cpp) takes these tensors."""
-    head_dim = q.shape[-1]
-    return (kernels.loaded() and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and (k_cache.dtype == q.dtype or (q.dtype == torch.float32 and k_cache.dtype in HALF_CACHE_DTYPES))
+    return kernel_fits(q.dtype, k_cache.dtype, q.shape[-1], q.device)
+
+
+def kernel_fits(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, device: torch.device | str) -> bool:
+    """Whether `tokenmill::decode_attention` takes queries of this dtype and head size over this cache."""
+    return (kernels.loaded() and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and (cache_dtype == dtype or (dtype == torch.float32 and cache_dtype in HALF_CACHE_DTYPES))
             and head_dim % 16 == 0 and head_dim <= 512)
 
 

@@ -91,7 +91,7 @@ def dense_crossover(kind: str, dtype: torch.dtype, tiles: bool = False) -> int:
     if dtype == torch.float32:
         return 0 if int4_rows_layout() else FP32_GEMV_MAX_TOKENS + 1
     if tiles:
-        return TILES_DENSE_CROSSOVER if cpu_has_amx() and not amx_tiles() else 0
+        return TILES_DENSE_CROSSOVER if kernels.cpu_has_amx() and not amx_tiles() else 0
     return PACKED_DENSE_CROSSOVER[kind]
 
 
@@ -116,11 +116,6 @@ def tiles_layout() -> bool:
     dense fp32 matmul from 128 tokens on (160-180 GMAC/s)."""
     return (torch.backends.cpu.get_cpu_capability() == "AVX512" and kernels.load()
             and torch.ops.tokenmill.tiles_built())
-
-
-def cpu_has_amx() -> bool:
-    """Whether the CPU has AMX (with which oneDNN multiplies dense bf16 copies on the matrix unit)."""
-    return "amx_bf16" in kernels.cpu_flags().split()
 
 
 def amx_tiles() -> bool:

@@ -64,6 +64,12 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX (bf16): oneDNN's matmuls and PyTorch's flash attention then use the
+    matrix unit, which changes which of tokenmill's kernels pay."""
+    return "amx_bf16" in cpu_flags().split()
+
+
 def load(build: bool = True) -> bool:
     """Register the kernels, compiling them first if they are not cached and `build` is set.
 
