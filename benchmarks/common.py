@@ -21,12 +21,21 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RESULTS = Path(os.environ.get("BENCH_RESULTS") or HERE / "results")  # where JSON results go
+# Where JSON results and logs go: BENCH_RESULTS (run_all.sh sets it to results/<machine>/<commit>),
+# else results/local. Only a suite's summary.md and PNGs are meant for git (see .gitignore).
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or HERE / "results" / "local")
 MiB = 1 << 20
 
-# The llama.cpp peer: built once per machine by the shared script (see /work/shared/peers/README.md).
-LLAMA_PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX", "~/.cache/tokenmill-peers/llama.cpp")).expanduser()
-BUILD_SCRIPT = Path(os.environ.get("LLAMA_CPP_BUILD_SCRIPT", "/work/shared/peers/build-llama-cpp.sh"))
+# The llama.cpp peer: its tools are in LLAMA_CPP_PREFIX/build/bin. When some are missing and
+# LLAMA_CPP_BUILD_SCRIPT names a build script, it is run as `bash SCRIPT PREFIX` to build them.
+LLAMA_PREFIX = Path(
+    os.environ.get("LLAMA_CPP_PREFIX") or "~/.cache/tokenmill-peers/llama.cpp"
+).expanduser()
+BUILD_SCRIPT = (
+    Path(os.environ["LLAMA_CPP_BUILD_SCRIPT"]).expanduser()
+    if os.environ.get("LLAMA_CPP_BUILD_SCRIPT")
+    else None
+)
 
 
 # ---------------------------------------------------------------- models
@@ -64,18 +73,29 @@ def llama_bin(tool: str) -> Path:
     return LLAMA_PREFIX / "build" / "bin" / tool
 
 
+def missing_llama_hint(tools: list[str]) -> str:
+    """What to set when llama.cpp tools are not where the scripts look for them."""
+    return (
+        f"llama.cpp's {', '.join(tools)} not found in {LLAMA_PREFIX / 'build' / 'bin'}: set "
+        "LLAMA_CPP_PREFIX to the llama.cpp directory whose build/bin holds them, or "
+        "LLAMA_CPP_BUILD_SCRIPT to a script that builds them there (run as `bash SCRIPT PREFIX`, "
+        "e.g. the peers' build-llama-cpp.sh)"
+    )
+
+
 def ensure_llama(tools: list[str], build: bool = True) -> dict[str, Path | None]:
     """Paths of the llama.cpp tools asked for; None for a tool that is missing and could not be built.
 
-    Missing core tools are built with the shared build script (about 10 minutes on 2 cores);
-    tools it does not build (llama-batched-bench) are added incrementally to its build tree.
+    Missing core tools are built with LLAMA_CPP_BUILD_SCRIPT when it is set (about 10 minutes on
+    2 cores); tools such a script does not build (llama-batched-bench) are added incrementally to
+    the existing build tree with cmake.
     """
     core = {"llama-server", "llama-bench", "llama-perplexity", "llama-tokenize", "llama-cli"}
     missing = [t for t in tools if not llama_bin(t).is_file()]
     if missing and build and any(t in core for t in missing):
-        if not BUILD_SCRIPT.is_file():
-            log(f"llama.cpp tools {', '.join(missing)} are missing and {BUILD_SCRIPT} does not exist "
-                "(set LLAMA_CPP_BUILD_SCRIPT)")
+        if BUILD_SCRIPT is None or not BUILD_SCRIPT.is_file():
+            where = "" if BUILD_SCRIPT is None else f" ({BUILD_SCRIPT} does not exist)"
+            log(missing_llama_hint(missing) + where)
         else:
             log(f"building llama.cpp into {LLAMA_PREFIX} with {BUILD_SCRIPT} (about 10 minutes)")
             subprocess.run(["bash", str(BUILD_SCRIPT), str(LLAMA_PREFIX)], check=True)
@@ -327,17 +347,26 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# The CPU features that decide tokenmill's kernels and dtype (and llama.cpp's), as /proc/cpuinfo
+# names them; results record which of them the machine has.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
 def machine_info() -> dict[str, object]:
     import torch
 
     cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    flags: set[str] = set()
+    try:  # the first processor's entry: every core of these machines is the same
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
     except OSError:
-        pass
+        first = ""
+    for line in first.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            cpu = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
     try:
         rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True).stdout.strip()
@@ -350,8 +379,9 @@ def machine_info() -> dict[str, object]:
         load = os.getloadavg()[0]
     except OSError:
         load = None
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "tokenmill_git": rev, "load_avg_1m_at_start": load, "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    return {"cpu": cpu, "isa": [f for f in ISA_FLAGS if f in flags], "logical_cpus": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(), "tokenmill_git": rev,
+            "load_avg_1m_at_start": load, "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

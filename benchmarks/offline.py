@@ -10,8 +10,9 @@ Figures, each the mean over --reps timed repetitions after an untimed warm-up:
 
 llama.cpp: `llama-bench -p 512 -n 128` (pp512, tg128; random tokens, warm-up run included) and
 `llama-batched-bench -npp 128 -ntg 64 -npl 8,32,64` (S_TG t/s, the decode rate of the batch),
-each as a separate process whose own peak RSS is read with wait4. Runs are sequential, never
-concurrent. Results: a side-by-side table on stdout, JSON in benchmarks/results/offline-<model>.json.
+each as a separate process whose own peak RSS is read from /proc (VmHWM). Runs are sequential,
+never concurrent. Results: a side-by-side table on stdout, offline-<model>.json in the results
+directory (BENCH_RESULTS, default benchmarks/results/local).
 
     python benchmarks/offline.py --model smollm2-135m-instruct --reps 3
 """
@@ -86,11 +87,11 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
     if args.pp:
         table = [list(range(blocks_needed(args.pp, bs)))]
         ids = random_ids(args.pp)
-        runner.forward([ids], [args.pp], table)  # warm-up
+        runner.last_token_logits([ids], [args.pp], table)  # warm-up
         rates = []
         for _ in range(args.reps):
             t = time.perf_counter()
-            logits = runner.forward([ids], [args.pp], table)
+            logits = runner.last_token_logits([ids], [args.pp], table)
             int(greedy_ids(logits[:1]))
             rates.append(args.pp / (time.perf_counter() - t))
         out[f"pp{args.pp}"] = summarize(rates)
@@ -103,10 +104,10 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
         def decode(first: int, steps: int) -> None:
             token = first
             for i in range(steps):
-                logits = runner.forward([[token]], [PROMPT_FOR_TG + i + 1], table)
+                logits = runner.last_token_logits([[token]], [PROMPT_FOR_TG + i + 1], table)
                 token = int(greedy_ids(logits[:1]))
 
-        logits = runner.forward([random_ids(PROMPT_FOR_TG)], [PROMPT_FOR_TG], table)
+        logits = runner.last_token_logits([random_ids(PROMPT_FOR_TG)], [PROMPT_FOR_TG], table)
         first = int(greedy_ids(logits[:1]))
         decode(first, 8)  # warm-up
         rates = []
@@ -125,14 +126,14 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
         chunk = max(1, 2048 // args.batch_prompt)  # prefill a few sequences at a time, as a scheduler would
         firsts: list[int] = []
         for i in range(0, b, chunk):
-            logits = runner.forward(prompts[i:i + chunk], [args.batch_prompt] * len(prompts[i:i + chunk]),
+            logits = runner.last_token_logits(prompts[i:i + chunk], [args.batch_prompt] * len(prompts[i:i + chunk]),
                                     tables[i:i + chunk])
             firsts += greedy_ids(logits).tolist()
 
         def decode_batch(steps: int) -> None:
             tokens = firsts
             for s in range(steps):
-                logits = runner.forward([[t] for t in tokens], [args.batch_prompt + s + 1] * b, tables)
+                logits = runner.last_token_logits([[t] for t in tokens], [args.batch_prompt + s + 1] * b, tables)
                 tokens = greedy_ids(logits).tolist()
 
         decode_batch(4)  # warm-up
@@ -153,7 +154,8 @@ def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
     tools = common.ensure_llama(["llama-bench", "llama-batched-bench"], build=not args.no_build)
     out: dict[str, object] = {"commands": {}, "notes": []}
     if tools["llama-bench"] is None:
-        out["notes"].append("llama-bench is missing; no pp/tg figures for llama.cpp")
+        out["notes"].append("no pp/tg figures for llama.cpp: "
+                            + common.missing_llama_hint(["llama-bench"]))
     elif args.pp or args.tg:
         cmd = [str(tools["llama-bench"]), "-m", str(path), "-t", str(args.threads), "-p", str(args.pp),
                "-n", str(args.tg), "-r", str(args.reps), "-o", "json"]
@@ -175,8 +177,11 @@ def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
     if not args.batches:
         return out
     if tools["llama-batched-bench"] is None:
-        out["notes"].append("llama-batched-bench was not built; no batched decode figures for llama.cpp "
-                            f"(build it: cmake --build {common.LLAMA_PREFIX / 'build'} --target llama-batched-bench)")
+        build_dir = common.LLAMA_PREFIX / "build"
+        how = (f"build it: cmake --build {build_dir} --target llama-batched-bench"
+               if (build_dir / "CMakeCache.txt").is_file()
+               else common.missing_llama_hint(["llama-batched-bench"]))
+        out["notes"].append(f"no batched decode figures for llama.cpp: {how}")
         return out
     ctx = max(args.batches) * (args.batch_prompt + args.batch_steps)
     cmd = [str(tools["llama-batched-bench"]), "-m", str(path), "-t", str(args.threads), "-tb", str(args.threads),
@@ -257,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default="tokenmill,llama.cpp")
     p.add_argument("--no-build", action="store_true", help="do not build missing llama.cpp tools")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per llama.cpp run")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline-<model>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: RESULTS/offline-<model>.json)")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]

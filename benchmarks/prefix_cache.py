@@ -8,7 +8,8 @@ The same workload runs twice against `tokenmill serve`, once with the prefix cac
 and once with --no-prefix-caching, one server at a time. The prefix-cache hit counters come
 from the server's /metrics.
 
-Output: mean/p50 TTFT of each and the ratio; JSON in benchmarks/results/prefix-cache-<model>.json.
+Output: mean/p50 TTFT of each and the ratio; prefix-cache-<model>.json in the results directory
+(BENCH_RESULTS, default benchmarks/results/local).
 
     python benchmarks/prefix_cache.py --model smollm2-135m-instruct
 """
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8767)
     p.add_argument("--tokenmill-args", default="", help="extra `tokenmill serve` flags")
     p.add_argument("--startup-timeout", type=float, default=1800)
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/prefix-cache-<model>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: RESULTS/prefix-cache-<model>.json)")
     args = p.parse_args(argv)
 
     from tokenmill.bench.serving import BenchConfig, format_comparison, run_benchmark

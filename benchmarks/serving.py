@@ -10,7 +10,8 @@ every 0.2 s; the peak over its whole life is reported. The server is always kill
 (also on Ctrl-C and SIGTERM).
 
 Output: per-concurrency comparison tables, a summary table (output tok/s, p50 TTFT, p50 TPOT,
-ratios tokenmill / llama.cpp), benchmarks/results/serving-<model>.json and -.png.
+ratios tokenmill / llama.cpp), serving-<model>.json and .png in the results directory
+(BENCH_RESULTS, default benchmarks/results/local), the servers' logs in its logs/.
 
     python benchmarks/serving.py --model smollm2-135m-instruct
 """
@@ -41,7 +42,7 @@ def tokenmill_server(path: Path, args: argparse.Namespace) -> tuple[list[str], d
 def llama_server(path: Path, args: argparse.Namespace) -> tuple[list[str], dict]:
     binary = common.ensure_llama(["llama-server"], build=not args.no_build)["llama-server"]
     if binary is None:
-        raise RuntimeError("llama-server is missing and could not be built")
+        raise RuntimeError(common.missing_llama_hint(["llama-server"]))
     cmd = [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(args.llama_port),
            "-t", str(args.threads), "-c", str(args.ctx), "-np", str(args.parallel), "-cb",
            *shlex.split(args.llama_args)]
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=1800)
     p.add_argument("--no-build", action="store_true", help="do not build a missing llama-server")
     p.add_argument("--verbose", action="store_true", help="also print the full report of every run")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/serving-<model>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: RESULTS/serving-<model>.json)")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
