@@ -10,12 +10,10 @@ def _configure_cpu_allocator() -> None:
 
     PyTorch's CPU allocator backs large tensors (the weights) with 2 MB pages when
     THP_MEM_ALLOC_ENABLE is set before its first allocation: a decode step streams every weight,
-    and with 4 kB pages its speed varied from process to process (Gemma 3's batch-1 step: 12-19 ms,
-    against 11.7-12.6 ms with huge pages). Those 2 MB-aligned blocks are then mapped anew and
-    faulted in on every use unless glibc keeps freed blocks of up to 32 MB in its heap (and up to
-    64 MB of free heap mapped): without that, SmolLM2's decode at batch 32 ran at 430 tok/s against
-    520-535 with 4 kB pages, and the 16-row Gemma 3 head took 69 ms against 31. The cost is a few
-    tens of MB of resident memory.
+    and with 4 kB pages its speed varies from process to process. Those 2 MB-aligned
+    blocks are then mapped anew and faulted in on every use unless glibc keeps freed blocks of up
+    to 32 MB in its heap (and up to 64 MB of free heap mapped): without that, huge pages alone make
+    batched decode slower than 4 kB pages. The cost is a few tens of MB of resident memory.
     """
     import ctypes
     import sys

@@ -180,8 +180,8 @@ async def run_benchmark(config: BenchConfig, progress: Callable[[int, int], None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     # No connection cap: a pooled request waiting for a free connection would count that wait as TTFT.
     # aiohttp parses HTTP in C: on a small machine the client shares the cores with the server it
-    # measures, and httpx's pure-Python parsing took ~0.15 ms of CPU per streamed chunk (32 streams
-    # of SmolLM2 or Gemma 3 on 2 cores: ~10% of one core taken from the server).
+    # measures, and a pure-Python parser (httpx's) takes CPU from the server on every streamed
+    # chunk.
     # A connection per request (force_close): reusing a kept-alive one that the server is closing
     # at that moment fails the request (llama-server closes idle ones), and connecting over loopback
     # costs well under a millisecond of the request's TTFT.

@@ -18,22 +18,20 @@ import torch.nn.functional as F
 from tokenmill.model import kernels
 
 
-# Compiled decode steps use `_fused_decode_attention` for heads up to this size. Measured on whole
-# compiled steps: SmolLM2 (head_dim 64) at 32 sequences of ~165 tokens 140 -> 68 ms, at batch 1
-# 11.1 -> 9.8 ms (context 250); Gemma 3 (head_dim 256) got slower (batch 1 17.5 -> 20 ms, 32
-# sequences 119 -> 134-144 ms), so it keeps the batched matmuls.
+# Compiled decode steps without tokenmill's kernel use `_fused_decode_attention` for heads up to
+# this size: inductor's fused reductions beat batched matmuls on narrow heads (SmolLM2's 64) and
+# lose on wide ones (Gemma 3's 256), which keep the batched matmuls.
 FUSED_DECODE_MAX_HEAD_DIM = 128
 
 # Prompts attend in blocks of this many query rows, each over only the keys its rows can see: PyTorch's
-# CPU flash kernel computes a causal mask's upper triangle anyway. Measured on single 512-token
-# prompts, per layer: Gemma 3 7.2 -> 5.4 ms, SmolLM2 5.3 -> 3.9 ms (2048 tokens: 99 -> 70, 76 -> 47).
+# CPU flash kernel computes a causal mask's upper triangle anyway. Smaller blocks skip more of the
+# masked triangle but make more, smaller SDPA calls.
 QUERY_BLOCK = 128
 
-# A step with prompt tokens attends through the decode kernel where it serves (`kernel_attends_prompts`),
-# every token a query of its own over the keys it may see, up to this many (token, context slot) pairs
-# (their slot table: 16 MB): on a Zen 5 EPYC (2 threads) faster than SDPA's flash kernel at every shape
-# measured (Gemma 3's heads: a 512-token prompt 3.45 against 5.95 ms a layer, 20 prompts of 100
-# tokens 2.46 against 6.04; SmolLM2's: 2.85 against 3.80, 2.00 against 4.47).
+# A step with prompt tokens attends through the decode kernel where it serves
+# (`kernel_attends_prompts`), every token a query of its own over the keys it may see, up to this
+# many (token, context slot) pairs: the bound on their slot table (16 MB of int64). A larger step
+# attends as it would without the kernel (SDPA for its prompts, in parts).
 KERNEL_PROMPT_MAX_PAIRS = 1 << 21
 
 
@@ -41,7 +39,7 @@ def kernel_attends_prompts(dtype: torch.dtype, cache_dtype: torch.dtype, head_di
                            device: torch.device | str) -> bool:
     """Whether steps with prompt tokens attend through the decode kernel (`KERNEL_PROMPT_MAX_PAIRS`):
     where it takes the model's tensors (`kernel_fits`), but not on CPUs with AMX, where SDPA's flash
-    kernel multiplies bf16 on the matrix unit (not measured against this kernel there)."""
+    kernel multiplies bf16 on the matrix unit."""
     return kernel_fits(dtype, cache_dtype, head_dim, device) and not kernels.cpu_has_amx()
 
 
@@ -51,10 +49,9 @@ KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float3
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
     """The KV cache's dtype for `--kv-cache-dtype`: float16, bfloat16, float32, or auto: float16 for
-    a float32 model on CPU (as llama.cpp keeps it), else the model's dtype. A decode step of 32
-    sequences reads the whole cache; in float16, SmolLM2's attention over ~200 positions took
-    17.4-18.1 against 20.2-21.1 ms (30 layers, 2 threads, AVX2 Zen 3), and the pool holds twice the
-    tokens in the same memory."""
+    a float32 model on CPU (as llama.cpp keeps it), else the model's dtype. A decode step of many
+    sequences reads the whole cache, so half the bytes make its attention faster, and the pool holds
+    twice the tokens in the same memory."""
     if name == "auto":
         return torch.float16 if model_dtype == torch.float32 and device == "cpu" else model_dtype
     if name not in KV_CACHE_DTYPES:
@@ -149,8 +146,8 @@ class AttentionBatch:
         with prompt tokens attends through the decode kernel, all of its tokens in one call, within
         `KERNEL_PROMPT_MAX_PAIRS` (the caller's `kernel_attends_prompts`).
         """
-        # numpy: a decode step builds these every few milliseconds, and a numpy op costs ~1 us
-        # where a torch op on tiny tensors costs ~4
+        # numpy: a decode step builds these every step, and on tiny arrays a numpy op costs a
+        # fraction of a torch op's dispatch
         num_seqs = len(query_lens)
         max_q, max_kv = max(query_lens), max(context_lens)
         q_lens = np.array(query_lens, dtype=np.int64)
@@ -286,10 +283,10 @@ def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     num_heads, head_dim = q.shape[1:]
     if batch.fresh_prompts and softcap is None and (window is None or batch.max_q <= window):
         # Prompts without cached context attend to their own K/V in causal order: no gather from
-        # the cache, no mask tensor, and SDPA's causal kernel skips the masked half (a 512-token
-        # Gemma 3 prompt on an Ice Lake Xeon: 4.8 ms a layer against 7.2 in masked blocks of 128
-        # queries). The K/V are rounded as the cache holds them, so that later steps see what the
-        # prompt saw. Padded rows come after each sequence's own, out of its rows' causal sight.
+        # the cache, no mask tensor, and SDPA's causal kernel skips the masked half (faster than
+        # masked blocks of `QUERY_BLOCK` queries). The K/V are rounded as the cache holds them, so
+        # that later steps see what the prompt saw. Padded rows come after each sequence's own, out
+        # of its rows' causal sight.
         grids = []
         for t in (q, k.to(q.dtype), v.to(q.dtype)):
             if batch.num_seqs > 1:
@@ -314,7 +311,7 @@ def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
     scale: float, softcap: float | None,
 ) -> torch.Tensor:
-    """One query per sequence, in the form measured fastest where it runs: tokenmill's kernel where
+    """One query per sequence, in the fastest form where it runs: tokenmill's kernel where
     it is built (`decode_attention_fits`), else `FUSED_DECODE_MAX_HEAD_DIM` decides.
 
     q: (B, heads, head_dim); caches: (slots, kv_heads, head_dim); slots: (B, max_kv); mask: (B, 1, 1, max_kv).
@@ -365,10 +362,9 @@ def _fused_decode_attention(
     """Decode attention written as broadcast products and sums, for a compiled graph.
 
     Inductor fuses each sum with the gather of the cache rows it reads, so no gathered copy of the
-    context is made, and no batch of tiny matmuls is dispatched: on SmolLM2's shapes, 3x faster than
-    `_matmul_decode_attention` compiled (32 sequences of ~165 tokens: 18 vs 57 ms over its 30 layers;
-    0.27 vs 0.52 ms at batch 1). Eagerly it would materialize the (batch, context, heads, head_dim)
-    products.
+    context is made, and no batch of tiny matmuls is dispatched: on narrow heads, faster than
+    `_matmul_decode_attention` compiled (`FUSED_DECODE_MAX_HEAD_DIM`). Eagerly it would materialize
+    the (batch, context, heads, head_dim) products.
     """
     b, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]

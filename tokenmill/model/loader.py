@@ -49,9 +49,8 @@ class LoadedModel:
 
 def preferred_dtype() -> torch.dtype:
     """bf16 where the CPU multiplies it natively (AVX512-BF16 or AMX), else fp32: without those
-    instructions oneDNN emulates its bf16 matmul, several times slower than fp32 (a 512x576x1536
-    product on an AVX2 Zen 3: 88 ms against 13; 512x640x4096 on an AVX-512 Ice Lake Xeon, where
-    `torch.ops.mkldnn._is_mkldnn_bf16_supported()` still says yes: 45 ms against 11.5)."""
+    instructions oneDNN emulates its bf16 matmul, several times slower than fp32, on AVX-512 CPUs
+    without BF16 too, where `torch.ops.mkldnn._is_mkldnn_bf16_supported()` still says yes."""
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return torch.bfloat16 if native and torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
@@ -183,8 +182,7 @@ class _Builder:
             model.lm_head = self.linear([embed], [None], x_block=COARSE_X_BLOCK)
         if keep_quantized:
             # looked up from the file's rows as they are: a tied head's re-quantized int8 rows
-            # would cost perplexity (SmolLM2, decode path: +0.1%) to save only the pages of rows
-            # never looked up
+            # would cost perplexity to save only the pages of rows never looked up
             model.embed = QuantEmbedding(embed, self.dtype)
         else:
             model.embed = nn.Embedding.from_pretrained(_dense(embed, self.dtype), freeze=True)

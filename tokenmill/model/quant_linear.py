@@ -2,7 +2,7 @@
 
 Decoding a few tokens is bound by the bytes of weight read per step, so small batches use
 weight-only kernels that read the packed bytes directly: tokenmill's own for int8 (tokenmill/model/
-kernels, twice the speed of PyTorch's) and for int4 wherever they build (x86 with AVX2 or AVX-512);
+kernels, faster than PyTorch's) and for int4 wherever they build (x86 with AVX2 or AVX-512);
 PyTorch's int4 kernel elsewhere. On AVX-512 every packed layer whose rows come in whole tiles of 16
 takes the tile layout (`pack_tiles`), whose outer-product kernel serves every batch size; on CPUs
 with AMX, bf16 batches of `AMX_MIN_TOKENS` or more go from the same bytes to the matrix unit.
@@ -33,55 +33,44 @@ Q = GGMLQuantizationType
 INT4_GROUP = 32
 INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 INT5_EXACT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K})
-# An int8 matrix of this many weights (larger than the CPU caches: an output head) has kernels of
-# its own. At batch 1 in a compiled graph, inductor's fused reduction streams its bytes at ~26 GB/s
-# against ~10 GB/s for `_weight_int8pack_mm` (Gemma 3's 262k x 640 head: 6.4-8 ms vs 17-18 ms).
-# Beyond the GEMV's batch sizes (bf16, or without tokenmill's kernels) it is multiplied in row chunks
-# dequantized on the fly, as fast as a dense copy up to ~32 tokens (Gemma 3's head: 49 vs 47 ms at
-# 32 tokens, 86 vs 77 at 64) without the copy's memory (336 MB for that head), so such a matrix
-# never gets a dense copy. Where the tile layout serves, such a matrix takes it like any other, in bf16
-# too: on an AMX Xeon, Gemma 3's head at 8 / 32 / 64 tokens took 8.5 / 19.4 / 33.5 ms in tiles' int8
-# products against 22.5 / 38.0 / 50.1 in chunks (the same at 1 token: 5.9 against 5.8 for the GEMV);
-# from AMX_MIN_TOKENS on it goes to AMX like the other tile layers.
+# An int8 matrix of at least this many weights (larger than the CPU caches: an output head) has
+# kernels of its own and never gets a dense copy. At batch 1 in a compiled graph inductor's fused
+# reduction ("streamed") reads its bytes faster than `_weight_int8pack_mm`. Beyond the GEMV's batch
+# sizes (bf16, or without tokenmill's kernels) it is multiplied in row chunks dequantized on the fly
+# ("chunked"), about as fast as a dense copy for a few dozen tokens without the copy's memory.
+# Where the tile layout serves, such a matrix takes it like any other layer, in bf16 too, and from
+# AMX_MIN_TOKENS on goes to AMX like the other tile layers. See the tuning log.
 LARGE_INT8_WEIGHTS = 1 << 24
-# Rows of such a matrix dequantized at a time (here and in `tokenmill::int8_linear`), measured on
-# Gemma 3's 262k x 640 head: 8192 in bf16 (10 MB, stays in cache; AVX-512 EPYC), 2048 in fp32 and
-# other dtypes (32 tokens on an AVX2 Zen 3: 149 ms against 326 for 8192).
+# Rows of such a matrix dequantized at a time (here and in `tokenmill::int8_linear`): larger chunks
+# make fewer, larger matmuls, smaller ones stay in cache between the dequantization and the
+# product. bf16 chunks of 8192 rows stay in cache; fp32 and other dtypes take 2048.
 CHUNK_ROWS = {torch.bfloat16: 8192}
 DEFAULT_CHUNK_ROWS = 2048
 # Up to these many tokens `tokenmill::int8_linear` streams the int8 bytes (gemv.cpp), beyond them
-# it multiplies in bf16: measured crossovers against a layer's dense copy (Gemma 3's layers) and
-# against chunks dequantized on the fly (its 262k-row head).
+# it multiplies in bf16: the crossovers against a layer's dense copy (GEMV_MAX_TOKENS) and, for a
+# large matrix without one, against chunks dequantized on the fly (GEMV_MAX_TOKENS_NO_COPY).
 GEMV_MAX_TOKENS = 4
 GEMV_MAX_TOKENS_NO_COPY = 8
-# For fp32 activations (CPUs without native bf16 matmuls) where tokenmill's row kernels serve
-# (AVX2), the GEMVs (on int8 activations) keep up with a dense fp32 matmul at every batch size, or
-# nearly. Measured on a 2-core Zen 3, 2 threads, 4096x640 at 64 / 128 / 512 tokens: int4 1.65 / 3.43
-# / 12.4 ms, 5-bit 1.76 / 3.68 / 13.6, int8 2.15 / 4.33 / 16.7, a dense fp32 copy 2.97 / 5.43 / 16.9;
-# Gemma 3's int8 1536x640 at 192 / 256 / 384 / 512: 2.26 / 3.19 / 4.64 / 6.45 against 2.36 / 3.03 /
-# 4.27 / 5.77 (and 640x2048 alike); its 262k x 640 int8 head 137 / 271 / 1321 ms at 64 / 128 / 512
-# against 197 / 421 / 1267 for dequantized chunks. So there no layer keeps a dense copy, which
-# saves ~4 bytes per weight (Gemma 3's int8 copies from 257 tokens would win ~2% of pp512 for 63
-# MiB); elsewhere every kind keeps one for batches beyond FP32_GEMV_MAX_TOKENS.
+# For fp32 activations (CPUs without native bf16 matmuls) where tokenmill's row kernels serve (AVX2,
+# AVX-512), the GEMVs on int8 activations keep up with a dense fp32 matmul at every batch size, or
+# nearly, so there no layer keeps a dense copy: ~4 bytes per weight saved at little cost in prefill
+# speed. Elsewhere every kind keeps one for batches beyond FP32_GEMV_MAX_TOKENS.
 FP32_GEMV_MAX_TOKENS = 64
-# Batch sizes from which a dense copy beats PyTorch's weight-only kernels (bf16 on an AVX-512 + AMX
-# Xeon), which serve until tokenmill's kernels are built, or where they cannot be (5-bit weights,
-# which only tokenmill's int4 row kernel reads, take int4's)
+# Batch sizes from which a dense bf16 copy beats PyTorch's weight-only kernels, which serve until
+# tokenmill's kernels are built, or where they cannot be (5-bit weights, which only tokenmill's int4
+# row kernel reads, take int4's). A lower value hands more batches to the copy's matmul (bound by
+# arithmetic), a higher one keeps more on the packed kernel (bound by the bytes it reads).
 PACKED_DENSE_CROSSOVER = {"int4": 16, "int5": 16, "int8": 8}
-# The same for the tile kernel against a bf16 copy where oneDNN multiplies the copy on AMX but the tile
-# kernel cannot (every layer of SmolLM2 / Gemma 3 in turn, AMX Xeon, 2 threads): at 8 tokens 5.6 / 5.3
-# ms against 19.4 / 17.5, at 32 17.1 / 15.4 against 20.4 / 19.6, at 48 22.3 / 22.4 against 24.3 / 21.9,
-# at 64 29.5 / 28.1 against 23.6 / 22.4. Without AMX the copy never wins: on a 2-core Zen 5 EPYC (AVX-512
-# BF16, whose bf16 matmuls reach ~0.8 TFLOP/s) at 32 tokens 9.1 / 7.7 ms against 18.5 / 11.2, at 128
-# 32.6 / 28.5 against 45.1 / 31.4, at 512 121 / 125 against 130 / 132, at 1024 238 / 233 against 247 /
-# 232; so there tile layers keep no copy (~2 bytes a weight saved).
+# The same for the tile kernel against a bf16 copy on CPUs where oneDNN multiplies the copy on AMX
+# but the tile kernel cannot (`amx_tiles()` false): below it the tiles' int8 products win (a bf16
+# matmul of a few rows is bound by reading 2 bytes per weight), from it the matrix unit does.
+# Without AMX the copy never wins, so there tile layers keep no copy (~2 bytes a weight saved).
 TILES_DENSE_CROSSOVER = 48
 # From these many bf16 tokens the tile kernel multiplies on AMX where it can (`amx_tiles`): each
-# group of weights dequantized once to bf16 for the matrix unit, instead of the int8 products. Every
-# tile layer of SmolLM2 / Gemma 3 in turn (output head included), AMX Xeon, 2 threads: at 8 tokens
-# 8.2 / 15.5 ms against 8.7 / 15.2 for the int8 products, at 16 8.0 / 15.9 against 12.0 / 21.7, at 32
-# 9.0 / 19.0 against 19.6 / 33.8, at 64 11.8 / 31.9 against 33.8 / 61.5 (the dense bf16 copies:
-# 25.8 / 43.2), at 512 89 / 230 against dense copies' 86 / 221. So there tile layers keep no copy.
+# group of weights dequantized once to bf16 for the matrix unit, instead of the int8 products. The
+# dequantization costs the same whatever the batch, so it pays from about a dozen rows on; below
+# that the int8 products are as fast. On AMX the tiles keep up with a dense bf16 copy at every batch
+# size, so there tile layers keep no copy.
 AMX_MIN_TOKENS = 12
 
 
@@ -97,10 +86,9 @@ def dense_crossover(kind: str, dtype: torch.dtype, tiles: bool = False) -> int:
 
 def int4_rows_layout() -> bool:
     """Whether int4 weights take tokenmill's row layout and kernel (`tokenmill::int4_rows_linear`,
-    built here if need be) wherever those load: on AVX2, where PyTorch's int4 kernel streams 4-7
-    GB/s and ours 6-11 (SmolLM2's and Gemma 3's layer shapes at batch 1, 2 threads, Zen 3: 1.6x
-    faster), and on AVX-512, where they match at batch 1 and ours is 1.2-1.35x faster at 8 and 32
-    tokens (the same shapes on an Ice Lake Xeon). It also keeps 5-bit weights exact."""
+    built here if need be) wherever those load: on AVX2, where it streams int4 weights faster than
+    PyTorch's int4 kernel, and on AVX-512, where it matches PyTorch's at batch 1 and is faster at a
+    few dozen tokens. It also keeps 5-bit weights exact."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and kernels.load()
 
 
@@ -111,16 +99,15 @@ def takes_tiles(rows: int, cols: int) -> bool:
 
 def tiles_layout() -> bool:
     """Whether packed weights take the tile layout and kernel (`tokenmill::quant_tiles_linear`,
-    AVX-512 with VNNI only) wherever those load. On an Ice Lake Xeon (2 threads, SmolLM2's and
-    Gemma 3's layer shapes) it is 1.3-2.3x faster than the row GEMVs at 1 to 512 tokens, as fast as a
-    dense fp32 matmul from 128 tokens on (160-180 GMAC/s)."""
+    AVX-512 with VNNI only) wherever those load: faster than the row GEMVs at every batch size,
+    and as fast as a dense fp32 matmul on a prompt's hundreds of tokens."""
     return (torch.backends.cpu.get_cpu_capability() == "AVX512" and kernels.load()
             and torch.ops.tokenmill.tiles_built())
 
 
 def amx_tiles() -> bool:
     """Whether the tile kernel multiplies batches of `AMX_MIN_TOKENS` bf16 tokens or more on AMX
-    here (a recent Xeon, and Linux granting the process the AMX state)."""
+    here (a CPU with AMX-BF16, and Linux granting the process the AMX state)."""
     return tiles_layout() and torch.ops.tokenmill.amx_usable()
 
 
@@ -192,21 +179,18 @@ def unpack_int4_rows(rows: Int4Rows, fifth_bits: torch.Tensor | None = None) -> 
 
 
 TILE_ROWS = 16  # weight rows per tile of `quant_tiles_linear`
-# Activations per int8 scale in the tile kernel. One scale per 32 makes it 1.3-1.6x faster than one
-# per 8 but rounds small activations next to large ones more coarsely. The MLP's down projection
-# takes act(gate) x up, whose outliers are the model's largest, so it keeps 8; the other layers and
-# the output head take 32. Perplexity over the dequantized weights' (`tokenmill perplexity`, 8
-# chunks of 512 of the GPL, prompt / decode path): SmolLM2 +0.17% / +0.18% this way (d822f07),
-# +0.45% / +0.63% with 32 everywhere and +0.29% / +0.29% with 8 everywhere; Gemma 3 +0.09% / +0.21%.
+# Activations per int8 scale in the tile kernel. One scale per 32 converts and scales each group's
+# sums once instead of four times (faster) but rounds small activations next to large ones more
+# coarsely (more perplexity). The MLP's down projection takes act(gate) x up, whose outliers are the
+# model's largest, so it keeps 8; the other layers and the output head take 32.
 FINE_X_BLOCK = 8
 COARSE_X_BLOCK = 32
 # A coarse output head (tiles of a large int8 matrix) takes 8 beyond these many tokens: the logits of
-# every prompt token (perplexity, prompt logprobs), where its cost shows. Gemma 3, bf16, prompt path
-# against the dequantized weights' 14.8979: 14.9781 (+0.54%) coarse, 14.9516 (+0.36%) fine; a
-# decode batch (up to this many sequences) keeps 32 (decode path 14.9059, +0.05%)
+# every prompt token (perplexity, prompt logprobs), where the coarse rounding's cost in quality
+# shows; a decode batch (up to this many sequences) keeps 32, the faster.
 HEAD_COARSE_MAX_TOKENS = 64
-# Weights packed into tiles at a time: Gemma 3's 262k x 640 int8 head took 0.85 / 0.57 / 0.38 /
-# 0.16 s in chunks of 64k / 256k / 1M / 4M weights (fewer, larger copies)
+# Weights packed into tiles at a time: larger chunks make fewer, larger copies (faster loading),
+# while the packing's temporaries stay the size of a chunk, not of the matrix
 PACK_CHUNK_WEIGHTS = 1 << 22
 
 
@@ -243,7 +227,7 @@ def pack_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: in
         t1 = min(count, t0 + step)
         r0, r1 = t0 * TILE_ROWS, t1 * TILE_ROWS
         # [tile, row c, group, half h, sub-block j, element e] -> [tile, group, j, h, c, e], moving
-        # the 4 bytes of e as one int32 (4x faster than bytes)
+        # the 4 bytes of e as one int32 rather than byte by byte
         part = q[r0:r1]
         part = (part.view(torch.uint8) if signed else part.to(torch.uint8)).view(t1 - t0, TILE_ROWS, groups, 2, 4, 4)
         out = tiles[t0:t1].view(torch.int32).squeeze(-1)  # [tile, group, j, h, c]
@@ -283,8 +267,7 @@ def unpack_tiles(tiles: QuantTiles) -> torch.Tensor:
 
 def int4_kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype PyTorch's int4 kernel runs in for a model in `dtype`: it is vectorized for bf16
-    and not for fp32 (a 1536x576 layer at batch 1 on an AVX2 Zen 3: 0.11 ms in bf16, 1.9 ms in
-    fp32), so an fp32 model rounds its activations to bf16 for it."""
+    and not for fp32, so an fp32 model rounds its activations to bf16 for it."""
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
@@ -348,7 +331,7 @@ def packed_form(w: GGMLWeight) -> Packed:
 
     Re-quantization runs over row chunks of about 1 MB of float32, so a large matrix (a 262k-row
     embedding used as the output head) never exists in float32 all at once and each chunk stays
-    in cache between its passes (3.5x faster than 16 MB chunks for Gemma 3's table).
+    in cache between its passes.
     """
     if w.qtype in INT4_EXACT and w.shape[1] % INT4_GROUP == 0:
         return "int4", exact_groups(w)
@@ -540,8 +523,8 @@ class QuantLinear(nn.Module):
         compiling = torch.compiler.is_compiling()
         if self.dense is not None and self.dense_min_tokens > 0:
             # One compiled graph serves every batch of 2+ tokens: a switch at each kernel's own
-            # crossover would need a graph per range, minutes of compilation each. Between 2 tokens
-            # and the crossover the two kernels are within ~20% of each other.
+            # crossover would need a graph per range, each compiled anew. Between 2 tokens and the
+            # crossover the two kernels are close, so the graph takes the dense copy.
             if tokens >= (2 if compiling else min(self.dense_min_tokens, PACKED_DENSE_CROSSOVER[self.kind])):
                 return "dense"
         if self.large_int8 and tokens > 1:

@@ -170,7 +170,7 @@ class Sampler:
         if batch.all_greedy:
             token_ids = greedy_ids(logits)
             # greedy takes each row's highest logit (NaN counts as highest): no second pass over
-            # the logits (32 rows of Gemma 3's 262k: 1.7 ms) to find the unusable rows
+            # the logits, costly with a large vocabulary, to find the unusable rows
             highest = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         else:
             highest = logits.amax(dim=-1)
@@ -187,9 +187,9 @@ class Sampler:
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """The first highest logit of each row, as argmax gives it. On CPU tokenmill's kernel where it is
-    built (32 rows of Gemma 3's 262k logits: ~1 against 6.9 ms); else max's indices: PyTorch's CPU
-    argmax is scalar code for bf16 (0.9 ms for one such row, max's indices 0.2 ms)."""
+    """The first highest logit of each row, as argmax gives it. On CPU tokenmill's vectorized kernel
+    where it is built; else max's indices, faster than PyTorch's CPU argmax (scalar code for
+    bf16)."""
     if (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
             and kernels.loaded()):
         return torch.ops.tokenmill.greedy_ids(logits)
@@ -234,9 +234,10 @@ def sampling_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-# Tokens that top-k and top-p consider first, the highest of each row: a whole vocabulary sorted took
-# 64 / 352 ms a step for 32 rows of SmolLM2's / Gemma 3's (49k / 262k entries), these 1024 a few.
-# A row whose top-p cut is not decided within them (a flat distribution) takes the full sort.
+# Tokens that top-k and top-p consider first, the highest of each row: sorting a whole vocabulary
+# for every row costs far more than a top-k of these few. A row whose top-p cut is not decided
+# within them (a flat distribution) takes the full sort; more candidates make that rarer but cost
+# more.
 FILTER_CANDIDATES = 1024
 
 
@@ -289,10 +290,10 @@ def _random_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Sample token i with probability p_i (the temperature-scaled, filtered softmax): the first token
     whose cumulative mass exceeds u x the row's total, u ~ U[0, 1), one draw per row.
 
-    One uniform per row, where an exponential race (argmax p_i / E_i) drew one exponential per
-    vocabulary entry: 32 rows of SmolLM2's 49k took 0.9 ms against 27 ms, of Gemma 3's 262k 15
-    against 165 ms in tensor ops, and 0.4 / 2 ms in tokenmill's kernel (`sample_ids`, which also
-    spares the division, the softmax and the cumsum their 33 MB tensors where no filter applies).
+    One uniform per row, where an exponential race (argmax p_i / E_i) would draw one exponential
+    per vocabulary entry. On CPU tokenmill's kernel (`sample_ids`) does it in three passes over each
+    row, and where no filter applies also spares the division, the softmax and the cumsum their
+    vocabulary-sized tensors.
     A seeded row draws its u from its own generator, so its token depends only on its own logits and
     generator state. Tokens of zero probability are never picked: the mass strictly exceeds u x
     total only past a positive one.

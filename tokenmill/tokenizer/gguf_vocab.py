@@ -129,9 +129,10 @@ def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backen
 def _merges_by_score(tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
     """Every split of every token into two tokens, best-scoring result first (see `_ranked_splits`).
 
-    Finding them takes ~2.3 s for Gemma's 262k tokens (2.4M dictionary lookups), a quarter of the
-    server's start, so the splits are cached on disk, keyed by the vocabulary, the scores and this
-    file's source: every GGUF file with the same vocabulary shares one entry.
+    Finding them takes seconds for a large vocabulary (millions of dictionary lookups for Gemma's
+    262k tokens), a large part of the server's start, so the splits are cached on disk, keyed by the
+    vocabulary, the scores and this file's source: every GGUF file with the same vocabulary shares
+    one entry.
     """
     key = hashlib.sha256(Path(__file__).read_bytes())
     key.update(array("q", map(len, tokens)).tobytes())

@@ -1,18 +1,18 @@
-"""C++ CPU kernels (`torch.ops.tokenmill.*`), compiled on this machine on first use and cached.
+"""C++ CPU kernels (`torch.ops.tokenmill.*`), compiled for the local CPU on first use and cached.
 
-`int8_linear` multiplies a few activation rows by an int8 weight at about twice the speed of
-PyTorch's `_weight_int8pack_mm` (see gemv.cpp). It and `int4_linear` pick their means (a
-weight-only kernel or a bf16 matmul) by the number of rows when they run, so one compiled graph
-serves every batch size with the best of both. `gated_activation` is the MLP's act(gate) * up in
-one pass, for eager steps (activation.cpp), `rms_norm` the model's norm (norm.cpp) and `rotary`
-the rotary embedding (rotary.cpp); `decode_attention` attends one query token per sequence over
-the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and
-`sample_ids` a draw from each row's softmax (sample.cpp). Building takes ~10 s of one core (g++
-through `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while
-PyTorch's kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its
-sources, the torch version and the CPU's features, so later starts load it in milliseconds. Where it cannot be
-built (no compiler, an x86 CPU without AVX2 and FMA, another architecture), everything keeps using
-PyTorch's kernels. simd.h holds their vector operations for AVX-512 and for AVX2.
+`int8_linear` multiplies a few activation rows by an int8 weight faster than PyTorch's
+`_weight_int8pack_mm` (see gemv.cpp). It and `int4_linear` pick their means (a weight-only kernel
+or a bf16 matmul) by the number of rows when they run, so one compiled graph serves every batch
+size with the best of both. `gated_activation` is the MLP's act(gate) * up in one pass, for eager
+steps (activation.cpp), `rms_norm` the model's norm (norm.cpp) and `rotary` the rotary embedding
+(rotary.cpp); `decode_attention` attends one query token per sequence over the paged KV cache
+(attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and `sample_ids` a draw
+from each row's softmax (sample.cpp). Building takes seconds of one core (g++ through
+`torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
+kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the
+torch version and the CPU's features, so later starts load it without compiling. Where it cannot
+be built (no compiler, an x86 CPU without AVX2 and FMA, another architecture), everything keeps
+using PyTorch's kernels. simd.h holds their vector operations for AVX-512 and for AVX2.
 """
 
 from __future__ import annotations

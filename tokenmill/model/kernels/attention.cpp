@@ -7,7 +7,7 @@
 // takes one chunk of a sequence's context for one KV head (see `run`): scores by dot products, a
 // max-subtracted exp and the value rows summed in fp32, each row read from memory once. A float32
 // model's cache may hold float16 or bfloat16 rows, widened as they are loaded: a decode step of many
-// sequences reads the whole cache, and half the bytes made SmolLM2's 16-21% faster.
+// sequences reads the whole cache, so half the bytes make it faster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -50,13 +50,10 @@ void head_scores(const float (*q)[kMaxHeadDim], const C* base, const C* values, 
     const C* k[R];
     for (int i = 0; i < kWidth; ++i) acc[i] = zero();
     for (int r = 0; r < R; ++r) k[r] = base + rows[std::min(j + r, count - 1)] * row_stride;  // past the end: repeats
-    // The rows' slots scatter over the cache's blocks, where the hardware prefetchers cannot follow:
-    // the next R key rows are fetched now, and these rows' values for the second pass. 32 sequences
-    // at 170 positions in 16-slot blocks, float16, Ice Lake: SmolLM2's 30 layers 13-16.5 -> 11.7-12
-    // ms, Gemma 3's 18 layers 10.0 -> 7.4-7.8 ms (the cache read at ~8-10, now ~10.5-13 GB/s, where
-    // a plain sum over a large tensor reads ~18). The key rows 3R ahead are asked into L2 as well,
-    // whose queue of misses is longer than L1's: 32 sequences at 164 positions, bf16, Zen 5: SmolLM2's
-    // 30 layers 6.8 -> 5.9 ms, Gemma 3's 18 layers 4.2 -> 3.8-4.2 ms (best of 5, two runs each).
+    // The rows' slots scatter over the cache's blocks, where the hardware prefetchers cannot
+    // follow: the next R key rows are fetched into L1 now, and these rows' values into L2 for the
+    // second pass. The key rows 3R ahead are asked into L2 as well, whose queue of misses is longer
+    // than L1's.
     for (int64_t r = j; r < std::min(count, j + R); ++r) {
       if (r + R < count) prefetch_row<_MM_HINT_T0>(base + rows[r + R] * row_stride, dim);
       if (r + 3 * R < count) prefetch_row<_MM_HINT_T1>(base + rows[r + 3 * R] * row_stride, dim);
@@ -171,9 +168,8 @@ void merge_chunks(const float* tops, const float* totals, const float* accs, int
 
 // Tasks are (sequence, KV head, chunk of kChunk context positions): the query heads sharing a KV
 // head attend together, up to kMaxHeads at a time, so that each row is loaded and widened once for
-// all of them (32 sequences at ~170 positions, float16 cache, Ice Lake: Gemma 3's 18 layers 11.1 ->
-// 4.2-5.6 ms, SmolLM2's 30 layers 14.3 -> 6.9-9.8 ms, against one head at a time), and a batch of one
-// still has tasks for every thread. The chunks' partial results are merged per (sequence, query head).
+// all of them rather than once per head, and a batch of one still has tasks for every thread. The
+// chunks' partial results are merged per (sequence, query head).
 template <typename T, typename C>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
          const at::Tensor& mask, at::Tensor& out, double scale, std::optional<double> softcap) {

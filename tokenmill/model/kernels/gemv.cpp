@@ -4,14 +4,12 @@
 // from memory, if the kernel keeps up with them. These do much as llama.cpp's do: the activation rows
 // are rounded to int8 (one scale per 8 values, where llama.cpp has one per 32) and multiplied with
 // the int8 or 4-bit weights in integers (maddubs, madd: two instructions per 32 products), the sums
-// scaled in fp32.
-// Widening both sides to fp32 for FMAs took ~25 instructions per 32 4-bit weights and held the int4
-// GEMV to 12-14 GB/s on a 2-core Zen 3, against 20-27 GB/s now. Weight rows are split across
-// PyTorch's intra-op threads, and up to 8 activation rows share each loaded weight vector; with
-// many rows (prefill) they keep up with a dense fp32 matmul (on bf16, the ops hand over to a layer's
-// dense copy where that wins). With AVX-512 (a 2-core Ice Lake Xeon) the int4 GEMV multiplies 4
-// groups per instruction and the int8 one 2 blocks, with VNNI's dpbusd where the CPU has it: at 8 and
-// 512 tokens, 10-45% and 0-25% faster than the same AVX2 code there (SmolLM2's and Gemma 3's shapes).
+// scaled in fp32. Widening both sides to fp32 for FMAs instead would take ~25 instructions per 32
+// 4-bit weights and leave the kernel bound by its instructions rather than by memory. Weight rows
+// are split across PyTorch's intra-op threads, and up to 8 activation rows share each loaded weight
+// vector; with many rows (prefill) they keep up with a dense fp32 matmul (on bf16, the ops hand
+// over to a layer's dense copy where that wins). With AVX-512 the int4 GEMV multiplies 4 groups per
+// instruction and the int8 one 2 blocks, with VNNI's dpbusd where the CPU has it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -92,13 +90,13 @@ inline void half_offsets(int64_t b, int64_t n, int64_t& first, int64_t& second) 
 // of 32 the four scales (M, K / 32, 4 floats). A block's sub-block j holds its elements 4j..4j+3 and
 // 16+4j..16+4j+3: the products that `madd` sums into int32 lanes j and j + 4 in both GEMVs, so each
 // lane is scaled by one float of a vector ([scale 0-3] twice, or two groups' scales) at no extra
-// integer work. Against one scale per 32, this halves the rounding's cost on the decode path
-// (SmolLM2's perplexity, simulated: +0.52% -> +0.26%; outliers spoil fewer neighbours). With
-// `sums`, the sum of scale x q over each block, (M, K / 32): the int4 GEMV's low terms then see the
-// same x as its scaled ones, so the rounding errors stay centred, as the weights are. With
-// `interleaved`, the blocks' halves are stored in the order in which the int4 GEMV unpacks the nibbles
-// of several groups with one load (`half_offsets`). With `coarse`, a block's four scales are one, its
-// largest magnitude's (for the tiles).
+// integer work. Against one scale per 32, this cuts the rounding's cost in perplexity on the decode
+// path: an outlier spoils fewer neighbours. With `sums`, the sum of scale x q over each block,
+// (M, K / 32): the int4 GEMV's low terms then see the same x as its scaled ones, so the rounding
+// errors stay centred, as the weights are. With `interleaved`, the blocks' halves are stored in the
+// order in which the int4 GEMV unpacks the nibbles of several groups with one load
+// (`half_offsets`). With `coarse`, a block's four scales are one, its largest magnitude's (for the
+// tiles).
 void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* scales, float* sums, bool interleaved,
                      bool coarse = false) {
   const int64_t row_blocks = K / 32;
@@ -163,9 +161,9 @@ inline __m256i products(__m256i q, const int8_t* x) {
 // (not interleaved): per block of 32, the products of the weights' magnitudes and the activations with
 // the weights' signs (maddubs multiplies unsigned by signed bytes), scaled by its lanes' scales. Each
 // activation row sums into C independent accumulators: with one row, a single chain of FMAs (4
-// cycles each) would bound the kernel; with 8, one each keeps the registers from spilling. (Two
-// weight rows sharing each activation load measured no faster: their 8 accumulators and the vectors
-// they need do not fit AVX2's 16 registers.)
+// cycles each) would bound the kernel; with 8, one each keeps the registers from spilling. Each
+// weight row is done on its own: two sharing each activation load would need 8 accumulators and
+// the vectors they feed, more than AVX2's 16 registers hold.
 #ifndef SIMD_AVX512
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
@@ -178,8 +176,8 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
     __m256 acc[M][C];
     for (int i = 0; i < M; ++i)
       for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
-    // block g into accumulator c, a constant once unrolled (an index known only at run time, g % C,
-    // kept the accumulators in memory)
+    // block g into accumulator c, a constant once unrolled (with an index known only at run time,
+    // g % C, the compiler keeps the accumulators in memory)
     const auto block = [&](int64_t g, int c) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32));
       const __m256i magnitudes = _mm256_sign_epi8(w, w);
@@ -215,7 +213,7 @@ inline __m512i dot4(__m512i acc, __m512i unsigned_q, __m512i signed_x) {
 // With AVX-512, the same over two blocks per vector (lanes 0-7: block g, 8-15: g + 1), a last odd
 // block in the lower half with zeros above it. The weights' signs go onto the activations by a masked
 // subtraction (AVX-512 has no sign_epi8), and with VNNI one dpbusd makes each lane's int32 sum of 4
-// products, where maddubs and madd took two instructions.
+// products, where maddubs and madd take two instructions.
 
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
@@ -263,9 +261,8 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
 #endif
 
 // The contiguous rows xc as float32: themselves, or (bf16) widened once into `buffer`, a vector at a
-// time (one element at a time the compiler left it scalar: ~0.3 ns an element, 6 of the 16 us of a
-// 32-token product with a 640-wide input, on a Zen 5 EPYC); a tensor op would cost more than it
-// saves on these few rows.
+// time (a loop over single elements stays scalar, a large share of a small product's time); a
+// tensor op would cost more than it saves on these few rows.
 template <typename T>
 const float* float_rows(const at::Tensor& xc, std::vector<float>& buffer) {
   const T* xs = xc.data_ptr<T>();
@@ -289,11 +286,10 @@ struct QuantizedRows {
   std::unique_ptr<float[]> scales, sums;
 };
 
-// quantize_blocks runs over PyTorch's intra-op threads, kQuantizeElementsPerTask activations each: on
-// the calling thread alone it took ~10% of a 512-token product with a narrow weight (Gemma 3's
-// 640x2048 down projection: 0.75 of 6.5 ms), and a decode step's 32 rows of 2048 took 24 us of a
-// 1-tile product where two threads take 20 (Zen 5; 32 x 640: 11.1 -> 10.1 us). Fewer rows stay on
-// the calling thread.
+// quantize_blocks runs over PyTorch's intra-op threads, kQuantizeElementsPerTask activations each:
+// on the calling thread alone it is a visible share of a prompt's product with a narrow weight (a
+// down projection) and of a decode step's many rows. Fewer rows than a task's stay on the calling
+// thread, where a fork would cost more than it saves; a smaller value spreads smaller batches.
 constexpr int64_t kQuantizeElementsPerTask = 8 * 1024;
 
 template <typename T>
@@ -391,7 +387,8 @@ inline int64_t fifth_row_bytes(int64_t groups) { return (groups + 3) / 4 * 16; }
 // is that vector's fifth bit at position j. Byte b of the block holds in bit k the bit of vector k at
 // position b, and in bit 4 + k the one at position 16 + b; the lower lane is moved up to bits 4-7 so
 // that vector k is then the planes shifted right by k and masked with 16 (`fifth_vector`): three
-// instructions per 32 weights, where expanding 32 bits to 32 bytes by a shuffle and a compare took six.
+// instructions per 32 weights, where expanding 32 bits to 32 bytes by a shuffle and a compare
+// takes six.
 inline __m256i fifth_planes(const uint8_t* p) {
   const __m256i block = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_blend_epi32(_mm256_slli_epi16(block, 4), block, 0xF0);
@@ -415,9 +412,9 @@ inline float low_of(const int16_t* step_low, int64_t g) {
 // nibble and of element 32 g + 16 + j in its high one; (step, low) are steps_lows[o][g] (int16 and
 // the bits of a float16: one stream of memory with the nibbles, as a decode step reads them) and
 // unit units[o] (> 0). x comes quantized by quantize_blocks (interleaved). Integer steps let
-// `madd` weigh each group's products as it sums them, where a float scale took a multiply per
-// group and activation row (7 -> 6 instructions per 64 products and row: ~10% faster with 8 rows);
-// the sums are scaled by the activation scales, the total by the unit. The low terms are low times
+// `madd` weigh each group's products as it sums them, where a float scale would take a multiply
+// per group and activation row (6 instructions per 64 products and row instead of 7); the sums are
+// scaled by the activation scales, the total by the unit. The low terms are low times
 // the group's sum of x (`sums`), divided by the unit so that they can share the accumulators.
 //
 // With Fifth, q is 5-bit (0..31, GGUF's Q5_0, Q5_1 and Q5_K exactly), with 16 bytes of fifth bits per
@@ -616,8 +613,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 // Tiles: the same products as an outer product, for the many activation rows of a prompt (AVX-512
 // with VNNI). The GEMVs above keep a weight row's dot products in lanes that must be summed across
-// at the end of every row and block of 8 activation rows (~30% of their instructions on Gemma 3's
-// 640-wide layers); here 16 weight rows (a tile) sit side by side in the lanes of a vector, each
+// at the end of every row and block of 8 activation rows (a large share of their instructions on
+// narrow layers); here 16 weight rows (a tile) sit side by side in the lanes of a vector, each
 // activation element is broadcast to them, and the sums land in 16 outputs at once. A tile stores,
 // per group of 32 and quarter j of it (elements 4j..4j+3 and 16+4j..16+4j+3), the q of the tile's 16
 // rows at those elements as two vectors of 64 bytes, byte 4c + e holding row c's q at element 4j + e
@@ -631,11 +628,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 //
 // The activations come with one scale per 8 (x_block 8, as for the GEMVs) or per group of 32
 // (x_block 32: quantize_blocks, coarse). Per 32 a group's 8 dpbusd add up in int32 lanes and are
-// converted and scaled once instead of four times, which makes the kernel 1.3-1.6x faster (Gemma 3's
-// layers and head, 32 and 512 tokens, Ice Lake Xeon), but rounds small activations next to large
-// ones more coarsely, which costs the MLP's down projections (whose inputs hold the outliers) the most
-// perplexity: models take 8 there and 32 elsewhere (`QuantLinear.x_block`; the figures are at
-// `quant_linear.FINE_X_BLOCK`).
+// converted and scaled once instead of four times, which makes the kernel faster, but rounds small
+// activations next to large ones more coarsely, which costs the MLP's down projections (whose
+// inputs hold the outliers) the most perplexity: models take 8 there and 32 elsewhere
+// (`QuantLinear.x_block`, `quant_linear.FINE_X_BLOCK`).
 // Tiles need VNNI: without it, dot4's pairs of products of int8 q + 128 (up to 255) with x overflow int16.
 #if defined(SIMD_AVX512) && defined(__AVX512VNNI__)
 #define TILES_BUILT 1
@@ -652,11 +648,10 @@ inline __m512i broadcast4(const int8_t* x) {
 constexpr int64_t tile_group_bytes(int bits) { return bits == 8 ? 512 : 256; }
 constexpr int64_t kTileFifthGroupBytes = 64;
 // Groups ahead of the products that a thread asks the memory for (16: 4 KB of 4-bit tiles, the
-// L2 streamer's reach ends at each 4 KB page). Without, a decode step's weights streamed at 18-20 GB/s
-// (SmolLM2, every tile layer and the head, batch 1, two threads; distances 8 and 32 as fast), with
-// 23-25: the hardware prefetchers do not keep up with the short streams of small layers. Gemma 3's
-// batch 1 12.1 -> 10.3 ms; SmolLM2's layers at batch 8 7.1-8.0 -> 6.2-7.5 ms (the later blocks of
-// activation rows find the lines in cache: these cost a load slot each).
+// L2 streamer's reach ends at each 4 KB page). The hardware prefetchers do not keep up with the
+// short streams of small layers, so without these requests a batch-1 step reads its weights well
+// below the memory's speed. The distance is not critical (half or twice it serve as well); later
+// blocks of activation rows find the lines in cache, where each request costs only a load slot.
 constexpr int64_t kTilePrefetchGroups = 16;
 
 // 16 scales or lows of a tile, as float32 or float16 (S)
@@ -742,17 +737,15 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
       for (int i = 0; i < M; ++i)
         acc[i] = _mm512_fmadd_ps(row_low, _mm512_set1_ps(row_totals[i]), _mm512_mul_ps(acc[i], row_scale));
     }
-    // bf16 rounded in vector registers: one lane at a time, the rounding took ~20% of a 32-token
-    // product (Gemma 3's layers on a Zen 5 EPYC: 8.8 ms against 6.8 with float32 outputs)
+    // bf16 rounded in vector registers (simd::store): rounding one lane at a time would cost a
+    // large share of a small product
     for (int i = 0; i < M; ++i) simd::store(y + i * N + t * 16, acc[i]);
   }
 }
 
-// Up to these many activation rows (batch-1 decode steps, bound by the bytes of weight they read) every
-// tile layer rounds its activations per 8, as fast as per 32 there (all of SmolLM2's / Gemma 3's tile
-// layers at 1 token, Zen 5: 2.56 / 4.20 ms against 2.93 / 4.06; at 4 tokens 8 costs Gemma 3 12%) and
-// closer to the dequantized weights' results (`tokenmill perplexity --decode` against `-q none`, GPL-3,
-// 8 chunks of 512, bf16: SmolLM2 +0.53% -> +0.22%, Gemma 3 +0.38% -> +0.26%).
+// Up to these many activation rows (batch-1 decode steps, bound by the bytes of weight they read)
+// every tile layer rounds its activations per 8: there it is as fast as per 32 and closer to the
+// dequantized weights' results; with a few rows more, per 8 already costs speed.
 constexpr int64_t kFineMaxRows = 1;
 
 // Tiles per task, and per chunk of tiles that each block of activation rows passes through while
@@ -793,7 +786,8 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
 // block of 16 activation rows (A tiles, read in place from the bf16 rows) with tdpbf16ps into fp32
 // C tiles that hold the sums over the whole row: no activation rounding, no per-group scaling of
 // outputs. The dequantization (~150 vector instructions a group of 512 weights) does not depend on
-// the number of rows, so this wins from a few blocks of rows on; the weights stay in their bytes.
+// the number of rows, so this wins from about a block of rows on (`quant_linear.AMX_MIN_TOKENS`);
+// the weights stay in their bytes.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define AMX_BUILT 1
 #include <sys/syscall.h>
@@ -1010,11 +1004,10 @@ constexpr int64_t kAmxPanelMinRows = 256;      // from these many (padded) rows 
 
 // amx_tiles for many rows: there every tile takes all rows through its B tiles, 64 rows a pass, so
 // the rows' A tiles come from L2 or beyond once per tile (a tile load from L2 costs more than the
-// ~16 cycles of a product: ~60 a product measured so). Here the B tiles of a panel of tiles
-// (kAmxPanelBytes) are dequantized once, while the first 32 rows pass through them, and each further
-// 32 rows (their A tiles in L1) take the panel 2 tiles at a time: each load serves two products.
-// Every tile layer (no head), best of 7, in the same minutes: SmolLM2 at 512 / 2048 rows 68 / 432 ms
-// -> 59 / 242, Gemma 3 67 / 474 -> 54 / 215; at 128 rows no faster, hence kAmxPanelMinRows.
+// ~16 cycles of a product). Here the B tiles of a panel of tiles (kAmxPanelBytes) are dequantized
+// once, while the first 32 rows pass through them, and each further 32 rows (their A tiles in L1)
+// take the panel 2 tiles at a time: each load serves two products. With fewer rows than
+// kAmxPanelMinRows the reloads are few and the panels do not pay.
 template <int Bits, bool Fifth, typename S>
 void amx_tiles_panels(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* tiles,
                       const uint8_t* fifth, const S* tile_scales, bool row_scales, uint16_t* y, int64_t N,

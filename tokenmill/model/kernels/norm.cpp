@@ -1,5 +1,5 @@
 // RMSNorm of rows, for eager steps: PyTorch runs it as six passes over the activations (pow, mean,
-// add, rsqrt, two products), ~10% of an eager 512-token prompt of SmolLM2 with its 61 norms. Here one
+// add, rsqrt, two products), a visible share of an eager prompt step of a small model. Here one
 // pass sums the squares and one writes the scaled rows, in float32 as the model's RMSNorm computes
 // (float32 or bfloat16 weights, widened).
 // Compiled graphs fuse this themselves.

@@ -1,7 +1,7 @@
 // Rotary embedding (rotate-half layout) of a step's queries or keys, for eager steps: PyTorch runs
-// it as seven passes (two halves times cos and sin, a difference, a sum, a concatenation), ~8% of an
-// eager prompt step of SmolLM2. Here one pass reads each head once and writes it rotated, in float32
-// as a compiled graph computes it. Compiled graphs fuse this themselves.
+// it as seven passes (two halves times cos and sin, a difference, a sum, a concatenation), a
+// visible share of an eager prompt step. Here one pass reads each head once and writes it rotated,
+// in float32 as a compiled graph computes it. Compiled graphs fuse this themselves.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
