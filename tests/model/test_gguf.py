@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lzma
 import math
 import struct
 from pathlib import Path
@@ -27,7 +28,7 @@ F16_FIELDS = {
 }  # fmt: skip
 # Logical shapes (torch order); (520, 512) spans more than one dequantization chunk.
 SHAPES = [(256,), (3, 256), (2, 3, 256), (520, 512)]
-VOCAB_GGUF = Path("/work/shared/tokenizer-vectors/ggml-vocab-llama-spm.gguf")
+VOCAB_GGUF_XZ = Path(__file__).parent.parent / "data" / "tokenizer-vectors" / "ggml-vocab-llama-spm.gguf.xz"
 
 
 def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -234,11 +235,12 @@ def test_nested_arrays(tmp_path: Path) -> None:
     assert GGUFFile(path).metadata["nested"] == [[1, 2], [3]]
 
 
-@pytest.mark.skipif(not VOCAB_GGUF.exists(), reason="shared tokenizer vectors not present")
-def test_real_vocab_file_matches_gguf_reader() -> None:
-    reader = gguf.GGUFReader(VOCAB_GGUF)
+def test_real_vocab_file_matches_gguf_reader(tmp_path: Path) -> None:
+    vocab = tmp_path / "ggml-vocab-llama-spm.gguf"
+    vocab.write_bytes(lzma.decompress(VOCAB_GGUF_XZ.read_bytes()))
+    reader = gguf.GGUFReader(vocab)
     expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    assert read_gguf_metadata(VOCAB_GGUF) == expected
+    assert read_gguf_metadata(vocab) == expected
 
 
 # --- malformed files ---------------------------------------------------------------------
