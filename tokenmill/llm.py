@@ -62,9 +62,7 @@ class LLM:
         """Render each conversation with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt), add_bos=False
-            )
+            self.engine.tokenize(messages=conv, add_generation_prompt=add_generation_prompt)
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

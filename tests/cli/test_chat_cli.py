@@ -168,7 +168,7 @@ def test_a_failed_reply_is_reported_and_the_chat_goes_on(tiny_model_dir, monkeyp
     def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr("tokenmill.engine.model_runner.ModelRunner.forward", broken_forward)
+    monkeypatch.setattr("tokenmill.engine.model_runner.ModelRunner._forward", broken_forward)
     code, out, err = chat(tiny_model_dir, monkeypatch, capsys, [FIRST, "/stats"], *GREEDY)
     assert code == 0
     assert "error: internal error while running the model: RuntimeError('device lost')" in err

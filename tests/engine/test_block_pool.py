@@ -7,11 +7,11 @@ import random
 import pytest
 
 from tokenmill.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from tokenmill.engine.request import Request, RequestStatus, hash_block_tokens
+from tokenmill.engine.request import Sequence, SequenceStatus, hash_block_tokens
 
 
-def make_request(tokens: list[int], extra_key: str | None = None, block_size: int = 4) -> Request:
-    return Request("r", tokens, None, 0.0, extra_key=extra_key, block_size=block_size)
+def make_sequence(tokens: list[int], extra_key: str | None = None, block_size: int = 4) -> Sequence:
+    return Sequence("r", tokens, extra_key=extra_key, block_size=block_size)
 
 
 def check_queue_links(queue: FreeBlockQueue) -> list[int]:
@@ -47,7 +47,7 @@ def test_free_queue_removes_from_middle_and_keeps_order() -> None:
 
 def test_new_blocks_come_from_the_head_and_evict_their_hash() -> None:
     pool = BlockPool(4)
-    request = make_request(list(range(8)))
+    request = make_sequence(list(range(8)))
     blocks = pool.get_new_blocks(2)
     assert [b.block_id for b in blocks] == [0, 1] and all(b.ref_cnt == 1 for b in blocks)
     pool.cache_full_blocks(request, blocks, 0, 2)
@@ -67,7 +67,7 @@ def test_new_blocks_come_from_the_head_and_evict_their_hash() -> None:
 
 def test_touch_takes_a_free_cached_block_off_the_queue() -> None:
     pool = BlockPool(3)
-    request = make_request(list(range(4)))
+    request = make_sequence(list(range(4)))
     (block,) = pool.get_new_blocks(1)
     pool.cache_full_blocks(request, [block], 0, 1)
     pool.free_blocks([block])
@@ -83,7 +83,7 @@ def test_touch_takes_a_free_cached_block_off_the_queue() -> None:
 
 def test_duplicate_content_is_not_cached_twice() -> None:
     pool = BlockPool(2)
-    first, second = make_request(list(range(4))), make_request(list(range(4)))
+    first, second = make_sequence(list(range(4))), make_sequence(list(range(4)))
     a, b = pool.get_new_blocks(2)
     pool.cache_full_blocks(first, [a], 0, 1)
     pool.cache_full_blocks(second, [b], 0, 1)
@@ -93,7 +93,7 @@ def test_duplicate_content_is_not_cached_twice() -> None:
 
 def test_reset_prefix_cache_waits_for_all_blocks_to_be_free() -> None:
     pool = BlockPool(2)
-    request = make_request(list(range(4)))
+    request = make_sequence(list(range(4)))
     blocks = pool.get_new_blocks(1)
     pool.cache_full_blocks(request, blocks, 0, 1)
     assert not pool.reset_prefix_cache()
@@ -104,7 +104,7 @@ def test_reset_prefix_cache_waits_for_all_blocks_to_be_free() -> None:
 
 def test_caching_disabled_caches_nothing() -> None:
     pool = BlockPool(2, enable_caching=False)
-    request = make_request(list(range(4)))
+    request = make_sequence(list(range(4)))
     blocks = pool.get_new_blocks(1)
     pool.cache_full_blocks(request, blocks, 0, 1)
     assert pool.cached == {} and blocks[0].block_hash is None
@@ -121,7 +121,7 @@ def scratch_hashes(tokens: list[int], block_size: int, extra_key: str | None) ->
 def test_block_hashes_are_incremental_and_match_from_scratch(block_size: int) -> None:
     rng = random.Random(block_size)
     prompt = [rng.randrange(50000) for _ in range(37)]
-    request = Request("r", prompt, None, 0.0, extra_key="lora-1", block_size=block_size)
+    request = Sequence("r", prompt, extra_key="lora-1", block_size=block_size)
     for _ in range(70):
         before = list(request.block_hashes)
         request.append_output_token(rng.randrange(50000))
@@ -130,7 +130,7 @@ def test_block_hashes_are_incremental_and_match_from_scratch(block_size: int) ->
     assert request.block_hashes == scratch_hashes(request.all_token_ids, block_size, "lora-1")
     assert request.all_token_ids == request.prompt_token_ids + request.output_token_ids
     assert request.num_tokens == 107 and request.num_prompt_tokens == 37 and request.num_output_tokens == 70
-    resumed = Request("r2", request.all_token_ids[:37], None, 0.0, extra_key="lora-1", block_size=block_size,
+    resumed = Sequence("r2", request.all_token_ids[:37], extra_key="lora-1", block_size=block_size,
                       output_token_ids=request.output_token_ids[:])
     assert resumed.block_hashes == request.block_hashes
 
@@ -143,7 +143,7 @@ def test_block_hash_depends_on_parent_tokens_and_extra_key() -> None:
                 hash_block_tokens(base, tokens, None), hash_block_tokens(None, [1, 2, 3, 5], None)}) == 5
 
 
-def test_request_status_is_finished() -> None:
-    finished = {s for s in RequestStatus if s.is_finished}
-    assert finished == {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+def test_sequence_status_is_finished() -> None:
+    finished = {s for s in SequenceStatus if s.is_finished}
+    assert finished == {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR}

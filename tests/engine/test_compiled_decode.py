@@ -38,35 +38,35 @@ def runner(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_compiled_decode_matches_eager(runner, batch_size: int) -> None:
     prompts, tables = PROMPTS[:batch_size], TABLES[:batch_size]
-    runner.forward(prompts, [len(p) for p in prompts], tables)  # prefill: eager
+    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)  # prefill: eager
     step = ([[7]] * batch_size, [len(p) + 1 for p in prompts], tables)
     assert runner.decode_mode == "compiled"
-    compiled = runner.forward(*step)
+    compiled = runner.last_token_logits(*step)
     assert runner.uncompiled_decode_steps == 0  # the warm-up compiled every graph decode needs
-    eager = runner.model.compute_logits(runner.forward(*step, hidden_only=True))  # the eager path
+    eager = runner.model.logits(runner.hidden_states(*step))  # the eager path
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert torch.isfinite(compiled).all()
 
 
 def test_compiled_steps_reuse_one_logits_buffer(runner) -> None:
     prompts, tables = PROMPTS, TABLES
-    runner.forward(prompts, [len(p) for p in prompts], tables)
-    first = runner.forward([[7]] * 3, [len(p) + 1 for p in prompts], tables)
+    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
+    first = runner.last_token_logits([[7]] * 3, [len(p) + 1 for p in prompts], tables)
     step = ([[9]] * 3, [len(p) + 2 for p in prompts], tables)
-    second = runner.forward(*step)
+    second = runner.last_token_logits(*step)
     assert second.data_ptr() == first.data_ptr() and second.dtype == torch.float32
-    eager = runner.model.compute_logits(runner.forward(*step, hidden_only=True))
+    eager = runner.model.logits(runner.hidden_states(*step))
     torch.testing.assert_close(second, eager, rtol=1e-4, atol=1e-4)
-    smaller = runner.forward([[7]] * 2, [len(p) + 3 for p in prompts[:2]], tables[:2])
+    smaller = runner.last_token_logits([[7]] * 2, [len(p) + 3 for p in prompts[:2]], tables[:2])
     assert smaller.shape == (2, second.shape[1]) and smaller.data_ptr() == first.data_ptr()
 
 
 def test_argmax_only_steps_get_the_heads_products_as_they_are(runner) -> None:
     prompts, tables = PROMPTS, TABLES
-    runner.forward(prompts, [len(p) for p in prompts], tables)
+    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
     step = ([[7]] * 3, [len(p) + 1 for p in prompts], tables)
-    logits = runner.forward(*step).clone()
-    raw = runner.forward(*step, argmax_only=True)
+    logits = runner.last_token_logits(*step).clone()
+    raw = runner.last_token_logits(*step, argmax_only=True)
     assert raw.data_ptr() != runner._logits.data_ptr()  # not copied into the float32 buffer
     assert raw.dtype == runner.loaded.dtype
     torch.testing.assert_close(raw.float(), logits, rtol=1e-4, atol=1e-4)
@@ -80,18 +80,18 @@ def test_pad_slot_is_clean_after_warmup(runner) -> None:
 def test_batch_without_a_graph_runs_eagerly(runner, monkeypatch, caplog) -> None:
     # a graph specialized to batch 2 (dynamo's eager backend: nothing to build) stands in for a
     # warm-up that missed a shape; its guards reject batch 3 and the step must not recompile
-    static = torch.compile(model_runner.decode_head, fullgraph=True, dynamic=False, backend="eager")
+    static = torch.compile(model_runner.decode_step, fullgraph=True, dynamic=False, backend="eager")
     with torch.inference_mode():
         graph = static.aot_compile(((runner.model, runner.cache, *runner._warmup_inputs(2)), {}))
     monkeypatch.setattr(runner, "_compiled_decode", {1: graph, 2: graph})
     monkeypatch.setattr(runner, "_checked_graphs", set())
     prompts, tables = PROMPTS, TABLES
-    runner.forward(prompts, [len(p) for p in prompts], tables)
+    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
     step = ([[7]] * 3, [len(p) + 1 for p in prompts], tables)
     before = runner.uncompiled_decode_steps
-    logits = runner.forward(*step)
+    logits = runner.last_token_logits(*step)
     assert runner.uncompiled_decode_steps == before + 1 and "runs eagerly" in caplog.text
-    eager = runner.model.compute_logits(runner.forward(*step, hidden_only=True))
+    eager = runner.model.logits(runner.hidden_states(*step))
     torch.testing.assert_close(logits, eager)
 
 
@@ -99,13 +99,13 @@ def test_context_past_the_graphs_runs_eagerly_without_fallback(runner) -> None:
     # the graphs are specialized to contexts up to COMPILED_CONTEXT_MAX; a longer one goes to the
     # eager path directly instead of failing the graphs' guards
     context = model_runner.COMPILED_CONTEXT_MAX + 5
-    runner.forward([list(range(32))], [32], [[0, 1]])  # fill blocks 0 and 1
+    runner.last_token_logits([list(range(32))], [32], [[0, 1]])  # fill blocks 0 and 1
     table = [[0, 1] * (context // 32 + 1)]  # a long context of repeated blocks: only its shape matters
     step = ([[7]], [context], table)
     before = runner.uncompiled_decode_steps
-    logits = runner.forward(*step)
+    logits = runner.last_token_logits(*step)
     assert runner.uncompiled_decode_steps == before
-    eager = runner.model.compute_logits(runner.forward(*step, hidden_only=True))
+    eager = runner.model.logits(runner.hidden_states(*step))
     torch.testing.assert_close(logits, eager)
 
 
@@ -122,11 +122,11 @@ def test_a_second_runner_loads_the_graphs_and_a_damaged_entry_is_compiled_again(
         second = ModelRunner(runner.loaded, num_blocks=8, block_size=16, compile=True)
         assert second.wait_compiled(timeout=900), f"loading failed: {second.compile_error!r}"
     prompts, tables = PROMPTS, TABLES
-    second.forward(prompts, [len(p) for p in prompts], tables)
+    second.last_token_logits(prompts, [len(p) for p in prompts], tables)
     for size in (1, 3):
         step = ([[7]] * size, [len(p) + 1 for p in prompts[:size]], tables[:size])
-        compiled = second.forward(*step)
-        eager = second.model.compute_logits(second.forward(*step, hidden_only=True))
+        compiled = second.last_token_logits(*step)
+        eager = second.model.logits(second.hidden_states(*step))
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert second.uncompiled_decode_steps == 0
 
@@ -154,16 +154,16 @@ def bf16_runner(tiny_model_dir, tmp_path_factory, cpu_kernels):
 def test_compiled_bf16_decode_with_the_int8_kernels_matches_eager(bf16_runner, batch_size: int) -> None:
     runner = bf16_runner
     prompts, tables = PROMPTS[:batch_size], TABLES[:batch_size]
-    runner.forward(prompts, [len(p) for p in prompts], tables)
+    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
     step = ([[7]] * batch_size, [len(p) + 1 for p in prompts], tables)
     with torch.profiler.profile() as profile:
-        compiled = runner.forward(*step)
+        compiled = runner.last_token_logits(*step)
     # int8 weights take the tile kernel on AVX-512, the int8 GEMV elsewhere
     kernels = {"tokenmill::int8_linear", "tokenmill::quant_tiles_linear"}
     kernel_calls = sum(e.count for e in profile.key_averages() if e.key in kernels)
     assert kernel_calls == sum(isinstance(m, quant_linear.QuantLinear) for m in runner.model.modules())
     assert runner.uncompiled_decode_steps == 0
-    eager = runner.model.compute_logits(runner.forward(*step, hidden_only=True))
+    eager = runner.model.logits(runner.hidden_states(*step))
     # inductor keeps fused intermediates in fp32 where eager rounds each op to bf16: on this
     # deliberately chaotic model that moves the logits by ~2% (as much as bf16 vs fp32 eager does)
     error = ((compiled.float() - eager.float()).norm() / eager.float().norm()).item()

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from tokenmill.engine.llm_engine import LLMEngine, _default_kv_budget
+from tokenmill.engine.kv_memory import default_kv_budget
+from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams
@@ -203,7 +204,7 @@ def test_logprobs_and_prompt_logprobs_match_the_model(tiny_loaded) -> None:
     out = final.outputs[0]
     seq = prompt + out.token_ids
     runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16)
-    ref = runner.forward([seq], [len(seq)], [list(range(8))], all_logits=True).log_softmax(-1)
+    ref = runner.all_logits([seq], [len(seq)], [list(range(8))]).log_softmax(-1)
     assert final.prompt_logprobs[0] is None
     for pos in range(1, len(prompt)):
         entry = final.prompt_logprobs[pos]
@@ -228,20 +229,29 @@ def test_bad_requests_are_refused_and_leave_nothing(tiny_loaded) -> None:
     assert not engine.has_unfinished_requests()
 
 
+def test_overrides_leave_the_callers_config_alone(tiny_loaded) -> None:
+    config = EngineConfig(max_num_seqs=4)
+    engine = LLMEngine(tiny_loaded, config, num_kv_blocks=16, max_model_len=64)
+    assert (engine.config.num_kv_blocks, engine.config.max_num_seqs) == (16, 4)
+    assert config == EngineConfig(max_num_seqs=4)
+    with pytest.raises(TypeError, match="unknown engine option 'num_blocks'"):
+        LLMEngine(tiny_loaded, config, num_blocks=16)
+
+
 @pytest.mark.parametrize("free_gib, budget_gib", [(40, 4), (16, 4), (11, 2), (10, 2), (9, 2), (5, 1), (3, 0.5)])
 def test_default_kv_budget_is_a_power_of_two_of_a_quarter_of_free_ram(free_gib, budget_gib) -> None:
     """Small changes in free memory must not change the pool size: compiled graphs depend on it."""
-    assert _default_kv_budget(int(free_gib * 2**30)) == int(budget_gib * 2**30)
+    assert default_kv_budget(int(free_gib * 2**30)) == int(budget_gib * 2**30)
 
 
 def test_warming_the_kv_pool_writes_only_unheld_blocks_up_to_the_limit(tiny_loaded, monkeypatch) -> None:
-    from tokenmill.engine import llm_engine
+    from tokenmill.engine import kv_memory
 
     engine = LLMEngine(tiny_loaded, num_kv_blocks=64, block_size=16)
     cache, pool = engine.runner.cache, engine.kv.block_pool
     per_block = cache.k[0][:16].nbytes
-    monkeypatch.setattr(llm_engine, "KV_WARM_BYTES", 3 * per_block)  # units of 3 blocks
-    monkeypatch.setattr(llm_engine, "KV_WARM_AHEAD", 20 * 2 * len(cache.k) * per_block)  # 20 blocks past the used
+    monkeypatch.setattr(kv_memory, "KV_WARM_BYTES", 3 * per_block)  # units of 3 blocks
+    monkeypatch.setattr(kv_memory, "KV_WARM_AHEAD", 20 * 2 * len(cache.k) * per_block)  # 20 blocks past the used
     for t in cache.k + cache.v:
         t[:cache.pad_slot].fill_(7.0)
     held = [b.block_id for b in pool.get_new_blocks(2)]  # blocks 0 and 1, in use

@@ -24,7 +24,7 @@ def test_nan_logits_fail_only_that_request(tiny_loaded, monkeypatch) -> None:
     def poisoned(logits, seqs, batch, touched):
         logits = logits.clone()
         for i, seq in enumerate(seqs):
-            if seq.req.request_id == "poison" and seq.req.num_output_tokens == 3:
+            if seq.seq_id == "poison" and seq.num_output_tokens == 3:
                 logits[i, 5] = float("nan")
         return original(logits, seqs, batch, touched)
 
@@ -47,7 +47,7 @@ def test_tokenizer_failure_fails_only_that_request(tiny_loaded) -> None:
     def explode(token_id: int) -> str:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated tokenizer failure")
 
-    engine._sequences["broken"].detok.push = explode
+    engine._requests["broken"].sequences[0].detokenizer.push = explode
     done = _finish_all(engine)
     assert done["broken"].outputs[0].finish_reason == "error" and "simulated" in done["broken"].error
     assert done["a"].outputs[0].finish_reason == "length" and done["a"].error is None
@@ -55,7 +55,7 @@ def test_tokenizer_failure_fails_only_that_request(tiny_loaded) -> None:
 
 def test_failed_step_fails_its_batch_and_the_engine_goes_on(tiny_loaded, monkeypatch) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=64)
-    real_forward = engine.runner.forward
+    real_forward = engine.runner._forward
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -64,7 +64,7 @@ def test_failed_step_fails_its_batch_and_the_engine_goes_on(tiny_loaded, monkeyp
             raise RuntimeError("simulated kernel failure")
         return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "forward", flaky)
+    monkeypatch.setattr(engine.runner, "_forward", flaky)
     engine.add_request("victim", [5, 6, 7], PARAMS)
     done = _finish_all(engine)
     assert done["victim"].outputs[0].finish_reason == "error" and "simulated kernel failure" in done["victim"].error
@@ -77,11 +77,11 @@ def test_failed_step_fails_its_batch_and_the_engine_goes_on(tiny_loaded, monkeyp
 def test_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(tiny_loaded, monkeypatch) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=64)
     prompt = list(range(5, 70))  # four full blocks, published to the prefix cache when scheduled
-    real_forward = engine.runner.forward
-    monkeypatch.setattr(engine.runner, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    real_forward = engine.runner._forward
+    monkeypatch.setattr(engine.runner, "_forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     engine.add_request("failed", prompt, PARAMS)
     assert _finish_all(engine)["failed"].outputs[0].finish_reason == "error"
-    monkeypatch.setattr(engine.runner, "forward", real_forward)
+    monkeypatch.setattr(engine.runner, "_forward", real_forward)
     hits = engine.stats.prefix_cache_hits
     engine.add_request("retry", prompt, PARAMS)
     retry = _finish_all(engine)["retry"]

@@ -8,31 +8,31 @@ import random
 import pytest
 
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Sequence, SequenceStatus
 
 BS = 16
 
 
-def make_request(rid: str, tokens: list[int], extra_key: str | None = None, block_size: int = BS) -> Request:
-    return Request(rid, tokens, None, 0.0, extra_key=extra_key, block_size=block_size)
+def make_sequence(rid: str, tokens: list[int], extra_key: str | None = None, block_size: int = BS) -> Sequence:
+    return Sequence(rid, tokens, extra_key=extra_key, block_size=block_size)
 
 
-def schedule_prompt(manager: KVCacheManager, request: Request) -> list[int]:
+def schedule_prompt(manager: KVCacheManager, request: Sequence) -> list[int]:
     """Hit the cache, allocate the rest of the prompt and mark it computed; returns the block ids."""
     hits, num_hit = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_hit, hits, num_hit) is not None
     request.num_computed_tokens = request.num_tokens
-    return manager.get_block_ids(request.request_id)
+    return manager.get_block_ids(request.seq_id)
 
 
 def test_shared_prefix_hits_its_full_blocks() -> None:
     manager = KVCacheManager(num_blocks=64, block_size=BS)
     prefix = list(range(1000, 1200))
-    first = make_request("a", prefix + list(range(30)))
+    first = make_sequence("a", prefix + list(range(30)))
     first_ids = schedule_prompt(manager, first)
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (230, 0)
 
-    second = make_request("b", prefix + list(range(100, 140)))
+    second = make_sequence("b", prefix + list(range(100, 140)))
     hits, num_hit = manager.get_computed_blocks(second)
     assert num_hit == 192 and [b.block_id for b in hits] == first_ids[:12]
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (470, 192)
@@ -42,15 +42,15 @@ def test_shared_prefix_hits_its_full_blocks() -> None:
     assert all(b.ref_cnt == 2 for b in hits)
     assert manager.num_free_blocks == 64 - 15 - 3
 
-    other_key = make_request("c", prefix + list(range(30)), extra_key="adapter-7")
+    other_key = make_sequence("c", prefix + list(range(30)), extra_key="adapter-7")
     assert manager.get_computed_blocks(other_key) == ([], 0)
 
 
 @pytest.mark.parametrize(("prompt_len", "expected_hit"), [(64, 48), (70, 64), (16, 0), (1, 0)])
 def test_a_fully_cached_prompt_still_computes_a_token(prompt_len: int, expected_hit: int) -> None:
     manager = KVCacheManager(num_blocks=16, block_size=BS)
-    schedule_prompt(manager, make_request("a", list(range(prompt_len))))
-    again = make_request("b", list(range(prompt_len)))
+    schedule_prompt(manager, make_sequence("a", list(range(prompt_len))))
+    again = make_sequence("b", list(range(prompt_len)))
     hits, num_hit = manager.get_computed_blocks(again)
     assert num_hit == expected_hit == len(hits) * BS
     assert num_hit < again.num_tokens
@@ -58,7 +58,7 @@ def test_a_fully_cached_prompt_still_computes_a_token(prompt_len: int, expected_
 
 def test_decoded_blocks_are_cached_once_computed() -> None:
     manager = KVCacheManager(num_blocks=16, block_size=BS)
-    request = make_request("a", list(range(10)))
+    request = make_sequence("a", list(range(10)))
     schedule_prompt(manager, request)
     request.append_output_token(500)
     while request.num_tokens < 33:  # decode: compute the last token, sample the next
@@ -66,7 +66,7 @@ def test_decoded_blocks_are_cached_once_computed() -> None:
         request.num_computed_tokens += 1
         request.append_output_token(500 + request.num_tokens)
     assert len(manager.get_block_ids("a")) == 2  # 32 computed tokens; token 33 not yet scheduled
-    follower = make_request("b", request.all_token_ids[:])
+    follower = make_sequence("b", request.all_token_ids[:])
     hits, num_hit = manager.get_computed_blocks(follower)
     assert num_hit == 32 and [b.block_id for b in hits] == manager.get_block_ids("a")
 
@@ -74,16 +74,16 @@ def test_decoded_blocks_are_cached_once_computed() -> None:
 def test_parallel_samples_share_the_prompt_through_the_cache() -> None:
     manager = KVCacheManager(num_blocks=16, block_size=BS)
     prompt = list(range(50))
-    parent_ids = schedule_prompt(manager, make_request("p", prompt))
+    parent_ids = schedule_prompt(manager, make_sequence("p", prompt))
     for i in range(3):
-        assert schedule_prompt(manager, make_request(f"c{i}", prompt))[:3] == parent_ids[:3]
+        assert schedule_prompt(manager, make_sequence(f"c{i}", prompt))[:3] == parent_ids[:3]
     assert [manager.block_pool.blocks[i].ref_cnt for i in parent_ids] == [4, 4, 4, 1]
     assert manager.num_free_blocks == 16 - 4 - 3
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_least_recently_freed_first() -> None:
     manager = KVCacheManager(num_blocks=12, block_size=BS)
-    a, b = make_request("a", list(range(49))), make_request("b", list(range(100, 149)))
+    a, b = make_sequence("a", list(range(49))), make_sequence("b", list(range(100, 149)))
     a_ids, b_ids = schedule_prompt(manager, a), schedule_prompt(manager, b)
     manager.free(a)
     manager.free(b)
@@ -93,18 +93,18 @@ def test_freed_blocks_stay_cached_and_are_evicted_least_recently_freed_first() -
     assert queue == [8, 9, 10, 11] + a_ids[::-1] + b_ids[::-1]
 
     # 5 new blocks: the 4 never used, then a's uncached tail block; both prefixes stay cached.
-    filler = make_request("f", list(range(500, 580)))
+    filler = make_sequence("f", list(range(500, 580)))
     assert [blk.block_id for blk in manager.allocate_slots(filler, 80)] == [8, 9, 10, 11, a_ids[3]]
-    assert manager.get_computed_blocks(make_request("a2", a.prompt_token_ids))[1] == 48
+    assert manager.get_computed_blocks(make_sequence("a2", a.prompt_token_ids))[1] == 48
 
     # b's prefix is hit: touched off the free queue, so the allocations below never get it.
-    b2 = make_request("b2", b.prompt_token_ids)
+    b2 = make_sequence("b2", b.prompt_token_ids)
     hits, num_hit = manager.get_computed_blocks(b2)
     assert num_hit == 48
     assert manager.allocate_slots(b2, 1, hits, num_hit) is not None
     assert manager.get_block_ids("b2") == b_ids[:3] + [a_ids[2]]  # a's last cached block evicted
-    assert manager.get_computed_blocks(make_request("a3", a.prompt_token_ids))[1] == 32
-    taken = manager.allocate_slots(make_request("g", list(range(700, 732))), 32)
+    assert manager.get_computed_blocks(make_sequence("a3", a.prompt_token_ids))[1] == 32
+    taken = manager.allocate_slots(make_sequence("g", list(range(700, 732))), 32)
     assert [blk.block_id for blk in taken] == [a_ids[1], a_ids[0]]
     assert manager.num_free_blocks == 1 and not set(b_ids[:3]) & {blk.block_id for blk in taken}
     assert [blk.block_id for blk in manager.block_pool.free_queue] == [b_ids[3]]
@@ -123,13 +123,13 @@ def snapshot(manager: KVCacheManager) -> tuple:
 
 def test_allocate_slots_is_all_or_nothing() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=BS)
-    cached = make_request("a", list(range(65)))
+    cached = make_sequence("a", list(range(65)))
     schedule_prompt(manager, cached)  # 5 blocks, the first 4 cached
     manager.free(cached)
-    schedule_prompt(manager, make_request("b", list(range(900, 964))))  # the 3 never used + a's uncached tail
+    schedule_prompt(manager, make_sequence("b", list(range(900, 964))))  # the 3 never used + a's uncached tail
 
     # 4 free blocks, all of them hits: touching them leaves none for the 2 new blocks needed.
-    again = make_request("c", list(range(65)) + list(range(200, 216)))
+    again = make_sequence("c", list(range(65)) + list(range(200, 216)))
     hits, num_hit = manager.get_computed_blocks(again)
     assert num_hit == 64 and manager.num_free_blocks == 4
     before = snapshot(manager)
@@ -137,11 +137,11 @@ def test_allocate_slots_is_all_or_nothing() -> None:
     assert snapshot(manager) == before
     assert manager.get_block_ids("c") == []
 
-    big = make_request("d", list(range(300, 400)))
+    big = make_sequence("d", list(range(300, 400)))
     assert manager.allocate_slots(big, 100) is None
     assert snapshot(manager) == before
     # 3 hits + 1 new block fit exactly: the new block is the 4th free one (evicting a's last cached block).
-    exact = make_request("e", list(range(64)))
+    exact = make_sequence("e", list(range(64)))
     hits, num_hit = manager.get_computed_blocks(exact)
     assert num_hit == 48
     assert manager.allocate_slots(exact, 16, hits, num_hit) is not None
@@ -150,34 +150,34 @@ def test_allocate_slots_is_all_or_nothing() -> None:
 
 def test_stale_hits_and_bad_arguments_are_refused() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=BS)
-    a = make_request("a", list(range(33)))
+    a = make_sequence("a", list(range(33)))
     schedule_prompt(manager, a)
     manager.free(a)
-    b = make_request("b", list(range(33)))
+    b = make_sequence("b", list(range(33)))
     hits, num_hit = manager.get_computed_blocks(b)
     with pytest.raises(ValueError):
         manager.allocate_slots(b, 1, hits, num_hit + 1)
     with pytest.raises(ValueError):
         manager.allocate_slots(b, 1, None, 16)
-    manager.allocate_slots(make_request("x", list(range(100, 164))), 64)  # evicts b's hits
+    manager.allocate_slots(make_sequence("x", list(range(100, 164))), 64)  # evicts b's hits
     with pytest.raises(RuntimeError):
         manager.allocate_slots(b, 1, hits, num_hit)
     with pytest.raises(ValueError):
-        manager.get_computed_blocks(make_request("y", [1] * 40, block_size=8))
+        manager.get_computed_blocks(make_sequence("y", [1] * 40, block_size=8))
 
 
 def test_reset_prefix_cache_and_disabled_caching() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=BS)
-    a = make_request("a", list(range(40)))
+    a = make_sequence("a", list(range(40)))
     schedule_prompt(manager, a)
     assert not manager.reset_prefix_cache()
     manager.free(a)
     assert manager.reset_prefix_cache()
-    assert manager.get_computed_blocks(make_request("b", list(range(40)))) == ([], 0)
+    assert manager.get_computed_blocks(make_sequence("b", list(range(40)))) == ([], 0)
 
     plain = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
-    schedule_prompt(plain, make_request("a", list(range(40))))
-    assert plain.get_computed_blocks(make_request("b", list(range(40)))) == ([], 0)
+    schedule_prompt(plain, make_sequence("a", list(range(40))))
+    assert plain.get_computed_blocks(make_sequence("b", list(range(40)))) == ([], 0)
     assert plain.block_pool.cached == {} and plain.prefix_cache_queries == 0
     assert plain.num_total_blocks == 8 and plain.usage == 3 / 8
 
@@ -196,8 +196,8 @@ class Simulation:
         self.manager = KVCacheManager(num_blocks, block_size)
         self.slots: list[tuple | None] = [None] * (num_blocks * block_size)
         self.prefixes = [[self.rng.randrange(100) for _ in range(self.rng.randrange(1, 40))] for _ in range(4)]
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
         self.max_out: dict[str, int] = {}
         self.next_id = 0
         self.num_preemptions = 0
@@ -208,12 +208,12 @@ class Simulation:
             prompt = [0]
         rid = f"r{self.next_id}"
         self.next_id += 1
-        request = Request(rid, prompt, None, 0.0, extra_key=self.rng.choice([None, None, "lora"]), block_size=self.bs)
+        request = Sequence(rid, prompt, extra_key=self.rng.choice([None, None, "lora"]), block_size=self.bs)
         self.max_out[rid] = self.rng.randrange(1, 40)
         self.waiting.append(request)
 
-    def compute(self, request: Request, num_tokens: int) -> None:
-        table = self.manager.get_block_ids(request.request_id)
+    def compute(self, request: Sequence, num_tokens: int) -> None:
+        table = self.manager.get_block_ids(request.seq_id)
         for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_tokens):
             block = self.manager.block_pool.blocks[table[pos // self.bs]]
             assert block.ref_cnt == 1, "writing into a shared block"
@@ -234,8 +234,8 @@ class Simulation:
                 self.preempt(rng.choice(self.running))
                 continue
             self.compute(request, num_new)
-            if request.num_output_tokens >= self.max_out[request.request_id]:
-                self.finish(request, RequestStatus.FINISHED_LENGTH)
+            if request.num_output_tokens >= self.max_out[request.seq_id]:
+                self.finish(request, SequenceStatus.FINISHED_LENGTH)
         if self.waiting:
             request = self.waiting[0]
             hits, num_hit = manager.get_computed_blocks(request)
@@ -243,23 +243,23 @@ class Simulation:
             if manager.allocate_slots(request, num_new, hits, num_hit) is not None:
                 request.num_computed_tokens = num_hit
                 self.compute(request, num_new)
-                request.status = RequestStatus.RUNNING
+                request.status = SequenceStatus.RUNNING
                 self.running.append(self.waiting.pop(0))
         if self.running and rng.random() < 0.05:
-            self.finish(rng.choice(self.running), RequestStatus.FINISHED_ABORTED)
+            self.finish(rng.choice(self.running), SequenceStatus.FINISHED_ABORTED)
 
-    def preempt(self, request: Request) -> None:
+    def preempt(self, request: Sequence) -> None:
         if request not in self.running:
             return
         self.manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        request.status = RequestStatus.PREEMPTED
+        request.status = SequenceStatus.PREEMPTED
         self.running.remove(request)
         self.waiting.insert(0, request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Sequence, status: SequenceStatus) -> None:
         if request in self.running:
             self.running.remove(request)
             request.status = status
@@ -269,7 +269,7 @@ class Simulation:
         manager, pool, bs = self.manager, self.manager.block_pool, self.bs
         refs = [0] * pool.num_blocks
         for request in self.running:
-            table = manager.get_block_ids(request.request_id)
+            table = manager.get_block_ids(request.seq_id)
             assert len(table) == -(-request.num_computed_tokens // bs)
             for block_id in table:
                 refs[block_id] += 1

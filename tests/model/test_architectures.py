@@ -75,10 +75,10 @@ def _tokenmill_steps(loaded, prompts: list[list[int]], continuations: list[list[
     # interleave the blocks of different sequences so that block tables really matter
     tables = [[1 + s + len(prompts) * b for b in range(blocks_per_seq)] for s in range(len(prompts))]
     lens = [len(p) for p in prompts]
-    outputs = [runner.forward(prompts, lens, tables, all_logits=True)]
+    outputs = [runner.all_logits(prompts, lens, tables)]
     for step in range(DECODE_STEPS):
         lens = [n + 1 for n in lens]
-        outputs.append(runner.forward([[c[step]] for c in continuations], lens, tables, all_logits=True))
+        outputs.append(runner.all_logits([[c[step]] for c in continuations], lens, tables))
     return outputs
 
 

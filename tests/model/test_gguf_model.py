@@ -128,7 +128,7 @@ def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: 
 def _logits(loaded, prompts: list[list[int]]) -> torch.Tensor:
     runner = ModelRunner(loaded, num_blocks=16, block_size=8, kv_cache_dtype="float32")  # exact comparisons
     tables = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
-    return runner.forward(prompts, [len(p) for p in prompts], tables, all_logits=True)
+    return runner.all_logits(prompts, [len(p) for p in prompts], tables)
 
 
 Q = gguf.GGMLQuantizationType

@@ -36,7 +36,7 @@ PROMPTS = [[5, 9, 30, 71, 12, 44, 8], list(range(40, 60))]
 
 def _logits(loaded) -> torch.Tensor:
     runner = ModelRunner(loaded, num_blocks=8, block_size=16)
-    return runner.forward(PROMPTS, [len(p) for p in PROMPTS], [[0, 1], [2, 3]], all_logits=True)
+    return runner.all_logits(PROMPTS, [len(p) for p in PROMPTS], [[0, 1], [2, 3]])
 
 
 # Relative error of the logits of the (deliberately chaotic, 0.3-std) tiny model, which amplifies

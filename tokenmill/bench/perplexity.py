@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from tokenmill.errors import InvalidRequestError
 from tokenmill.engine.model_runner import ModelRunner, blocks_needed
+from tokenmill.errors import InvalidRequestError
 from tokenmill.model.loader import LoadedModel
 
 
@@ -75,16 +75,17 @@ def perplexity(
 
 def _prompt_nll(runner: ModelRunner, chunk: list[int], first: int, table: list[int]) -> torch.Tensor:
     """Negative log-likelihoods of chunk[first + 1:], from one pass over the chunk."""
-    hidden = runner.forward([chunk], [len(chunk)], [table], hidden_only=True)
-    logits = runner.model.compute_logits(hidden[first:len(chunk) - 1])
-    return _nll(logits, chunk[first + 1:])
+    hidden = runner.hidden_states([chunk], [len(chunk)], [table])
+    return _nll(runner.model.logits(hidden[first:len(chunk) - 1]), chunk[first + 1:])
 
 
 def _decoded_nll(runner: ModelRunner, chunk: list[int], first: int, table: list[int]) -> torch.Tensor:
     """The same, from one decode step per token after a pass over chunk[:first]."""
-    runner.forward([chunk[:first]], [first], [table], hidden_only=True)
-    return torch.cat([_nll(runner.forward([[chunk[pos]]], [pos + 1], [table]), chunk[pos + 1:pos + 2])
-                      for pos in range(first, len(chunk) - 1)])
+    runner.hidden_states([chunk[:first]], [first], [table])
+    return torch.cat([
+        _nll(runner.last_token_logits([[chunk[pos]]], [pos + 1], [table]), chunk[pos + 1:pos + 2])
+        for pos in range(first, len(chunk) - 1)
+    ])
 
 
 def _nll(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:

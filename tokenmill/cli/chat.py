@@ -70,7 +70,6 @@ class ChatSession:
 
     def __init__(self, engine: LLMEngine, params: SamplingParams, system: str | None) -> None:
         self.engine = engine
-        self.tokenizer = engine.tokenizer
         self.system = system
         self.turns: list[Message] = []  # user, assistant, user, assistant, ...
         self.last: ReplyStats | None = None
@@ -149,8 +148,7 @@ class ChatSession:
         return turns, ids
 
     def _encode(self, turns: list[Message]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(self._with_system(turns), add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_bos=False)  # templates carry their own BOS
+        return self.engine.tokenize(messages=self._with_system(turns))
 
     def stats(self) -> str:
         s = self.last

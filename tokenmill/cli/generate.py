@@ -32,14 +32,10 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
     )
     params.validate()
-    loaded = load_from_args(args)
-    tok = loaded.tokenizer
+    engine = LLMEngine(load_from_args(args), max_num_seqs=1)
+    prompt: str | list[int] = args.prompt
     if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt: str | list[int] = tok.encode(text, add_bos=False)  # templates carry their own BOS
-    else:
-        prompt = args.prompt
-    engine = LLMEngine(loaded, max_num_seqs=1)
+        prompt = engine.tokenize(messages=[{"role": "user", "content": args.prompt}])
     engine.add_request("cli", prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():

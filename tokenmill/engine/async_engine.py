@@ -1,9 +1,11 @@
 """AsyncLLMEngine: the step loop runs in a background thread; asyncio code streams outputs.
 
 The model forward pass is blocking CPU/GPU work, so it lives on its own thread and never stalls
-the event loop. Requests and aborts reach that thread through a command queue (the engine is
-touched by one thread only); outputs come back to each request's asyncio queue with
-`call_soon_threadsafe`.
+the event loop. A request is tokenized, validated and fanned out into its sequences on the event
+loop's thread, by the engine's stateless `InputProcessor`, which also serves `tokenize`: every
+endpoint tokenizes in that one place. The processed request and aborts reach the engine thread
+through a command queue (the engine's state is touched by that thread only); outputs come back
+to each request's asyncio queue with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import time
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Callable, Iterable
 
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import TokenmillError
+from tokenmill.model.config import ModelConfig
 from tokenmill.sample import SamplingParams
+from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -36,8 +40,8 @@ class AsyncLLMEngine:
         Pass the function where speed matters: the model should be loaded by the thread that runs it.
         OpenMP (libgomp) keeps a pool of worker threads for every thread that has started parallel
         work; while the loading thread's pool lives on, the engine thread's workers barely spin
-        between the hundreds of parallel regions of a step and sleep instead. Measured on 2 cores:
-        a SmolLM2 decode step took 20-22 ms on a second thread against 12 ms on the loading one.
+        between the hundreds of parallel regions of a step and sleep instead, which makes a small
+        model's decode steps much slower (see the tuning log).
         """
         self._commands: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -49,9 +53,52 @@ class AsyncLLMEngine:
         self._thread.start()
         built.result()  # raises what building the engine raised
 
+    # ------------------------------------------------------------------ public read-only state
+    # What front ends (the server, the CLI) may read; everything else is the engine thread's.
+
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.loaded.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.kv.num_total_blocks
+
+    @property
+    def decode_mode(self) -> str:
+        """'compiled', 'compiling' or 'eager' (see `ModelRunner.decode_mode`)."""
+        return self.engine.runner.decode_mode
+
+    def stats(self) -> EngineStats:
+        """The engine's live counters, updated after every step (read them, don't write them)."""
+        return self.engine.stats
+
+    def start_compile(self) -> None:
+        """Start the decode-graph compilation that the engine deferred (see
+        `EngineConfig.defer_compile`)."""
+        self.engine.runner.start_compile()
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a text prompt, or of chat messages rendered with the model's chat
+        template, as `add_request` tokenizes them (see `InputProcessor.tokenize`). Raises
+        InvalidRequestError for input that cannot be tokenized."""
+        return self.engine.input_processor.tokenize(prompt, messages, add_special_tokens,
+                                                    add_generation_prompt, chat_template_kwargs)
 
     @property
     def is_healthy(self) -> bool:
@@ -79,7 +126,7 @@ class AsyncLLMEngine:
                     if outputs:
                         # Hand the GIL to the event loop now, while it has tokens to send: most torch
                         # ops keep the GIL, so otherwise the loop waits out a whole switch interval
-                        # (5 ms) per step, which would double the per-token latency of a small model.
+                        # (5 ms) per step, as long as a small model's whole step.
                         time.sleep(0)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter and to /health
             log.exception("engine loop crashed")
@@ -117,9 +164,9 @@ class AsyncLLMEngine:
                 future.set_exception(EngineDeadError(f"the engine stopped: {exc!r}"))
 
     def _deliver(self, items: Iterable[tuple[str, RequestOutput | Exception]]) -> None:
-        """Outputs (or errors) to their requests' streams, with one wake-up of each event loop for all
-        of them: a wake-up per output wrote the loop's self-pipe and handed it the GIL once per stream
-        (4% of the engine thread's time with 32 streams, Gemma 3 on 2 cores)."""
+        """Outputs (or errors) to their requests' streams, with one wake-up of each event loop for
+        all of them: a wake-up per output would write the loop's self-pipe and hand it the GIL once
+        per stream (see the tuning log)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
         for request_id, item in items:
             target = self._streams.get(request_id)
@@ -128,9 +175,12 @@ class AsyncLLMEngine:
         for loop, queued in by_loop.items():
             loop.call_soon_threadsafe(_put_all, queued)
 
-    def _submit(self, command: Callable[[], Any]) -> Future:
+    def _check_alive(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
+
+    def _submit(self, command: Callable[[], Any]) -> Future:
+        self._check_alive()
         future: Future = Future()
         self._commands.put((command, future))
         return future
@@ -145,13 +195,18 @@ class AsyncLLMEngine:
         priority: int = 0,
         extra_key: str | None = None,
     ) -> RequestStream:
-        """Queue a request; raises here (not later) if the engine refuses it."""
+        """Queue a request; raises here (not later) if the engine refuses it.
+
+        The request is tokenized, validated and fanned out into its sequences here, on the
+        calling thread (see `InputProcessor`); the engine thread only checks it against the
+        engine's state (request id in use, queue full) and queues it."""
+        self._check_alive()
+        request = self.engine.input_processor.process(request_id, prompt, params, priority,
+                                                      extra_key=extra_key)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
         try:
-            await asyncio.wrap_future(self._submit(
-                lambda: self.engine.add_request(request_id, prompt, params, priority=priority, extra_key=extra_key)
-            ))
+            await asyncio.wrap_future(self._submit(lambda: self.engine.enqueue(request)))
         except BaseException:
             self._streams.pop(request_id, None)
             raise

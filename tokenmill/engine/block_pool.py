@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from tokenmill.engine.request import BlockHash, Request
+from tokenmill.engine.request import BlockHash, Sequence
 
 
 @dataclass(eq=False, slots=True)
@@ -78,7 +78,7 @@ class BlockPool:
     """All `num_blocks` blocks, the free queue, and the hash -> block map of cached blocks.
 
     The map holds one block per hash: when a block fills with content that is already cached
-    elsewhere, it stays uncached (no dedup), so block tables never change under a request.
+    elsewhere, it stays uncached (no dedup), so block tables never change under a sequence.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -128,7 +128,7 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference to each block; those reaching 0 join the free queue in the given order.
 
-        Callers pass a request's table tail first: the tail of a sequence is the part least
+        Callers pass a sequence's table tail first: the tail of a sequence is the part least
         likely to be shared, so it should be evicted before the prefix.
         """
         for block in ordered_blocks:
@@ -144,15 +144,21 @@ class BlockPool:
                 block.block_hash = None
 
     def cache_full_blocks(
-        self, request: Request, blocks: list[KVCacheBlock], num_cached_blocks: int, num_full_blocks: int
+        self,
+        seq: Sequence,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
     ) -> None:
-        """Publish blocks[num_cached_blocks:num_full_blocks], now full, under the request's block hashes."""
+        """Publish blocks[num_cached_blocks:num_full_blocks], now full, under the sequence's
+        block hashes."""
         if not self.enable_caching:
             return
-        if num_full_blocks > len(request.block_hashes):
-            raise ValueError(f"request {request.request_id} has only {len(request.block_hashes)} full blocks")
+        if num_full_blocks > len(seq.block_hashes):
+            raise ValueError(f"sequence {seq.seq_id} has only {len(seq.block_hashes)} full blocks")
         for block, block_hash in zip(
-            blocks[num_cached_blocks:num_full_blocks], request.block_hashes[num_cached_blocks:num_full_blocks]
+            blocks[num_cached_blocks:num_full_blocks],
+            seq.block_hashes[num_cached_blocks:num_full_blocks],
         ):
             if block_hash not in self.cached:
                 block.block_hash = block_hash
@@ -160,7 +166,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content (e.g. after a weight update); refused while any block is in use,
-        since running requests would go on to cache blocks computed before the reset."""
+        since running sequences would go on to cache blocks computed before the reset."""
         if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.cached.values():

@@ -1,9 +1,10 @@
-"""Runs the model over one step's batch: index tensors, forward pass, logits of the tokens asked for.
+"""Runs the model over one step's batch: index tensors, forward pass, and the hidden states or
+logits the caller asks for (`hidden_states`, `last_token_logits`, `all_logits`).
 
 Decode steps (one new token per sequence) can run a `torch.compile`d graph of the whole model:
-eager PyTorch spends more time dispatching a small model's ~600 ops per step than computing them,
-while the compiled graph fuses the norms, rotary, attention and activations into a few C++ kernels
-and calls the quantized matmuls directly. Compilation takes minutes the first time (seconds once
+eager PyTorch spends more time dispatching a small model's hundreds of ops per step than
+computing them, while the compiled graph fuses the norms, rotary, attention and activations into
+a few C++ kernels and calls the quantized matmuls directly. Compilation takes minutes the first time (seconds once
 inductor's on-disk cache has the graphs), so it runs on a background thread while eager steps
 serve; the compiled graph takes over when it is ready.
 """
@@ -26,20 +27,21 @@ from tokenmill.model.attention import AttentionBatch, KVCache, kernel_attends_pr
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.transformer import Transformer
 
-if TYPE_CHECKING:  # dynamo takes ~1 s to import: the compile thread imports it, off the start's path
+if TYPE_CHECKING:  # dynamo is slow to import: the compile thread imports it, off the start's path
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
 log = logging.getLogger("tokenmill.engine")
 # Inductor accumulates float sums longer than 4096 in chunks, and guards a graph traced with a
 # shorter context on staying at or below it; longer contexts would need graphs of their own.
 COMPILED_CONTEXT_MAX = 4096
-# Saved decode graphs (~5 MB each, two per model and KV size) kept: a change of tokenmill's model
-# code, of torch or of the KV pool's size leaves the old ones unused
+# Saved decode graphs kept (two per model and KV pool size): a change of tokenmill's model code,
+# of torch or of the KV pool's size leaves the old ones unused; more keeps more configurations
+# ready to load, at the cost of disk space
 KEEP_GRAPHS = 16
 # Inductor's C++ wrapper checks every input's and op output's sizes, strides and alignment on each
-# call (~300 checks a SmolLM2 step): the graphs' inputs are the model's own fixed tensors and the
-# batch tensors built for them, so the checks are left out (the graph's own time, outside the ops
-# it calls: 1.0 -> 0.77 ms of a ~4 ms SmolLM2 batch-1 step).
+# call (hundreds of checks a step): the graphs' inputs are the model's own fixed tensors and the
+# batch tensors built for them, so the checks are left out, which cuts the graph's own time
+# outside the ops it calls (see the tuning log).
 GRAPH_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 
@@ -71,8 +73,8 @@ class ModelRunner:
             self.start_compile()
 
     def start_compile(self) -> None:
-        """Start the requested compilation, once. Tracing holds the GIL for seconds at a time, so a
-        server starts it only once it listens (loading saved graphs, too, delayed its start by ~2 s)."""
+        """Start the requested compilation, once. Tracing holds the GIL for seconds at a time, and
+        loading saved graphs too delays a server's start, so a server starts it once it listens."""
         if self.compile_requested and self._compile_thread is None:
             self._compile_thread = threading.Thread(target=self._compile_decode, name="tokenmill-compile", daemon=True)
             self._compile_thread.start()
@@ -92,65 +94,90 @@ class ModelRunner:
         return self._compiled_decode is not None
 
     @torch.inference_mode()
-    def forward(
+    def hidden_states(
+        self, token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        """Feed sequence i its new tokens token_ids[i], ending at context length context_lens[i],
+        its KV in the blocks block_tables[i]; returns the final hidden states of every new token
+        (total_tokens, hidden), for callers that need the logits of only some of them."""
+        query_lens = [len(t) for t in token_ids]
+        return self._forward(*self._inputs(token_ids, query_lens, context_lens, block_tables))
+
+    @torch.inference_mode()
+    def last_token_logits(
         self,
         token_ids: list[list[int]],
         context_lens: list[int],
         block_tables: list[list[int]],
-        all_logits: bool = False,
-        hidden_only: bool = False,
         argmax_only: bool = False,
     ) -> torch.Tensor:
-        """Feed sequence i its new tokens token_ids[i], ending at context length context_lens[i].
-
-        Returns float32 logits of each sequence's last new token (num_seqs, vocab), or of every new
-        token (total_tokens, vocab) when all_logits is set; with hidden_only, the final hidden
-        states instead of logits (for callers that need logits of only some tokens). A compiled
-        decode step's logits are overwritten by the next one's (see `_logits_buffer`); for a caller
-        that only takes their argmaxes, they may stay in the model's dtype (32 rows of Gemma 3's
-        262k made float32: 2 ms of a ~36 ms step).
-        """
+        """As `hidden_states`, but returns the float32 logits of each sequence's last new token
+        (num_seqs, vocab). A decode step runs the compiled graph where one is ready; its logits
+        are overwritten by the next compiled step's (see `_logits_buffer`) and, with argmax_only
+        (the caller only takes their argmaxes), may stay in the model's dtype (see
+        `Transformer.logits`)."""
         query_lens = [len(t) for t in token_ids]
+        flat, batch = self._inputs(token_ids, query_lens, context_lens, block_tables)
+        if self._compiled_decode is not None and self._is_decode(query_lens, context_lens):
+            products = self._run_compiled(flat, batch)
+            if products is not None:
+                return self.model.logits(products=products, out=self._logits_buffer(products.shape),
+                                         argmax_only=argmax_only)
+        hidden = self._forward(flat, batch)
+        last = torch.tensor(query_lens).cumsum(0) - 1
+        return self.model.logits(hidden[last])
+
+    @torch.inference_mode()
+    def all_logits(
+        self, token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        """As `hidden_states`, but returns the float32 logits of every new token (total_tokens,
+        vocab)."""
+        return self.model.logits(self.hidden_states(token_ids, context_lens, block_tables))
+
+    def _inputs(
+        self,
+        token_ids: list[list[int]],
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+    ) -> tuple[torch.Tensor, AttentionBatch]:
+        """The flat token tensor and the attention batch of a step; sets this thread's OpenMP
+        threads to what the compiled kernels were built for."""
         cache = self.cache.k[0]
-        batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size, self.cache.pad_slot,
-                                     kernel_prompts=kernel_attends_prompts(self.loaded.dtype, cache.dtype,
-                                                                           cache.shape[-1], cache.device))
+        kernel_prompts = kernel_attends_prompts(self.loaded.dtype, cache.dtype, cache.shape[-1],
+                                                cache.device)
+        batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size,
+                                     self.cache.pad_slot, kernel_prompts=kernel_prompts)
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
-        self._set_threads(self.max_threads)  # this thread's OpenMP setting; compiled kernels were built for it
-        if self._compiled_decode is not None and not hidden_only and self._is_decode(query_lens, context_lens):
-            head = self._run_compiled(flat, batch)
-            if head is not None:
-                if argmax_only and self.model.config.final_logit_softcap is None:
-                    return head
-                return self.model.finish_logits(head, out=self._logits_buffer(head.shape))
-        hidden = self.model(flat, self.cache, batch)
-        if hidden_only:
-            return hidden
-        if not all_logits:
-            last = torch.tensor(query_lens).cumsum(0) - 1
-            hidden = hidden[last]
-        return self.model.compute_logits(hidden)
+        self._set_threads(self.max_threads)
+        return flat, batch
+
+    def _forward(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """The eager forward pass: final hidden states."""
+        return self.model(flat, self.cache, batch)
 
     def _logits_buffer(self, shape: torch.Size) -> torch.Tensor:
-        """Where compiled decode steps leave their logits, reused from step to step: a new tensor
-        of 32 rows of Gemma 3's 262k float32 logits (34 MB, above what glibc's heap serves) was
-        mapped and faulted in afresh every step (~3 ms of a ~45 ms step)."""
+        """Where compiled decode steps leave their float32 logits, reused from step to step (at
+        least shape's rows): a new tensor of a large vocabulary's logits for a batch, above what
+        glibc's heap serves, would be mapped and faulted in afresh every step."""
         rows, vocab = shape
         if self._logits is None or self._logits.shape[0] < rows:
             self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.cache.k[0].device)
-        return self._logits[:rows]
+        return self._logits
 
     def _run_compiled(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
-        """The compiled step's head products (`decode_head`), or None for a batch its graph's
+        """The compiled step's head products (`decode_step`), or None for a batch its graph's
         guards reject.
 
-        Dynamo's guards (~2,700 checks per graph: every weight's shape, dtype and identity, the
-        cache, the input shapes) took 1.7 ms of a 12-15 ms batch-1 step when checked on every
-        call. What varies between steps is the batch size, which picks the graph here, and the
-        context length, which `_is_decode` keeps within the graphs' range; the rest is fixed once
-        the model is loaded. So each graph's guards are checked in full on its first real step
-        only. A graph that fails them (it should not happen; logged once) leaves its steps to the
-        eager path: compiling a new graph here would stall every request for minutes.
+        Dynamo's guards (thousands of checks per graph: every weight's shape, dtype and identity,
+        the cache, the input shapes) are a noticeable part of a small model's step when checked on
+        every call (see the tuning log). What varies between steps is the batch size, which picks
+        the graph here, and the context length, which `_is_decode` keeps within the graphs'
+        range; the rest is fixed once the model is loaded. So each graph's guards are checked in
+        full on its first real step only. A graph that fails them (it should not happen; logged
+        once) leaves its steps to the eager path: compiling a new graph here would stall every
+        request for minutes.
         """
         key = min(batch.num_seqs, 2)
         graph = self._compiled_decode[key]
@@ -158,7 +185,7 @@ class ModelRunner:
         if key in self._checked_graphs:
             return graph(*args)[0]
         try:
-            logits = graph(*args)[0]  # guards checked before anything runs
+            products = graph(*args)[0]  # guards checked before anything runs
         except RuntimeError as exc:
             if "GuardManager check failed" not in str(exc):
                 raise
@@ -169,7 +196,7 @@ class ModelRunner:
             return None
         graph.disable_guard_check()
         self._checked_graphs.add(key)
-        return logits
+        return products
 
     @staticmethod
     def _is_decode(query_lens: list[int], context_lens: list[int]) -> bool:
@@ -218,14 +245,14 @@ class ModelRunner:
 
     def _trace_graphs(self) -> dict[int, AOTCompiledFunction]:
         # The KV pool never changes size: as symbols, its tensors' lengths (one per layer and K/V)
-        # were graph arguments boxed into tensors on every call, each with guards of its own.
+        # would be graph arguments boxed into tensors on every call, each with guards of its own.
         for tensor in self.cache.k + self.cache.v:
             torch._dynamo.mark_static(tensor, 0)
-        compiled = torch.compile(decode_head, fullgraph=True, dynamic=True, options=GRAPH_OPTIONS)
+        compiled = torch.compile(decode_step, fullgraph=True, dynamic=True, options=GRAPH_OPTIONS)
         # no "duck sizing": a warm-up batch size equal to some other size (say, the KV heads)
         # would otherwise be assumed equal to it, and the first real batch would recompile.
         # Specialized floats: the layers' constants (norm eps, softmax scale) would otherwise
-        # be graph inputs, boxed into tensors on every call (~1.5 ms of a 12 ms step).
+        # be graph inputs, boxed into tensors on every call (see the tuning log).
         from torch.fx.experimental import _config as shape_config
 
         graphs = {}
@@ -291,15 +318,16 @@ def _save_graph(graph: AOTCompiledFunction, path: Path) -> None:
         log.info("could not cache the decode graph at %s (%r)", path, exc)
 
 
-def decode_head(model: Transformer, cache: KVCache, flat: torch.Tensor,
+def decode_step(model: Transformer, cache: KVCache, flat: torch.Tensor,
                 batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output head's products (`Transformer.head_output`), and the final hidden states as a
-    second output: an output is stored once, where inductor would otherwise recompute the last
-    norms inside the output head's fused reduction for every one of its rows (Gemma 3's batch-1
-    step: 36 ms against 17 ms). A function of its arguments only, as `aot_compile` needs: it
-    pickles what the guards look at."""
+    """One decode step of the model, the function the decode graphs are compiled from: the
+    output head's products (`Transformer.head_products`, which `Transformer.logits` finishes),
+    and the final hidden states as a second output: an output is stored once, where inductor
+    would otherwise recompute the last norms inside the output head's fused reduction for every
+    one of its rows. A function of its arguments only, as `aot_compile` needs: it pickles what
+    the guards look at."""
     hidden = model(flat, cache, batch)
-    return model.head_output(hidden), hidden
+    return model.head_products(hidden), hidden
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -1,8 +1,13 @@
-"""A generation request as the scheduler and the KV cache manager see it.
+"""A request and the sequences generated for it.
 
-Besides its tokens, a request carries the chain hashes of its full blocks of tokens
-(`block_hashes`), which the prefix cache uses as keys. They are extended as tokens arrive, so
-a step costs O(new full blocks) of hashing, and a preempted request keeps them for its re-run.
+A `Request` is what a user asked for: a prompt and its sampling parameters. It is generated as n
+`Sequence`s (n > 1 for parallel sampling), and a sequence is what the scheduler and the KV cache
+manager work on: its tokens, its status and how many of its tokens are computed. A sequence also
+holds its output state (text so far, logprobs, finish reason), which the `OutputProcessor` updates.
+
+Besides its tokens, a sequence carries the chain hashes of its full blocks of tokens
+(`block_hashes`), which the prefix cache uses as keys. They are extended as tokens arrive, so a
+step costs O(new full blocks) of hashing, and a preempted sequence keeps them for its re-run.
 """
 
 from __future__ import annotations
@@ -11,7 +16,12 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+
+import torch
+
+from tokenmill.engine.outputs import TokenLogprobs
+from tokenmill.sample import SamplingParams
+from tokenmill.tokenizer import IncrementalDetokenizer
 
 BlockHash = bytes
 """SHA-256 digest naming a block's contents and everything before it in its sequence."""
@@ -19,13 +29,15 @@ BlockHash = bytes
 _ROOT_HASH: BlockHash = bytes(32)
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: list[int], extra_key: str | None) -> BlockHash:
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: list[int], extra_key: str | None
+) -> BlockHash:
     """Chain hash of one full block: (parent hash, token ids, extra key).
 
     SHA-256 rather than Python's `hash()`: a collision would make one request attend to another
     request's KV cache (wrong outputs, and a leak between users). With 64-bit `hash()` such
     collisions can be crafted; with SHA-256 they are out of reach. It is also stable across
-    processes. The cost is ~1 us per block of 16 tokens.
+    processes, and cheap next to a step (see the tuning log).
     The encoding is unambiguous for a fixed block size: 32-byte parent, 4 bytes per token, then
     a tag byte telling "no extra key" from any extra key, including "".
     """
@@ -34,7 +46,7 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: list[int], extra_key:
     return hashlib.sha256(data).digest()
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -50,38 +62,62 @@ class RequestStatus(enum.Enum):
 
 _FINISHED = frozenset(
     {
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH,
-        RequestStatus.FINISHED_ABORTED,
-        RequestStatus.FINISHED_ERROR,
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_ERROR,
     }
 )
 
+# The status a sequence ends in, by its finish reason (`CompletionOutput.finish_reason`).
+FINISHED_STATUS = {
+    "stop": SequenceStatus.FINISHED_STOPPED,
+    "length": SequenceStatus.FINISHED_LENGTH,
+    "abort": SequenceStatus.FINISHED_ABORTED,
+    "error": SequenceStatus.FINISHED_ERROR,
+}
+
 
 @dataclass(eq=False)
-class Request:
-    """One sequence to generate.
+class Sequence:
+    """One generated sequence: a prompt and the tokens generated after it.
 
     `extra_key` is anything besides the tokens that changes the KV contents or must isolate the
-    cache (LoRA adapter id, a per-user cache salt); it enters every block hash, so requests with
+    cache (LoRA adapter id, a per-user cache salt); it enters every block hash, so sequences with
     different keys never share blocks. Add output tokens only through `append_output_token`,
     which keeps `all_token_ids` and `block_hashes` in step with `output_token_ids`.
+
+    The output fields are set for every sequence of a `Request` (the `InputProcessor` builds
+    them); a sequence built alone, as the scheduler's tests build them, has none.
     """
 
-    request_id: str
+    seq_id: str  # the request's id, with "#<index>" appended when the request has n > 1
     prompt_token_ids: list[int]
-    sampling_params: Any
-    arrival_time: float
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
     priority: int = 0
     extra_key: str | None = None
     block_size: int = 16
+    # scheduling state
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until the scheduler sets it
-    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
+    status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(init=False, repr=False)
     _all_token_ids: list[int] = field(init=False, repr=False)
+    # output state
+    request: Request | None = field(default=None, repr=False)
+    index: int = 0  # its place among the request's sequences
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)  # for a seeded request
+    text: str = ""
+    num_emitted_chars: int = 0  # characters of `text` already handed out in outputs
+    new_token_ids: list[int] = field(default_factory=list)  # tokens not yet handed out
+    logprobs: list[TokenLogprobs] | None = None  # None unless the request asked for logprobs
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None  # see `CompletionOutput.finish_reason`
+    stop_reason: str | int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -117,4 +153,30 @@ class Request:
         size, tokens = self.block_size, self._all_token_ids
         for start in range(len(self.block_hashes) * size, len(tokens) - size + 1, size):
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block_tokens(parent, tokens[start : start + size], self.extra_key))
+            self.block_hashes.append(
+                hash_block_tokens(parent, tokens[start : start + size], self.extra_key)
+            )
+
+
+@dataclass(eq=False)
+class Request:
+    """What a user asked for, and the sequences generated for it (one, or n for parallel sampling).
+
+    `max_tokens` and `stop_token_ids` are resolved once for all of its sequences: the tokens each
+    may generate (its params' max_tokens, or the room the prompt leaves in the context), and the
+    token ids that end one (its params' stop_token_ids, plus the model's EOS unless ignore_eos).
+    """
+
+    request_id: str
+    prompt: str | None  # None when the prompt came as token ids
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    sequences: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, if asked
+    error: str | None = None  # why it failed, once a sequence finished with "error"
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.sequences)

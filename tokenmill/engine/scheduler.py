@@ -1,11 +1,12 @@
 """Continuous batching: each step mixes decodes and prefill chunks under a token budget.
 
-The scheduler only decides *how many* new tokens each request computes this step; the KV cache
-manager decides *where* they go. Running requests are served first (a decode is one token, an
-unfinished prefill continues with its next chunk); then waiting requests are admitted while the
-budget, the sequence cap and the block pool allow. When the pool runs dry, the lowest-priority,
-latest-arrived running request is preempted: its blocks are freed and it is recomputed later
-(its full blocks usually come back as prefix-cache hits).
+The scheduler works on sequences (a request with n > 1 has n of them). It only decides *how
+many* new tokens each sequence computes this step; the KV cache manager decides *where* they go.
+Running sequences are served first (a decode is one token, an unfinished prefill continues with
+its next chunk); then waiting sequences are admitted while the budget, the sequence cap and the
+block pool allow. When the pool runs dry, the lowest-priority, latest-arrived running sequence is
+preempted: its blocks are freed and it is recomputed later (its full blocks usually come back as
+prefix-cache hits).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Sequence, SequenceStatus
 
 
 @dataclass
@@ -33,24 +34,24 @@ class SchedulerConfig:
 
 @dataclass
 class SchedulerOutput:
-    """One step: the requests to run, in batch order, and how many new tokens each computes."""
+    """One step: the sequences to run, in batch order, and how many new tokens each computes."""
 
-    requests: list[Request] = field(default_factory=list)
+    sequences: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return len(self.sequences)
 
 
 class WaitingQueue:
-    """Waiting requests ordered by (priority, arrival) for the priority policy, arrival for FCFS.
+    """Waiting sequences ordered by (priority, arrival) for the priority policy, arrival for FCFS.
 
-    Preempted requests keep their original arrival order, so they resume before newer ones.
+    Preempted sequences keep their original arrival order, so they resume before newer ones.
     """
 
     def __init__(self, policy: str) -> None:
@@ -60,32 +61,32 @@ class WaitingQueue:
         self._removed: set[str] = set()
         self._size = 0
 
-    def _key(self, req: Request) -> tuple:
+    def _key(self, seq: Sequence) -> tuple:
         if self.policy == "priority":
-            return (req.priority, req.arrival_time, next(self._counter))
-        return (req.arrival_time, next(self._counter))
+            return (seq.priority, seq.arrival_time, next(self._counter))
+        return (seq.arrival_time, next(self._counter))
 
-    def push(self, req: Request) -> None:
-        self._removed.discard(req.request_id)
-        heapq.heappush(self._heap, (*self._key(req), req))
+    def push(self, seq: Sequence) -> None:
+        self._removed.discard(seq.seq_id)
+        heapq.heappush(self._heap, (*self._key(seq), seq))
         self._size += 1
 
     def _drop_removed(self) -> None:
-        while self._heap and self._heap[0][-1].request_id in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[-1].request_id)
+        while self._heap and self._heap[0][-1].seq_id in self._removed:
+            self._removed.discard(heapq.heappop(self._heap)[-1].seq_id)
 
-    def peek(self) -> Request | None:
+    def peek(self) -> Sequence | None:
         self._drop_removed()
         return self._heap[0][-1] if self._heap else None
 
-    def pop(self) -> Request:
+    def pop(self) -> Sequence:
         self._drop_removed()
         self._size -= 1
         return heapq.heappop(self._heap)[-1]
 
-    def remove(self, req: Request) -> None:
+    def remove(self, seq: Sequence) -> None:
         """Lazy removal (aborts): O(1) now, skipped when it reaches the front."""
-        self._removed.add(req.request_id)
+        self._removed.add(seq.seq_id)
         self._size -= 1
 
     def __len__(self) -> int:
@@ -97,92 +98,93 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.waiting = WaitingQueue(config.policy)
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}  # every unfinished sequence, by id
         self.num_preemptions = 0
 
-    def add_request(self, req: Request) -> None:
-        self.requests[req.request_id] = req
-        self.waiting.push(req)
+    def add_sequence(self, seq: Sequence) -> None:
+        self.sequences[seq.seq_id] = seq
+        self.waiting.push(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.sequences)
 
-    def finish(self, req: Request, status: RequestStatus, uncache: bool = False) -> None:
-        """End a request (stopped, length, aborted, error): it releases everything it held."""
-        if req.request_id not in self.requests:
+    def finish(self, seq: Sequence, status: SequenceStatus, uncache: bool = False) -> None:
+        """End a sequence (stopped, length, aborted, error): it releases everything it held.
+        Idempotent. With uncache, its blocks leave the prefix cache (see `KVCacheManager.free`)."""
+        if seq.seq_id not in self.sequences:
             return
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.remove(req)
-        req.status = status
-        self.kv.free(req, uncache=uncache)
-        del self.requests[req.request_id]
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        seq.status = status
+        self.kv.free(seq, uncache=uncache)
+        del self.sequences[seq.seq_id]
 
-    def _victim(self) -> Request:
+    def _victim(self) -> Sequence:
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            return max(self.running, key=lambda s: (s.priority, s.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.push(req)
-        out.preempted.append(req)
+        self.waiting.push(seq)
+        out.preempted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
 
-        # 1. running requests, oldest first; preempt from the back when blocks run out
-        for req in list(self.running):
-            if req.status != RequestStatus.RUNNING:
+        # 1. running sequences, oldest first; preempt from the back when blocks run out
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, num_new) is None:
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while self.kv.allocate_slots(seq, num_new) is None:
                 victim = self._victim()
-                if victim.request_id in scheduled:  # never take back what this step already gave
-                    idx = out.requests.index(victim)
+                if victim.seq_id in scheduled:  # never take back what this step already gave
+                    idx = out.sequences.index(victim)
                     budget += out.num_new_tokens.pop(idx)
-                    out.requests.pop(idx)
-                    scheduled.discard(victim.request_id)
+                    out.sequences.pop(idx)
+                    scheduled.discard(victim.seq_id)
                 self._preempt(victim, out)
-                if victim is req:
+                if victim is seq:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if seq.status != SequenceStatus.RUNNING:
                 continue
-            out.requests.append(req)
+            out.sequences.append(seq)
             out.num_new_tokens.append(num_new)
-            scheduled.add(req.request_id)
+            scheduled.add(seq.seq_id)
             budget -= num_new
 
-        # 2. admit waiting requests (none when this step had to preempt: the pool is full)
+        # 2. admit waiting sequences (none when this step had to preempt: the pool is full)
         while not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek()
-            if req is None:
+            seq = self.waiting.peek()
+            if seq is None:
                 break
             hits, num_hit_tokens = [], 0
-            if getattr(req.sampling_params, "prompt_logprobs", None) is None:  # those need every prompt logit
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(req, num_new, hits, num_hit_tokens) is None:
+            if seq.params.prompt_logprobs is None:  # those need every prompt token's logits
+                hits, num_hit_tokens = self.kv.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(seq, num_new, hits, num_hit_tokens) is None:
                 break
             self.waiting.pop()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
-            req.num_computed_tokens = num_hit_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.requests.append(req)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit_tokens
+            seq.num_computed_tokens = num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.sequences.append(seq)
             out.num_new_tokens.append(num_new)
-            scheduled.add(req.request_id)
+            scheduled.add(seq.seq_id)
             budget -= num_new
         return out

@@ -161,7 +161,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         # the loader supplies the table: an explicit `_weight` skips the random init, whose normal_()
-        # on the meta device imports torch._dynamo (2 s of startup)
+        # on the meta device imports torch._dynamo, which takes seconds of the start
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                   _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
@@ -184,19 +184,36 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return next(itertools.chain(self.parameters(), self.buffers())).device
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of the final hidden states."""
-        return self.finish_logits(self.head_output(hidden))
+    def logits(
+        self,
+        hidden: torch.Tensor | None = None,
+        *,
+        products: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        argmax_only: bool = False,
+    ) -> torch.Tensor:
+        """Float32 logits (T, vocab) of final hidden states (T, hidden): the output head, then the
+        soft cap where the model has one. The only way to make logits.
 
-    def head_output(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head's products, in the model's dtype: `finish_logits` makes them logits."""
-        return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed.weight)
-
-    def finish_logits(self, head: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`head_output`'s products as float32 logits, soft-capped where the model caps them; written
-        into out (same shape) when given."""
-        logits = head.float() if out is None else out.copy_(head)
-        if self.config.final_logit_softcap is not None:
-            cap = self.config.final_logit_softcap
+        products: the output head's products (`head_products`) in place of hidden states, for a
+        caller that ran the head itself (the compiled decode graph does). out: a float32 buffer
+        of at least T rows to write the logits into, instead of a new tensor. argmax_only: the
+        caller only takes each row's argmax, so the head's products may come back as they are,
+        in the model's dtype, when the model has no soft cap (a float32 copy of a large
+        vocabulary's logits is a noticeable part of a decode step).
+        """
+        if products is None:
+            products = self.head_products(hidden)
+        cap = self.config.final_logit_softcap
+        if argmax_only and cap is None:
+            return products
+        logits = products.float() if out is None else out[: products.shape[0]].copy_(products)
+        if cap is not None:
             logits.div_(cap).tanh_().mul_(cap)
         return logits
+
+    def head_products(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head's matmul (T, vocab), in the model's dtype: what `logits` finishes."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.embed.weight)

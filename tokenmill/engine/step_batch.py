@@ -1,0 +1,52 @@
+"""StepBatch: one step's scheduled sequences laid out as the model runner takes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.request import Sequence
+from tokenmill.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepBatch:
+    """Sequence i computes token_ids[i], ending at context length context_lens[i], with its KV in
+    block_tables[i]; its tokens are rows of the step's flat batch, in order."""
+
+    token_ids: list[list[int]]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    num_tokens: int
+    sampling_seqs: list[Sequence]  # the sequences that reach their last token, and so sample ...
+    sample_rows: list[int]  # ... from the logits of these rows
+    # (row, prompt position, tokens, sequence) of each prompt chunk whose logits score the prompt
+    prompt_logprob_rows: list[tuple[int, int, int, Sequence]]
+
+    @classmethod
+    def build(cls, sched: SchedulerOutput, kv: KVCacheManager) -> StepBatch:
+        token_ids, context_lens, tables, seqs, sample_rows, prompt_rows = [], [], [], [], [], []
+        offset = 0
+        for seq, n in zip(sched.sequences, sched.num_new_tokens):
+            start = seq.num_computed_tokens
+            token_ids.append(seq.all_token_ids[start : start + n])
+            context_lens.append(start + n)
+            tables.append(kv.get_block_ids(seq.seq_id))
+            if start + n == seq.num_tokens:
+                seqs.append(seq)
+                sample_rows.append(offset + n - 1)
+            # the request's prompt logprobs come from its first sequence
+            if (
+                seq.request.prompt_logprobs is not None
+                and seq.index == 0
+                and start < seq.num_prompt_tokens
+            ):
+                prompt_rows.append((offset, start, n, seq))
+            offset += n
+        return cls(token_ids, context_lens, tables, offset, seqs, sample_rows, prompt_rows)
+
+    @property
+    def needs_last_token_logits_only(self) -> bool:
+        """Whether every sequence samples and nothing else is scored (decode steps): the runner
+        then returns the last tokens' logits itself, which lets it use its compiled graph."""
+        return not self.prompt_logprob_rows and len(self.sampling_seqs) == len(self.token_ids)
