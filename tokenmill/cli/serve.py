@@ -16,59 +16,132 @@ GiB = 1 << 30
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine knobs shared by every command that runs the batching engine."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="activation and dense-weight dtype (default: auto, bf16 where the CPU multiplies it "
-                        "natively (AVX-512, AMX), else fp32)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="activation and dense-weight dtype (default: auto, bf16 where the CPU multiplies it "
+        "natively (AVX-512, AMX), else fp32)",
+    )
     add_quantization_args(p)
-    p.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
-    p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="GiB for the KV cache (default: a quarter of free RAM, rounded down to a power of two, "
-                        "at most 4)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
+    p.add_argument(
+        "--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length limit (default: the model's)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        help="GiB for the KV cache (default: a quarter of free RAM, rounded down to a power of "
+        "two, at most 4)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)"
+    )
     add_kv_cache_dtype_arg(p)
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)",
+    )
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="disable automatic prefix caching"
+    )
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype, quantization=args.quantization, dense_min_tokens=args.dense_min_tokens,
-        models_dir=args.models_dir, max_model_len=args.max_model_len,
-        kv_cache_memory=int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,
-        block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        policy=args.scheduling_policy,
-    )
+    return {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "dense_min_tokens": args.dense_min_tokens,
+        "models_dir": args.models_dir,
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory": int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,
+        "block_size": args.block_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "policy": args.scheduling_policy,
+    }
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
-    p = sub.add_parser(name, help="serve a model over the OpenAI API",
-                       description="Serve MODEL over an OpenAI-compatible HTTP API, with a chat page at /.")
-    p.add_argument("model", nargs="?", default=None,
-                   help=f"catalog alias, GGUF file or HF directory (default: {DEFAULT_MODEL})")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p = sub.add_parser(
+        name,
+        help="serve a model over the OpenAI API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API, with a chat page at /.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help=f"catalog alias, GGUF file or HF directory (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: 127.0.0.1, this machine only)",
+    )
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the model name)")
-    p.add_argument("--api-key", default=None,
-                   help="require this key as a Bearer token on /v1/* (default: $TOKENMILL_API_KEY)")
-    p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body (default: 16 MiB)")
-    p.add_argument("--max-queue-len", type=int, default=None,
-                   help="most waiting requests; beyond it the server answers 503 with Retry-After (default: no limit)")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take from arrival to its last token (default: no limit)")
-    p.add_argument("--allowed-origins", nargs="*", default=[],
-                   help="origins allowed by CORS (default: none, CORS off)")
-    p.add_argument("--protect-health", action="store_true", help="require the API key on /health too")
-    p.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
+    p.add_argument(
+        "--served-model-name", default=None, help="model id clients use (default: the model name)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key as a Bearer token on /v1/* (default: $TOKENMILL_API_KEY)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 << 20,
+        help="largest request body (default: 16 MiB)",
+    )
+    p.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="most waiting requests; beyond it the server answers 503 with Retry-After "
+        "(default: no limit)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take from arrival to its last token (default: no limit)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        help="origins allowed by CORS (default: none, CORS off)",
+    )
+    p.add_argument(
+        "--protect-health", action="store_true", help="require the API key on /health too"
+    )
+    p.add_argument(
+        "--protect-metrics", action="store_true", help="require the API key on /metrics too"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decode step on a background thread while eager steps serve (minutes of both "
-                        "cores the first time, seconds once cached; /health tells which runs). Faster decode at "
-                        "every batch size; off by default because the first compile slows a small machine for minutes")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step on a background thread while eager steps serve (minutes "
+        "of every core the first time, seconds once cached; /health tells which runs). Faster "
+        "decode at every batch size; off by default because the first compile slows a small "
+        "machine for minutes",
+    )
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -81,30 +154,53 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.server.app import ServerConfig, build_app
     from tokenmill.server.listening import ListeningServer
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
-    async_engine = AsyncLLMEngine(lambda: LLMEngine(  # loaded on the thread that runs it: see AsyncLLMEngine
-        path, progress=sys.stderr.isatty(), max_queue_len=args.max_queue_len, compile=args.compile,
-        defer_compile=True,  # started by ListeningServer once the socket is open
-        **engine_options(args)))
-    engine = async_engine.engine
+    async_engine = AsyncLLMEngine(
+        lambda: LLMEngine(  # loaded on the thread that runs it: see AsyncLLMEngine
+            path,
+            progress=sys.stderr.isatty(),
+            max_queue_len=args.max_queue_len,
+            compile=args.compile,
+            defer_compile=True,  # started by ListeningServer once the socket is open
+            **engine_options(args),
+        )
+    )
     name = args.served_model_name or args.model or DEFAULT_MODEL
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
-    app = build_app(async_engine, ServerConfig(
-        name, api_key=api_key, max_body_bytes=args.max_request_bytes, protect_health=args.protect_health,
-        protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
-        request_timeout=args.request_timeout,
-    ))
-    print(f"tokenmill: serving {name} ({path.name}, {engine.max_model_len} tokens of context, "
-          f"{engine.kv.num_total_blocks} KV blocks) at http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    app = build_app(
+        async_engine,
+        ServerConfig(
+            name,
+            api_key=api_key,
+            max_body_bytes=args.max_request_bytes,
+            protect_health=args.protect_health,
+            protect_metrics=args.protect_metrics,
+            allowed_origins=args.allowed_origins,
+            request_timeout=args.request_timeout,
+        ),
+    )
+    print(
+        f"tokenmill: serving {name} ({path.name}, {async_engine.max_model_len} tokens of context, "
+        f"{async_engine.num_kv_blocks} KV blocks) at http://{args.host}:{args.port}",
+        file=sys.stderr,
+        flush=True,
+    )
     # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal to the handler
     # that was installed before it started: make that one a no-op so shutdown ends with exit code 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=10,
-                            lifespan="off")  # no startup/shutdown hooks: the engine is ready before uvicorn starts
-    server = ListeningServer(config, on_listening=engine.runner.start_compile)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=10,
+        lifespan="off",
+    )  # no startup/shutdown hooks: the engine is ready before uvicorn starts
+    server = ListeningServer(config, on_listening=async_engine.start_compile)
     try:
         server.run()
     finally:

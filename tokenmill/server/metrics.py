@@ -3,56 +3,96 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.llm_engine import EngineStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0)
+# Latency histogram bounds in seconds (TTFT, inter-token, end to end): fine below 100 ms, where
+# inter-token latencies fall, coarse up to the longest requests.
+_LATENCY_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
 
 
 class _EngineCollector:
-    """Reads the engine's counters when Prometheus scrapes, so the step loop never waits on metrics."""
+    """Reads the engine's counters when Prometheus scrapes: the step loop never waits on metrics."""
 
-    def __init__(self, stats: EngineStats) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.stats = stats
 
-    def collect(self):
-        s = self.stats
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats()
         gauges = [
             ("tokenmill:num_requests_running", "Requests in the running batch.", s.num_running),
             ("tokenmill:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("tokenmill:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s.kv_usage),
+            (
+                "tokenmill:kv_cache_usage_perc",
+                "Fraction of KV cache blocks in use (0-1).",
+                s.kv_usage,
+            ),
             ("tokenmill:kv_cache_free_blocks", "KV cache blocks free.", s.num_free_blocks),
             ("tokenmill:kv_cache_total_blocks", "KV cache blocks in the pool.", s.num_total_blocks),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [
-            ("tokenmill:num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions),
+            (
+                "tokenmill:num_preemptions",
+                "Requests preempted (recomputed later).",
+                s.num_preemptions,
+            ),
             ("tokenmill:prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens),
             ("tokenmill:generation_tokens", "Tokens generated.", s.generation_tokens),
-            ("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-            ("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            (
+                "tokenmill:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_cache_queries,
+            ),
+            (
+                "tokenmill:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                s.prefix_cache_hits,
+            ),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
 
 
 class ServerMetrics:
-    def __init__(self, stats: EngineStats) -> None:
+    """The server's Prometheus registry: request latencies, and the engine's state (from
+    stats(), read at each scrape)."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
-        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Request latency from arrival to finish.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.finished = Counter("tokenmill:request_success", "Finished requests by finish reason.",
-                                ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "tokenmill:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "tokenmill:inter_token_latency_seconds",
+            "Time between output tokens.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "tokenmill:e2e_request_latency_seconds",
+            "Request latency from arrival to finish.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "tokenmill:request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

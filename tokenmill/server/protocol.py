@@ -13,10 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams
 
-
-MAX_N = 16
-MAX_STOP = 16
-MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_N = 16  # most choices per request: each is a sequence of its own in the running batch
+MAX_STOP = 16  # most stop strings per request: each is searched for in every new piece of text
+MAX_LOGIT_BIAS = 300  # most logit_bias entries per request, OpenAI's limit
 
 
 class _Strict(BaseModel):
@@ -28,7 +27,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -59,21 +58,28 @@ class _SamplingFields(_Strict):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Engine parameters, after the limits OpenAI's API sets beyond the engine's own."""
         if self.temperature is not None and not 0 <= self.temperature <= 2:
-            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
+            raise InvalidRequestError(
+                f"temperature must be in [0, 2], got {self.temperature}", param="temperature"
+            )
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP:
-            raise InvalidRequestError(f"at most {MAX_STOP} stop sequences are allowed", param="stop")
+            raise InvalidRequestError(
+                f"at most {MAX_STOP} stop sequences are allowed", param="stop"
+            )
         bias = None
         if self.logit_bias:
             try:
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError as exc:
-                raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
-                                          param="logit_bias") from exc
+                raise InvalidRequestError(
+                    "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
+                ) from exc
             if len(bias) > MAX_LOGIT_BIAS:
-                raise InvalidRequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+                raise InvalidRequestError(
+                    f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", param="logit_bias"
+                )
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -97,7 +103,7 @@ class _SamplingFields(_Strict):
         )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
@@ -127,7 +133,7 @@ class ResponseFormat(_Strict):
     type: Literal["text"]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -1,0 +1,46 @@
+"""What every route shares: the server's configuration, the engine and the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.server.errors import APIError
+from tokenmill.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 16 << 20
+    protect_health: bool = False  # require the API key on /health too
+    protect_metrics: bool = False  # and on /metrics
+    allowed_origins: list[str] = field(default_factory=list)  # CORS allowlist; empty: CORS off
+    request_timeout: float | None = None  # seconds from arrival to the end of generation
+
+
+@dataclass
+class ServerState:
+    """Held by `app.state.server`; routes receive it through the `State` dependency."""
+
+    engine: AsyncLLMEngine
+    config: ServerConfig
+    metrics: ServerMetrics
+
+    def check_model(self, name: str | None) -> None:
+        """Refuse a request for a model this server does not serve (None: the served one)."""
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(server_state)]
