@@ -40,13 +40,20 @@ BUILD_SCRIPT = (
 
 # ---------------------------------------------------------------- models
 
+
 def add_dtype_arg(parser: argparse.ArgumentParser, what: str = "tokenmill's dtype") -> None:
-    """--dtype, kept resolved ("auto" becomes this CPU's bf16 or fp32) so that results record what ran."""
+    """--dtype, kept resolved ("auto" becomes this CPU's bf16 or fp32) so that results record what
+    ran."""
     from tokenmill.model.loader import dtype_name
 
-    parser.add_argument("--dtype", default="auto", type=dtype_name, choices=["fp32", "bf16", "fp16"],
-                        metavar="{auto,fp32,bf16,fp16}",
-                        help=f"{what} (default: auto, bf16 where the CPU multiplies it natively, else fp32)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        type=dtype_name,
+        choices=["fp32", "bf16", "fp16"],
+        metavar="{auto,fp32,bf16,fp16}",
+        help=f"{what} (default: auto, bf16 where the CPU multiplies it natively, else fp32)",
+    )
 
 
 def resolve_model(name: str) -> Path:
@@ -69,6 +76,7 @@ def model_slug(name: str) -> str:
 
 # ---------------------------------------------------------------- llama.cpp
 
+
 def llama_bin(tool: str) -> Path:
     return LLAMA_PREFIX / "build" / "bin" / tool
 
@@ -84,7 +92,8 @@ def missing_llama_hint(tools: list[str]) -> str:
 
 
 def ensure_llama(tools: list[str], build: bool = True) -> dict[str, Path | None]:
-    """Paths of the llama.cpp tools asked for; None for a tool that is missing and could not be built.
+    """Paths of the llama.cpp tools asked for; None for a tool that is missing and could not be
+    built.
 
     Missing core tools are built with LLAMA_CPP_BUILD_SCRIPT when it is set (about 10 minutes on
     2 cores); tools such a script does not build (llama-batched-bench) are added incrementally to
@@ -102,14 +111,27 @@ def ensure_llama(tools: list[str], build: bool = True) -> dict[str, Path | None]
     extra = [t for t in tools if t not in core and not llama_bin(t).is_file()]
     if extra and build and (LLAMA_PREFIX / "build" / "CMakeCache.txt").is_file():
         log(f"building {', '.join(extra)} in the existing llama.cpp build tree")
-        proc = subprocess.run(["cmake", "--build", str(LLAMA_PREFIX / "build"), "-j", str(os.cpu_count() or 2),
-                               "--target", *extra], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                "cmake",
+                "--build",
+                str(LLAMA_PREFIX / "build"),
+                "-j",
+                str(os.cpu_count() or 2),
+                "--target",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode:
             log(f"could not build {', '.join(extra)}:\n{proc.stderr[-2000:]}")
     return {t: (llama_bin(t) if llama_bin(t).is_file() else None) for t in tools}
 
 
-def run_measured(cmd: list[str], timeout: float | None = None) -> tuple[int, str, str, float, float]:
+def run_measured(
+    cmd: list[str], timeout: float | None = None
+) -> tuple[int, str, str, float, float]:
     """Run a command to completion; (returncode, stdout, stderr, wall seconds, peak RSS MiB of it).
 
     The peak RSS is the child's VmHWM (/proc/PID/status), polled every 20 ms: ru_maxrss from wait4
@@ -124,7 +146,8 @@ def run_measured(cmd: list[str], timeout: float | None = None) -> tuple[int, str
         try:
             deadline = None if timeout is None else t0 + timeout
             while True:
-                hwm = max(hwm, vm_hwm(proc.pid))  # read before reaping, while /proc/PID still exists
+                # read before reaping, while /proc/PID still exists
+                hwm = max(hwm, vm_hwm(proc.pid))
                 if proc.poll() is not None:
                     break
                 if deadline is not None and time.perf_counter() > deadline:
@@ -136,8 +159,13 @@ def run_measured(cmd: list[str], timeout: float | None = None) -> tuple[int, str
         wall = time.perf_counter() - t0
         out.seek(0)
         err.seek(0)
-        return (proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), wall,
-                hwm / MiB)
+        return (
+            proc.returncode,
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+            wall,
+            hwm / MiB,
+        )
 
 
 def vm_hwm(pid: int) -> int:
@@ -152,6 +180,7 @@ def vm_hwm(pid: int) -> int:
 
 
 # ---------------------------------------------------------------- servers
+
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
@@ -237,8 +266,15 @@ class Server:
     stdout/stderr go to `log_path`.
     """
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path, env: dict | None = None,
-                 startup_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        port: int,
+        log_path: Path,
+        env: dict | None = None,
+        startup_timeout: float = 600.0,
+    ) -> None:
         self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
         self.env = env
         self.startup_timeout = startup_timeout
@@ -248,37 +284,52 @@ class Server:
         self.startup_s: float | None = None
         self.ready_s: float | None = None  # when a background compilation (tokenmill) had finished
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         import httpx
 
         if port_in_use(self.port):
-            raise RuntimeError(f"port {self.port} is already in use; pick another (it would be benchmarked instead)")
+            raise RuntimeError(
+                f"port {self.port} is already in use; pick another "
+                "(it would be benchmarked instead)"
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         log(f"starting {self.name}: {shlex.join(self.cmd)}")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
+        )
         try:
             self.sampler = RSSSampler(self.proc.pid)
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was "
-                                       f"healthy; see {self.log_path}:\n{tail(self.log_path)}")
+                    raise RuntimeError(
+                        f"{self.name} exited with code {self.proc.returncode} before it was "
+                        f"healthy; see {self.log_path}:\n{tail(self.log_path)}"
+                    )
                 try:
                     if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.perf_counter() - t0 > self.startup_timeout:
-                    raise RuntimeError(f"{self.name} not healthy after {self.startup_timeout:g} s; see {self.log_path}")
+                    raise RuntimeError(
+                        f"{self.name} not healthy after {self.startup_timeout:g} s; "
+                        f"see {self.log_path}"
+                    )
                 time.sleep(0.05)
             self.startup_s = time.perf_counter() - t0
-            log(f"{self.name} healthy after {self.startup_s:.2f} s (RSS {self.sampler.last / MiB:.0f} MiB)")
+            log(
+                f"{self.name} healthy after {self.startup_s:.2f} s "
+                f"(RSS {self.sampler.last / MiB:.0f} MiB)"
+            )
             # tokenmill answers at once and compiles its decode step in the background: measure the
             # steady state, not the eager steps served meanwhile
             while httpx.get(self.url + "/health", timeout=5.0).json().get("decode") == "compiling":
                 if time.perf_counter() - t0 > self.startup_timeout:
-                    raise RuntimeError(f"{self.name} still compiling after {self.startup_timeout:g} s")
+                    raise RuntimeError(
+                        f"{self.name} still compiling after {self.startup_timeout:g} s"
+                    )
                 time.sleep(0.5)
             self.ready_s = time.perf_counter() - t0
             if self.ready_s - self.startup_s > 1:
@@ -302,16 +353,19 @@ class Server:
 
 def handle_sigterm() -> None:
     """Turn SIGTERM (and SIGHUP) into KeyboardInterrupt so `finally` blocks kill the servers."""
+
     def raise_interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
+    # even when started with SIGINT ignored (`cmd &`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, raise_interrupt)
     signal.signal(signal.SIGHUP, raise_interrupt)
 
 
 def main_guard(main) -> int:
-    """Run a script's main; Ctrl-C / SIGTERM end it with status 130 after its `finally` blocks ran."""
+    """Run a script's main; Ctrl-C / SIGTERM end it with status 130 after its `finally` blocks
+    ran."""
     handle_sigterm()
     try:
         return main()
@@ -325,7 +379,11 @@ def tokenmill_cmd() -> list[str]:
     script = Path(sys.executable).parent / "tokenmill"
     if script.is_file():
         return [str(script)]
-    return [sys.executable, "-c", "import sys; from tokenmill.cli.main import main; sys.exit(main())"]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from tokenmill.cli.main import main; sys.exit(main())",
+    ]
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -342,6 +400,7 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 # ---------------------------------------------------------------- reporting
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -368,10 +427,14 @@ def machine_info() -> dict[str, object]:
         elif key.strip() == "flags":
             flags = set(value.split())
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         rev += "-dirty" if dirty else ""
     except OSError:
         rev = ""
@@ -379,9 +442,16 @@ def machine_info() -> dict[str, object]:
         load = os.getloadavg()[0]
     except OSError:
         load = None
-    return {"cpu": cpu, "isa": [f for f in ISA_FLAGS if f in flags], "logical_cpus": os.cpu_count(),
-            "torch": torch.__version__, "python": platform.python_version(), "tokenmill_git": rev,
-            "load_avg_1m_at_start": load, "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    return {
+        "cpu": cpu,
+        "isa": [f for f in ISA_FLAGS if f in flags],
+        "logical_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "tokenmill_git": rev,
+        "load_avg_1m_at_start": load,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -401,7 +471,10 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [headers] + rows) for i in range(len(headers))]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths))
+        )
 
     return "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
 

@@ -1,4 +1,5 @@
-"""Offline (no server) speed of tokenmill next to llama.cpp on the same GGUF file, llama-bench style.
+"""Offline (no server) speed of tokenmill next to llama.cpp on the same GGUF file, llama-bench
+style.
 
 Figures, each the mean over --reps timed repetitions after an untimed warm-up:
   pp512      prompt processing, tokens/s: one 512-token forward pass of one sequence
@@ -41,11 +42,15 @@ def peak_rss_mib() -> float:
 
 
 def summarize(rates: list[float]) -> dict[str, object]:
-    return {"avg_ts": statistics.fmean(rates), "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0,
-            "samples_ts": rates}
+    return {
+        "avg_ts": statistics.fmean(rates),
+        "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+        "samples_ts": rates,
+    }
 
 
 # ---------------------------------------------------------------- tokenmill
+
 
 def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
     import psutil
@@ -57,31 +62,45 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    loaded = load_model(path, dtype=args.dtype, progress=False, quantization=args.quantization,
-                        dense_min_tokens=args.dense_min_tokens)
+    loaded = load_model(
+        path,
+        dtype=args.dtype,
+        progress=False,
+        quantization=args.quantization,
+        dense_min_tokens=args.dense_min_tokens,
+    )
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / MiB
     log(f"tokenmill: loaded {path.name} in {load_s:.2f} s (RSS {rss_loaded:.0f} MiB)")
 
     bs = 16
     per_seq = blocks_needed(args.batch_prompt + args.batch_steps + 4, bs)
-    num_blocks = max(blocks_needed(args.pp, bs), blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
-                     max(args.batches, default=0) * per_seq)
-    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=bs,  # torch.empty: pages commit as used
-                         compile=args.compile)
+    num_blocks = max(
+        blocks_needed(args.pp, bs),
+        blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
+        max(args.batches, default=0) * per_seq,
+    )
+    # torch.empty: pages commit as used
+    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=bs, compile=args.compile)
     t0 = time.perf_counter()
     out_compile = runner.wait_compiled()
     if args.compile:
-        log(f"tokenmill: decode graphs compiled={out_compile} in {time.perf_counter() - t0:.1f} s"
-            + (f" ({runner.compile_error!r})" if runner.compile_error else ""))
+        log(
+            f"tokenmill: decode graphs compiled={out_compile} in {time.perf_counter() - t0:.1f} s"
+            + (f" ({runner.compile_error!r})" if runner.compile_error else "")
+        )
     vocab = loaded.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def random_ids(n: int) -> list[int]:  # ordinary tokens, away from the special ones at the start
         return torch.randint(min(1000, vocab // 10), vocab, (n,), generator=gen).tolist()
 
-    out: dict[str, object] = {"load_s": load_s, "rss_after_load_mib": rss_loaded,
-                              "decode_mode": runner.decode_mode, "compile_s": runner.compile_seconds}
+    out: dict[str, object] = {
+        "load_s": load_s,
+        "rss_after_load_mib": rss_loaded,
+        "decode_mode": runner.decode_mode,
+        "compile_s": runner.compile_seconds,
+    }
 
     # pp: one sequence, args.pp tokens from an empty context (its blocks are simply overwritten)
     if args.pp:
@@ -97,7 +116,8 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
         out[f"pp{args.pp}"] = summarize(rates)
         log(f"tokenmill: pp{args.pp} {out[f'pp{args.pp}']['avg_ts']:.1f} tok/s")
 
-    # tg: one sequence decoding greedily; each rep restarts at the same position (prompt KV stays valid)
+    # tg: one sequence decoding greedily; each rep restarts at the same position (prompt KV stays
+    # valid)
     if args.tg:
         table = [list(range(blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs)))]
 
@@ -123,17 +143,28 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
     for b in args.batches:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
         prompts = [random_ids(args.batch_prompt) for _ in range(b)]
-        chunk = max(1, 2048 // args.batch_prompt)  # prefill a few sequences at a time, as a scheduler would
+        # prefill a few sequences at a time, as a scheduler would
+        chunk = max(1, 2048 // args.batch_prompt)
         firsts: list[int] = []
         for i in range(0, b, chunk):
-            logits = runner.last_token_logits(prompts[i:i + chunk], [args.batch_prompt] * len(prompts[i:i + chunk]),
-                                    tables[i:i + chunk])
+            logits = runner.last_token_logits(
+                prompts[i : i + chunk],
+                [args.batch_prompt] * len(prompts[i : i + chunk]),
+                tables[i : i + chunk],
+            )
             firsts += greedy_ids(logits).tolist()
 
-        def decode_batch(steps: int) -> None:
+        def decode_batch(
+            steps: int,
+            firsts: list[int] = firsts,
+            b: int = b,
+            tables: list[list[int]] = tables,
+        ) -> None:
             tokens = firsts
             for s in range(steps):
-                logits = runner.last_token_logits([[t] for t in tokens], [args.batch_prompt + s + 1] * b, tables)
+                logits = runner.last_token_logits(
+                    [[t] for t in tokens], [args.batch_prompt + s + 1] * b, tables
+                )
                 tokens = greedy_ids(logits).tolist()
 
         decode_batch(4)  # warm-up
@@ -150,15 +181,30 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
 
 # ---------------------------------------------------------------- llama.cpp
 
+
 def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
     tools = common.ensure_llama(["llama-bench", "llama-batched-bench"], build=not args.no_build)
     out: dict[str, object] = {"commands": {}, "notes": []}
     if tools["llama-bench"] is None:
-        out["notes"].append("no pp/tg figures for llama.cpp: "
-                            + common.missing_llama_hint(["llama-bench"]))
+        out["notes"].append(
+            "no pp/tg figures for llama.cpp: " + common.missing_llama_hint(["llama-bench"])
+        )
     elif args.pp or args.tg:
-        cmd = [str(tools["llama-bench"]), "-m", str(path), "-t", str(args.threads), "-p", str(args.pp),
-               "-n", str(args.tg), "-r", str(args.reps), "-o", "json"]
+        cmd = [
+            str(tools["llama-bench"]),
+            "-m",
+            str(path),
+            "-t",
+            str(args.threads),
+            "-p",
+            str(args.pp),
+            "-n",
+            str(args.tg),
+            "-r",
+            str(args.reps),
+            "-o",
+            "json",
+        ]
         out["commands"]["llama-bench"] = shlex.join(cmd)
         log(f"llama.cpp: {shlex.join(cmd)}")
         rc, stdout, stderr, wall, rss = common.run_measured(cmd, timeout=args.timeout)
@@ -167,26 +213,64 @@ def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
         tests = json.loads(stdout)
         for t in tests:
             name = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
-            out[name] = {"avg_ts": t["avg_ts"], "stddev_ts": t["stddev_ts"], "samples_ts": t.get("samples_ts")}
+            out[name] = {
+                "avg_ts": t["avg_ts"],
+                "stddev_ts": t["stddev_ts"],
+                "samples_ts": t.get("samples_ts"),
+            }
             log(f"llama.cpp: {name} {t['avg_ts']:.1f} tok/s")
         first = tests[0] if tests else {}
-        out["build"] = {k: first.get(k) for k in ("build_commit", "build_number", "cpu_info", "model_type",
-                                                  "model_size", "n_threads", "flash_attn", "type_k", "n_batch")}
+        out["build"] = {
+            k: first.get(k)
+            for k in (
+                "build_commit",
+                "build_number",
+                "cpu_info",
+                "model_type",
+                "model_size",
+                "n_threads",
+                "flash_attn",
+                "type_k",
+                "n_batch",
+            )
+        }
         out["peak_rss_pp_tg_mib"] = rss
         out["wall_s_llama_bench"] = wall
     if not args.batches:
         return out
     if tools["llama-batched-bench"] is None:
         build_dir = common.LLAMA_PREFIX / "build"
-        how = (f"build it: cmake --build {build_dir} --target llama-batched-bench"
-               if (build_dir / "CMakeCache.txt").is_file()
-               else common.missing_llama_hint(["llama-batched-bench"]))
+        how = (
+            f"build it: cmake --build {build_dir} --target llama-batched-bench"
+            if (build_dir / "CMakeCache.txt").is_file()
+            else common.missing_llama_hint(["llama-batched-bench"])
+        )
         out["notes"].append(f"no batched decode figures for llama.cpp: {how}")
         return out
     ctx = max(args.batches) * (args.batch_prompt + args.batch_steps)
-    cmd = [str(tools["llama-batched-bench"]), "-m", str(path), "-t", str(args.threads), "-tb", str(args.threads),
-           "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(args.batch_prompt), "-ntg", str(args.batch_steps),
-           "-npl", ",".join(map(str, args.batches)), "--output-format", "jsonl"]
+    cmd = [
+        str(tools["llama-batched-bench"]),
+        "-m",
+        str(path),
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "-c",
+        str(ctx),
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+        "-npp",
+        str(args.batch_prompt),
+        "-ntg",
+        str(args.batch_steps),
+        "-npl",
+        ",".join(map(str, args.batches)),
+        "--output-format",
+        "jsonl",
+    ]
     out["commands"]["llama-batched-bench"] = shlex.join(cmd)
     rates: dict[int, list[float]] = {b: [] for b in args.batches}
     peak = 0.0
@@ -213,6 +297,7 @@ def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
 
 # ---------------------------------------------------------------- report
 
+
 def figures(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     """(key, caption, unit) of the headline figures, in table order."""
     rows = []
@@ -221,7 +306,10 @@ def figures(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     if args.tg:
         rows.append((f"tg{args.tg}", f"tg{args.tg} (decode, batch 1)", "tok/s"))
     rows += [(f"decode_b{b}", f"decode @ batch {b}", "tok/s") for b in args.batches]
-    rows += [("peak_rss_pp_tg_mib", "peak RSS, pp/tg", "MiB"), ("peak_rss_mib", "peak RSS, all", "MiB")]
+    rows += [
+        ("peak_rss_pp_tg_mib", "peak RSS, pp/tg", "MiB"),
+        ("peak_rss_mib", "peak RSS, all", "MiB"),
+    ]
     return rows
 
 
@@ -248,16 +336,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path")
     common.add_dtype_arg(p)
-    p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none", "int8", "int4"])
-    p.add_argument("--dense-min-tokens", type=int, default=None,
-                   help="keep dense copies of quantized layers for batches of at least this many tokens")
+    p.add_argument(
+        "--quantization", default="auto", choices=["auto", "gguf", "none", "int8", "int4"]
+    )
+    p.add_argument(
+        "--dense-min-tokens",
+        type=int,
+        default=None,
+        help="keep dense copies of quantized layers for batches of at least this many tokens",
+    )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--compile", action="store_true", help="compile tokenmill's decode step (see ModelRunner)")
+    p.add_argument(
+        "--compile", action="store_true", help="compile tokenmill's decode step (see ModelRunner)"
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--pp", type=int, default=512, help="prompt length of the pp test (0: skip)")
     p.add_argument("--tg", type=int, default=128, help="decode steps of the tg test (0: skip)")
-    p.add_argument("--batches", default="8,32,64", help="batch sizes of the batched decode test ('' : skip)")
-    p.add_argument("--batch-prompt", type=int, default=128, help="prompt tokens per sequence before batched decode")
+    p.add_argument(
+        "--batches", default="8,32,64", help="batch sizes of the batched decode test ('' : skip)"
+    )
+    p.add_argument(
+        "--batch-prompt",
+        type=int,
+        default=128,
+        help="prompt tokens per sequence before batched decode",
+    )
     p.add_argument("--batch-steps", type=int, default=64, help="decode steps of the batched test")
     p.add_argument("--engines", default="tokenmill,llama.cpp")
     p.add_argument("--no-build", action="store_true", help="do not build missing llama.cpp tools")
@@ -269,26 +372,40 @@ def main(argv: list[str] | None = None) -> int:
 
     path = common.resolve_model(args.model)
     data: dict[str, object] = {
-        "benchmark": "offline", "model": args.model, "model_path": str(path), "model_file": path.name,
+        "benchmark": "offline",
+        "model": args.model,
+        "model_path": str(path),
+        "model_file": path.name,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
-        "command": shlex.join(["python", "benchmarks/offline.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": common.machine_info(), "results": {},
+        "command": shlex.join(
+            ["python", "benchmarks/offline.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "machine": common.machine_info(),
+        "results": {},
     }
     results: dict[str, dict] = data["results"]  # type: ignore[assignment]
     if "tokenmill" in engines:
         results["tokenmill"] = bench_tokenmill(path, args)
     if "llama.cpp" in engines:
         results["llama.cpp"] = bench_llama(path, args)
-    data["ratios"] = {key: ratio(value(results.get("tokenmill"), key), value(results.get("llama.cpp"), key))
-                      for key, _, _ in figures(args)}
+    data["ratios"] = {
+        key: ratio(value(results.get("tokenmill"), key), value(results.get("llama.cpp"), key))
+        for key, _, _ in figures(args)
+    }
 
-    print(f"\nOffline benchmark: {path.name}, {args.threads} threads, tokenmill {args.dtype} "
-          f"quantization={args.quantization} dense_min_tokens={args.dense_min_tokens} "
-          f"decode={results.get('tokenmill', {}).get('decode_mode')}, {args.reps} reps")
+    print(
+        f"\nOffline benchmark: {path.name}, {args.threads} threads, tokenmill {args.dtype} "
+        f"quantization={args.quantization} dense_min_tokens={args.dense_min_tokens} "
+        f"decode={results.get('tokenmill', {}).get('decode_mode')}, {args.reps} reps"
+    )
     print(format_table(data, args), flush=True)
     for note in results.get("llama.cpp", {}).get("notes", []):
         print(f"note: {note}")
-    out = Path(args.out) if args.out else common.RESULTS / f"offline-{common.model_slug(args.model)}.json"
+    out = (
+        Path(args.out)
+        if args.out
+        else common.RESULTS / f"offline-{common.model_slug(args.model)}.json"
+    )
     common.write_json(out, data)
     return 0
 

@@ -56,12 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument(
+        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
+    )
     p.add_argument("--port", type=int, default=8767)
     p.add_argument("--tokenmill-args", default="", help="extra `tokenmill serve` flags")
     p.add_argument("--startup-timeout", type=float, default=1800)
-    p.add_argument("--out", default=None,
-                   help="JSON path (default: RESULTS/prefix-cache-<model>.json)")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default: RESULTS/prefix-cache-<model>.json)"
+    )
     args = p.parse_args(argv)
 
     from tokenmill.bench.serving import BenchConfig, format_comparison, run_benchmark
@@ -70,55 +73,111 @@ def main(argv: list[str] | None = None) -> int:
     slug = common.model_slug(args.model)
     out = Path(args.out) if args.out else common.RESULTS / f"prefix-cache-{slug}.json"
     data: dict[str, object] = {
-        "benchmark": "prefix_cache", "model": args.model, "model_path": str(path), "model_file": path.name,
+        "benchmark": "prefix_cache",
+        "model": args.model,
+        "model_path": str(path),
+        "model_file": path.name,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "command": shlex.join(["python", "benchmarks/prefix_cache.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": common.machine_info(), "modes": {},
+        "command": shlex.join(
+            ["python", "benchmarks/prefix_cache.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "machine": common.machine_info(),
+        "modes": {},
     }
     results = {}
     for mode, flags in MODES:  # one server at a time
-        cmd = common.tokenmill_cmd() + ["serve", str(path), "--host", "127.0.0.1", "--port", str(args.port),
-                                        "--dtype", args.dtype, "--log-level", "warning", *flags,
-                                        *shlex.split(args.tokenmill_args)]
-        with common.Server(f"tokenmill ({mode})", cmd, args.port,
-                           out.parent / "logs" / slug / f"prefix-{mode.replace(' ', '-')}.log",
-                           env=common.thread_env(args.threads), startup_timeout=args.startup_timeout) as server:
-            config = BenchConfig(base_url=server.url, endpoint=args.endpoint, num_prompts=args.num_prompts,
-                                 input_len=args.question_len, output_len=args.output_len,
-                                 prefix_len=args.prefix_len, ignore_eos=True, max_concurrency=args.concurrency,
-                                 seed=0, label=mode)
+        cmd = common.tokenmill_cmd() + [
+            "serve",
+            str(path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(args.port),
+            "--dtype",
+            args.dtype,
+            "--log-level",
+            "warning",
+            *flags,
+            *shlex.split(args.tokenmill_args),
+        ]
+        with common.Server(
+            f"tokenmill ({mode})",
+            cmd,
+            args.port,
+            out.parent / "logs" / slug / f"prefix-{mode.replace(' ', '-')}.log",
+            env=common.thread_env(args.threads),
+            startup_timeout=args.startup_timeout,
+        ) as server:
+            config = BenchConfig(
+                base_url=server.url,
+                endpoint=args.endpoint,
+                num_prompts=args.num_prompts,
+                input_len=args.question_len,
+                output_len=args.output_len,
+                prefix_len=args.prefix_len,
+                ignore_eos=True,
+                max_concurrency=args.concurrency,
+                seed=0,
+                label=mode,
+            )
             before = scrape_prefix_counters(server.url)
             result = asyncio.run(run_benchmark(config))
             after = scrape_prefix_counters(server.url)
             m = result.metrics()
             counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            data["modes"][mode] = {"command": f"OMP_NUM_THREADS={args.threads} {shlex.join(cmd)}",
-                                   "startup_s": server.startup_s, "peak_rss_mib": server.peak_rss_mib,
-                                   "prefix_counters": counters, **m}
+            data["modes"][mode] = {
+                "command": f"OMP_NUM_THREADS={args.threads} {shlex.join(cmd)}",
+                "startup_s": server.startup_s,
+                "peak_rss_mib": server.peak_rss_mib,
+                "prefix_counters": counters,
+                **m,
+            }
             results[mode] = result
             hit = ratio(counters.get("prefix_cache_hits"), counters.get("prefix_cache_queries"))
-            log(f"{mode}: mean TTFT {m['mean_ttft_ms']:.1f} ms, p50 {m['median_ttft_ms']:.1f} ms, "
-                f"{m['failed']} failed, prefix hit rate {fmt(None if hit is None else 100 * hit)}%")
+            log(
+                f"{mode}: mean TTFT {m['mean_ttft_ms']:.1f} ms, p50 {m['median_ttft_ms']:.1f} ms, "
+                f"{m['failed']} failed, prefix hit rate {fmt(None if hit is None else 100 * hit)}%"
+            )
 
     cached, uncached = data["modes"]["prefix cache"], data["modes"]["no prefix cache"]
     data["ttft_speedup_mean"] = ratio(uncached["mean_ttft_ms"], cached["mean_ttft_ms"])
     data["ttft_speedup_median"] = ratio(uncached["median_ttft_ms"], cached["median_ttft_ms"])
 
-    print(f"\nPrefix cache benchmark: {path.name}, {args.prefix_len}-token shared prefix + "
-          f"~{args.question_len}-token question, {args.num_prompts} requests at concurrency {args.concurrency}, "
-          f"{args.output_len} output tokens", flush=True)
+    print(
+        f"\nPrefix cache benchmark: {path.name}, {args.prefix_len}-token shared prefix + "
+        f"~{args.question_len}-token question, {args.num_prompts} requests "
+        f"at concurrency {args.concurrency}, "
+        f"{args.output_len} output tokens",
+        flush=True,
+    )
     print("(ratios: prefix cache / no prefix cache)")
-    print(format_comparison({"no prefix cache": results["no prefix cache"], "prefix cache": results["prefix cache"]}))
+    print(
+        format_comparison(
+            {"no prefix cache": results["no prefix cache"], "prefix cache": results["prefix cache"]}
+        )
+    )
     rows = []
-    for key, caption in (("mean_ttft_ms", "mean TTFT ms"), ("median_ttft_ms", "p50 TTFT ms"),
-                         ("p90_ttft_ms", "p90 TTFT ms"), ("output_throughput", "output tok/s")):
+    for key, caption in (
+        ("mean_ttft_ms", "mean TTFT ms"),
+        ("median_ttft_ms", "p50 TTFT ms"),
+        ("p90_ttft_ms", "p90 TTFT ms"),
+        ("output_throughput", "output tok/s"),
+    ):
         a, b = cached[key], uncached[key]
         rows.append([caption, fmt(a), fmt(b), fmt_ratio(ratio(b, a))])
-    hits = [ratio(m["prefix_counters"].get("prefix_cache_hits"), m["prefix_counters"].get("prefix_cache_queries"))
-            for m in (cached, uncached)]
+    hits = [
+        ratio(
+            m["prefix_counters"].get("prefix_cache_hits"),
+            m["prefix_counters"].get("prefix_cache_queries"),
+        )
+        for m in (cached, uncached)
+    ]
     rows.append(["prefix hit rate %", *(fmt(None if h is None else 100 * h) for h in hits), ""])
     print("\n=== summary (ratio: no cache / cache) ===")
-    print(common.table(["figure", "prefix cache", "no prefix cache", "no cache/cache"], rows), flush=True)
+    print(
+        common.table(["figure", "prefix cache", "no prefix cache", "no cache/cache"], rows),
+        flush=True,
+    )
     common.write_json(out, data)
     return 0
 

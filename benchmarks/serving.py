@@ -33,9 +33,19 @@ NAMES = {"tokenmill": "tokenmill", "llama.cpp": "llama.cpp"}
 
 
 def tokenmill_server(path: Path, args: argparse.Namespace) -> tuple[list[str], dict]:
-    cmd = common.tokenmill_cmd() + ["serve", str(path), "--host", "127.0.0.1", "--port", str(args.tokenmill_port),
-                                    "--dtype", args.dtype, "--log-level", "warning",
-                                    *shlex.split(args.tokenmill_args)]
+    cmd = common.tokenmill_cmd() + [
+        "serve",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.tokenmill_port),
+        "--dtype",
+        args.dtype,
+        "--log-level",
+        "warning",
+        *shlex.split(args.tokenmill_args),
+    ]
     return cmd, common.thread_env(args.threads)
 
 
@@ -43,9 +53,23 @@ def llama_server(path: Path, args: argparse.Namespace) -> tuple[list[str], dict]
     binary = common.ensure_llama(["llama-server"], build=not args.no_build)["llama-server"]
     if binary is None:
         raise RuntimeError(common.missing_llama_hint(["llama-server"]))
-    cmd = [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(args.llama_port),
-           "-t", str(args.threads), "-c", str(args.ctx), "-np", str(args.parallel), "-cb",
-           *shlex.split(args.llama_args)]
+    cmd = [
+        str(binary),
+        "-m",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.llama_port),
+        "-t",
+        str(args.threads),
+        "-c",
+        str(args.ctx),
+        "-np",
+        str(args.parallel),
+        "-cb",
+        *shlex.split(args.llama_args),
+    ]
     return cmd, common.thread_env(args.threads)
 
 
@@ -53,41 +77,66 @@ def num_prompts(c: int, args: argparse.Namespace) -> int:
     return args.num_prompts or max(args.prompts_per_concurrency * c, args.min_prompts)
 
 
-def bench_server(engine: str, path: Path, args: argparse.Namespace, log_dir: Path) -> tuple[dict, dict]:
-    """Start one server, run every concurrency against it, stop it. (summary, BenchResult per level)."""
+def bench_server(
+    engine: str, path: Path, args: argparse.Namespace, log_dir: Path
+) -> tuple[dict, dict]:
+    """Start one server, run every concurrency against it, stop it. (summary, BenchResult per
+    level)."""
     from tokenmill.bench.serving import BenchConfig, format_report, run_benchmark
 
     cmd, env = (tokenmill_server if engine == "tokenmill" else llama_server)(path, args)
     port = args.tokenmill_port if engine == "tokenmill" else args.llama_port
-    summary: dict[str, object] = {"command": f"OMP_NUM_THREADS={args.threads} " * (engine == "tokenmill")
-                                  + shlex.join(cmd), "runs": {}}
+    summary: dict[str, object] = {
+        "command": f"OMP_NUM_THREADS={args.threads} " * (engine == "tokenmill") + shlex.join(cmd),
+        "runs": {},
+    }
     results = {}
-    with common.Server(engine, cmd, port, log_dir / f"{engine}.log", env=env,
-                       startup_timeout=args.startup_timeout) as server:
+    with common.Server(
+        engine, cmd, port, log_dir / f"{engine}.log", env=env, startup_timeout=args.startup_timeout
+    ) as server:
         summary["startup_s"] = server.startup_s
         summary["compiled_after_s"] = server.ready_s
         summary["rss_idle_mib"] = server.sampler.last / MiB
         for c in args.concurrency:
-            config = BenchConfig(base_url=server.url, endpoint="/v1/completions", num_prompts=num_prompts(c, args),
-                                 input_len=args.input_len, output_len=args.output_len, ignore_eos=True,
-                                 max_concurrency=c, seed=args.seed, label=f"{engine} c={c}", model=None,
-                                 timeout=args.request_timeout)
+            config = BenchConfig(
+                base_url=server.url,
+                endpoint="/v1/completions",
+                num_prompts=num_prompts(c, args),
+                input_len=args.input_len,
+                output_len=args.output_len,
+                ignore_eos=True,
+                max_concurrency=c,
+                seed=args.seed,
+                label=f"{engine} c={c}",
+                model=None,
+                timeout=args.request_timeout,
+            )
             log(f"{engine}: concurrency {c}, {config.num_prompts} prompts")
             result = asyncio.run(run_benchmark(config))
             if args.verbose:
                 print(format_report(result), flush=True)
             m = result.metrics()
-            summary["runs"][str(c)] = {"num_prompts": config.num_prompts, "peak_rss_mib_so_far": server.peak_rss_mib,
-                                       "prompt_mode": result.prompt_mode, **m}
+            summary["runs"][str(c)] = {
+                "num_prompts": config.num_prompts,
+                "peak_rss_mib_so_far": server.peak_rss_mib,
+                "prompt_mode": result.prompt_mode,
+                **m,
+            }
             results[c] = result
-            log(f"{engine}: c={c}: {m['output_throughput']:.1f} output tok/s, p50 TTFT {m['median_ttft_ms']:.0f} ms, "
-                f"p50 TPOT {m['median_tpot_ms']:.1f} ms, {m['failed']} failed")
+            log(
+                f"{engine}: c={c}: {m['output_throughput']:.1f} output tok/s, "
+                f"p50 TTFT {m['median_ttft_ms']:.0f} ms, "
+                f"p50 TPOT {m['median_tpot_ms']:.1f} ms, {m['failed']} failed"
+            )
         summary["peak_rss_mib"] = server.peak_rss_mib
     return summary, results
 
 
-SUMMARY_METRICS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "p50 TTFT ms"),
-                   ("median_tpot_ms", "p50 TPOT ms"))
+SUMMARY_METRICS = (
+    ("output_throughput", "output tok/s"),
+    ("median_ttft_ms", "p50 TTFT ms"),
+    ("median_tpot_ms", "p50 TPOT ms"),
+)
 
 
 def summary_table(data: dict, concurrency: list[int]) -> str:
@@ -99,7 +148,10 @@ def summary_table(data: dict, concurrency: list[int]) -> str:
             a = tm["runs"][str(c)][key] if tm else None
             b = lc["runs"][str(c)][key] if lc else None
             rows.append([f"c={c} {caption}", fmt(a), fmt(b), fmt_ratio(ratio(a, b))])
-    for key, caption, digits in (("startup_s", "startup to /health 200 (s)", 2), ("peak_rss_mib", "peak RSS MiB", 0)):
+    for key, caption, digits in (
+        ("startup_s", "startup to /health 200 (s)", 2),
+        ("peak_rss_mib", "peak RSS MiB", 0),
+    ):
         a, b = (tm or {}).get(key), (lc or {}).get(key)
         rows.append([caption, fmt(a, digits), fmt(b, digits), fmt_ratio(ratio(a, b))])
     return common.table(["figure", "tokenmill", "llama.cpp", "tokenmill/llama.cpp"], rows)
@@ -109,18 +161,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path")
     common.add_dtype_arg(p, "tokenmill serve --dtype")
-    p.add_argument("--threads", type=int, default=2, help="llama-server -t, OMP_NUM_THREADS for tokenmill")
+    p.add_argument(
+        "--threads", type=int, default=2, help="llama-server -t, OMP_NUM_THREADS for tokenmill"
+    )
     p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--prompts-per-concurrency", type=int, default=3, help="prompts per level: this times C ...")
+    p.add_argument(
+        "--prompts-per-concurrency", type=int, default=3, help="prompts per level: this times C ..."
+    )
     p.add_argument("--min-prompts", type=int, default=8, help="... but at least this many")
-    p.add_argument("--num-prompts", type=int, default=None, help="fixed number of prompts per level (overrides)")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="fixed number of prompts per level (overrides)",
+    )
     p.add_argument("--input-len", type=int, default=100)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engines", default="tokenmill,llama.cpp")
     p.add_argument("--tokenmill-port", type=int, default=8765)
     p.add_argument("--llama-port", type=int, default=8766)
-    p.add_argument("--tokenmill-args", default="", help="extra `tokenmill serve` flags, e.g. '--max-num-seqs 32'")
+    p.add_argument(
+        "--tokenmill-args",
+        default="",
+        help="extra `tokenmill serve` flags, e.g. '--max-num-seqs 32'",
+    )
     p.add_argument("--ctx", type=int, default=32768, help="llama-server -c")
     p.add_argument("--parallel", type=int, default=32, help="llama-server -np (slots)")
     p.add_argument("--llama-args", default="", help="extra llama-server flags")
@@ -142,24 +207,45 @@ def main(argv: list[str] | None = None) -> int:
     slug = common.model_slug(args.model)
     out = Path(args.out) if args.out else common.RESULTS / f"serving-{slug}.json"
     data: dict[str, object] = {
-        "benchmark": "serving", "model": args.model, "model_path": str(path), "model_file": path.name,
+        "benchmark": "serving",
+        "model": args.model,
+        "model_path": str(path),
+        "model_file": path.name,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "command": shlex.join(["python", "benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)]),
-        "workload": {"endpoint": "/v1/completions", "input_len": args.input_len, "output_len": args.output_len,
-                     "ignore_eos": True, "temperature": 0, "warmup": 1,
-                     "num_prompts": {str(c): num_prompts(c, args) for c in args.concurrency}},
-        "machine": common.machine_info(), "engines": {},
+        "command": shlex.join(
+            ["python", "benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "workload": {
+            "endpoint": "/v1/completions",
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "ignore_eos": True,
+            "temperature": 0,
+            "warmup": 1,
+            "num_prompts": {str(c): num_prompts(c, args) for c in args.concurrency},
+        },
+        "machine": common.machine_info(),
+        "engines": {},
     }
     results: dict[str, dict] = {}
     for engine in engines:  # strictly one server at a time
-        data["engines"][engine], results[engine] = bench_server(engine, path, args, out.parent / "logs" / slug)
+        data["engines"][engine], results[engine] = bench_server(
+            engine, path, args, out.parent / "logs" / slug
+        )
 
-    print(f"\nServing benchmark: {path.name}, {args.threads} threads, prompts ~{args.input_len} tokens, "
-          f"{args.output_len} output tokens", flush=True)
+    print(
+        f"\nServing benchmark: {path.name}, {args.threads} threads, "
+        f"prompts ~{args.input_len} tokens, "
+        f"{args.output_len} output tokens",
+        flush=True,
+    )
     # llama.cpp first, so format_comparison's ratios read tokenmill / llama.cpp like the summary's
     order = sorted(engines, key=lambda e: e != "llama.cpp")
     for c in args.concurrency:
-        print(f"\n=== concurrency {c} ({num_prompts(c, args)} prompts; ratios: tokenmill / llama.cpp) ===")
+        print(
+            f"\n=== concurrency {c} ({num_prompts(c, args)} prompts; "
+            "ratios: tokenmill / llama.cpp) ==="
+        )
         print(format_comparison({e: results[e][c] for e in order}))
     print("\n=== summary (ratios: tokenmill / llama.cpp) ===")
     print(summary_table(data, args.concurrency), flush=True)

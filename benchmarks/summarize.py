@@ -42,7 +42,8 @@ def md_table(headers: list[str], rows: list[list[str]], align: str | None = None
 
 
 def short(cmd: str) -> str:
-    """A command as recorded, with the home directory as ~ and the tokenmill console script by name."""
+    """A command as recorded, with the home directory as ~ and the tokenmill console script by
+    name."""
     return re.sub(r"\S*/bin/tokenmill ", "tokenmill ", cmd).replace(HOME, "~")
 
 
@@ -62,20 +63,30 @@ def offline_section(runs: list[dict]) -> tuple[str, list[str]]:
         if s.get("tg"):
             keys.append((f"tg{s['tg']} tok/s", f"tg{s['tg']}", 1))
         keys += [(f"decode @ batch {b} tok/s", f"decode_b{b}", 1) for b in s.get("batches", [])]
-        keys += [("peak RSS pp/tg MiB", "peak_rss_pp_tg_mib", 0), ("peak RSS all MiB", "peak_rss_mib", 0)]
+        keys += [
+            ("peak RSS pp/tg MiB", "peak_rss_pp_tg_mib", 0),
+            ("peak RSS all MiB", "peak_rss_mib", 0),
+        ]
         for caption, key, digits in keys:
             a, b = avg(tm, key), avg(lc, key)
-            rows.append([d["model_file"], caption, fmt(a, digits), fmt(b, digits), fmt_ratio(ratio(a, b))])
+            rows.append(
+                [d["model_file"], caption, fmt(a, digits), fmt(b, digits), fmt_ratio(ratio(a, b))]
+            )
         cmds.append(d["command"])
         cmds += [short(c) for c in (lc or {}).get("commands", {}).values()]
         for note in (lc or {}).get("notes", []):
             cmds.append(f"# note: {short(note)}")
-    text = md_table(["model", "figure", "tokenmill", "llama.cpp", "tokenmill / llama.cpp"], rows, "llrrr")
+    text = md_table(
+        ["model", "figure", "tokenmill", "llama.cpp", "tokenmill / llama.cpp"], rows, "llrrr"
+    )
     if runs:
         s = runs[0]["settings"]
-        text = (f"tokenmill: dtype {s['dtype']}, quantization {s['quantization']}, dense_min_tokens "
-                f"{s['dense_min_tokens']}, {s['threads']} threads, {s['reps']} reps. Higher tok/s is better; "
-                "lower RSS is better.\n\n" + text)
+        text = (
+            f"tokenmill: dtype {s['dtype']}, quantization {s['quantization']}, dense_min_tokens "
+            f"{s['dense_min_tokens']}, {s['threads']} threads, {s['reps']} reps. "
+            "Higher tok/s is better; "
+            "lower RSS is better.\n\n" + text
+        )
     return text, cmds
 
 
@@ -86,29 +97,58 @@ def serving_section(runs: list[dict]) -> tuple[str, list[str]]:
         concurrency = list((tm or lc or {}).get("runs", {}))
         for c in concurrency:
             row = [d["model_file"], c, str((tm or lc)["runs"][c]["num_prompts"])]
-            for key, digits in (("output_throughput", 1), ("median_ttft_ms", 0), ("median_tpot_ms", 1)):
+            for key, digits in (
+                ("output_throughput", 1),
+                ("median_ttft_ms", 0),
+                ("median_tpot_ms", 1),
+            ):
                 a = tm["runs"][c][key] if tm else None
                 b = lc["runs"][c][key] if lc else None
                 row += [fmt(a, digits), fmt(b, digits), fmt_ratio(ratio(a, b))]
             failed = sum(int(e["runs"][c]["failed"]) for e in (tm, lc) if e)
             row.append(str(failed))
             rows.append(row)
-        for key, caption, digits in (("startup_s", "startup to first /health 200 (s)", 2),
-                                     ("peak_rss_mib", "server peak RSS (MiB)", 0)):
+        for key, caption, digits in (
+            ("startup_s", "startup to first /health 200 (s)", 2),
+            ("peak_rss_mib", "server peak RSS (MiB)", 0),
+        ):
             a, b = (tm or {}).get(key), (lc or {}).get(key)
-            extra.append([d["model_file"], caption, fmt(a, digits), fmt(b, digits), fmt_ratio(ratio(a, b))])
+            extra.append(
+                [d["model_file"], caption, fmt(a, digits), fmt(b, digits), fmt_ratio(ratio(a, b))]
+            )
         cmds.append(d["command"])
         cmds += [short(e["command"]) for e in (tm, lc) if e]
-    headers = ["model", "C", "prompts", "out tok/s TM", "out tok/s llama", "ratio", "p50 TTFT ms TM",
-               "p50 TTFT ms llama", "ratio", "p50 TPOT ms TM", "p50 TPOT ms llama", "ratio", "failed"]
+    headers = [
+        "model",
+        "C",
+        "prompts",
+        "out tok/s TM",
+        "out tok/s llama",
+        "ratio",
+        "p50 TTFT ms TM",
+        "p50 TTFT ms llama",
+        "ratio",
+        "p50 TPOT ms TM",
+        "p50 TPOT ms llama",
+        "ratio",
+        "failed",
+    ]
     text = md_table(headers, rows, "lrr" + "r" * 10)
     if runs:
         w = runs[0]["workload"]
-        text = (f"Workload: {w['endpoint']}, ~{w['input_len']}-token random-word prompts, {w['output_len']} output "
-                "tokens, ignore_eos, temperature 0, C requests in flight. TM = tokenmill, llama = llama-server; "
-                "ratio = tokenmill / llama.cpp (higher is better for tok/s, lower for TTFT/TPOT).\n\n" + text
-                + "\n\n" + md_table(["model", "figure", "tokenmill", "llama.cpp", "tokenmill / llama.cpp"], extra,
-                                    "llrrr"))
+        text = (
+            f"Workload: {w['endpoint']}, ~{w['input_len']}-token random-word prompts, "
+            f"{w['output_len']} output tokens, ignore_eos, temperature 0, C requests in flight. "
+            "TM = tokenmill, llama = llama-server; "
+            "ratio = tokenmill / llama.cpp (higher is better for tok/s, lower for TTFT/TPOT).\n\n"
+            + text
+            + "\n\n"
+            + md_table(
+                ["model", "figure", "tokenmill", "llama.cpp", "tokenmill / llama.cpp"],
+                extra,
+                "llrrr",
+            )
+        )
     return text, cmds
 
 
@@ -118,18 +158,39 @@ def prefix_section(runs: list[dict]) -> tuple[str, list[str]]:
         c, u = d["modes"]["prefix cache"], d["modes"]["no prefix cache"]
         pc = c.get("prefix_counters", {})
         hit = ratio(pc.get("prefix_cache_hits"), pc.get("prefix_cache_queries"))
-        rows.append([d["model_file"], fmt(c["mean_ttft_ms"]), fmt(u["mean_ttft_ms"]),
-                     fmt_ratio(ratio(u["mean_ttft_ms"], c["mean_ttft_ms"])), fmt(c["median_ttft_ms"]),
-                     fmt(u["median_ttft_ms"]), "-" if hit is None else fmt(100 * hit)])
+        rows.append(
+            [
+                d["model_file"],
+                fmt(c["mean_ttft_ms"]),
+                fmt(u["mean_ttft_ms"]),
+                fmt_ratio(ratio(u["mean_ttft_ms"], c["mean_ttft_ms"])),
+                fmt(c["median_ttft_ms"]),
+                fmt(u["median_ttft_ms"]),
+                "-" if hit is None else fmt(100 * hit),
+            ]
+        )
         cmds.append(d["command"])
         cmds += [short(m["command"]) for m in (c, u)]
-    text = md_table(["model", "mean TTFT ms, cache", "mean TTFT ms, no cache", "speedup", "p50 TTFT ms, cache",
-                     "p50 TTFT ms, no cache", "prefix hit rate %"], rows)
+    text = md_table(
+        [
+            "model",
+            "mean TTFT ms, cache",
+            "mean TTFT ms, no cache",
+            "speedup",
+            "p50 TTFT ms, cache",
+            "p50 TTFT ms, no cache",
+            "prefix hit rate %",
+        ],
+        rows,
+    )
     if runs:
         s = runs[0]["settings"]
-        text = (f"{s['prefix_len']}-token shared prefix + ~{s['question_len']}-token distinct question, "
-                f"{s['num_prompts']} requests at concurrency {s['concurrency']}, {s['output_len']} output tokens; "
-                "`tokenmill serve` with and without `--no-prefix-caching`.\n\n" + text)
+        text = (
+            f"{s['prefix_len']}-token shared prefix + ~{s['question_len']}-token distinct "
+            f"question, {s['num_prompts']} requests at concurrency {s['concurrency']}, "
+            f"{s['output_len']} output tokens; "
+            "`tokenmill serve` with and without `--no-prefix-caching`.\n\n" + text
+        )
     return text, cmds
 
 
@@ -139,34 +200,59 @@ def machine_section(all_runs: list[dict]) -> str:
     m = all_runs[0]["machine"]
     dates = sorted(d["machine"]["date"] for d in all_runs)
     loads = [d["machine"].get("load_avg_1m_at_start") for d in all_runs]
-    llama = next((d["results"]["llama.cpp"].get("build") for d in all_runs
-                  if d.get("benchmark") == "offline" and "llama.cpp" in d.get("results", {})), None) or {}
+    llama = (
+        next(
+            (
+                d["results"]["llama.cpp"].get("build")
+                for d in all_runs
+                if d.get("benchmark") == "offline" and "llama.cpp" in d.get("results", {})
+            ),
+            None,
+        )
+        or {}
+    )
     isa = f", ISA: {' '.join(m['isa'])}" if m.get("isa") else ""
-    lines = [f"- CPU: {m['cpu']} ({m['logical_cpus']} logical CPUs{isa})",
-             f"- tokenmill git {m['tokenmill_git']}, torch {m['torch']}, Python {m['python']}",
-             (f"- llama.cpp build {llama['build_commit']} (as llama-bench reports it)"
-              if llama.get("build_commit") else "- llama.cpp: no llama-bench run"),
-             f"- runs from {dates[0]} to {dates[-1]}; 1-minute load average at the start of each script: "
-             + ", ".join("-" if x is None else f"{x:.2f}" for x in loads)]
+    lines = [
+        f"- CPU: {m['cpu']} ({m['logical_cpus']} logical CPUs{isa})",
+        f"- tokenmill git {m['tokenmill_git']}, torch {m['torch']}, Python {m['python']}",
+        (
+            f"- llama.cpp build {llama['build_commit']} (as llama-bench reports it)"
+            if llama.get("build_commit")
+            else "- llama.cpp: no llama-bench run"
+        ),
+        f"- runs from {dates[0]} to {dates[-1]}; "
+        "1-minute load average at the start of each script: "
+        + ", ".join("-" if x is None else f"{x:.2f}" for x in loads),
+    ]
     return "\n".join(lines)
 
 
 def build(results: Path) -> str:
-    offline, serving, prefix = load(results, "offline"), load(results, "serving"), load(results, "prefix-cache")
+    offline, serving, prefix = (
+        load(results, "offline"),
+        load(results, "serving"),
+        load(results, "prefix-cache"),
+    )
     all_runs = offline + serving + prefix
     threads = {d["settings"].get("threads") for d in all_runs} - {None}
     threads_text = " / ".join(str(t) for t in sorted(threads)) or "the same"
-    parts = ["# Benchmark summary: tokenmill vs llama.cpp",
-             "", "Generated by `benchmarks/summarize.py` from the suite's JSON results "
-             "(`benchmarks/run_all.sh` runs everything; see `benchmarks/README.md`). "
-             "Same GGUF file "
-             f"and {threads_text} threads for both engines; one engine at a time.",
-             "", machine_section(all_runs)]
+    parts = [
+        "# Benchmark summary: tokenmill vs llama.cpp",
+        "",
+        "Generated by `benchmarks/summarize.py` from the suite's JSON results "
+        "(`benchmarks/run_all.sh` runs everything; see `benchmarks/README.md`). "
+        "Same GGUF file "
+        f"and {threads_text} threads for both engines; one engine at a time.",
+        "",
+        machine_section(all_runs),
+    ]
     suite = os.environ.get("BENCH_SUITE_COMMAND")  # set by run_all.sh
     commands: list[str] = [suite] if suite else []
-    for title, runs, section in (("Offline (llama-bench style)", offline, offline_section),
-                                 ("Serving (OpenAI-compatible server, streaming)", serving, serving_section),
-                                 ("Prefix caching (tokenmill only)", prefix, prefix_section)):
+    for title, runs, section in (
+        ("Offline (llama-bench style)", offline, offline_section),
+        ("Serving (OpenAI-compatible server, streaming)", serving, serving_section),
+        ("Prefix caching (tokenmill only)", prefix, prefix_section),
+    ):
         parts += ["", f"## {title}", ""]
         if runs:
             text, cmds = section(runs)
@@ -180,9 +266,12 @@ def build(results: Path) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", default=str(RESULTS),
-                   help="directory of the suite's JSON results "
-                   "(default: $BENCH_RESULTS, else benchmarks/results/local)")
+    p.add_argument(
+        "--results",
+        default=str(RESULTS),
+        help="directory of the suite's JSON results "
+        "(default: $BENCH_RESULTS, else benchmarks/results/local)",
+    )
     args = p.parse_args()
     results = Path(args.results)
     if not any(results.glob("*.json")):

@@ -42,7 +42,7 @@ ENVIRONMENT = """\
 | `TOKENMILL_API_KEY` | the key `tokenmill serve` requires when `--api-key` is not given |
 | `OPENAI_API_KEY` | the key `tokenmill bench` sends when `--api-key` is not given |
 | `OMP_NUM_THREADS` | threads of the CPU kernels (PyTorch's default: one per core) |
-"""
+"""  # noqa: E501
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
-    """(name, one-line help, parser) of each subcommand, in the order `tokenmill --help` lists them."""
+    """(name, one-line help, parser) of each subcommand, in the order `tokenmill --help` lists
+    them."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help for choice in action._choices_actions}

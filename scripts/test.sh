@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's full test command: the pinned torch, the package with its test extras, Debian's
-# Chromium for the browser test (tests/server/test_web_ui.py), then pytest. Extra arguments go to pytest.
+# Chromium for the browser test (tests/server/test_web_ui.py), ruff, then pytest. Extra arguments
+# go to pytest.
 #   scripts/test.sh                      # everything
 #   scripts/test.sh tests/server -x      # a subset
 set -euo pipefail
@@ -15,5 +16,9 @@ if [ ! -x /usr/bin/chromium ]; then
   "${SUDO[@]}" apt-get update -qq
   "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 fi
+
+# Lint and format first (pyproject.toml's [tool.ruff]): seconds, and a clear first failure.
+python -m ruff check .
+python -m ruff format --check .
 
 python -m pytest -q "$@"

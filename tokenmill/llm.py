@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tqdm.auto import tqdm
 
@@ -18,7 +18,9 @@ Message = dict[str, str]
 class LLM:
     """Runs batches of prompts through one engine; outputs come back in the order given."""
 
-    def __init__(self, model: str | Path | None = None, dtype: str = "fp32", **engine_options) -> None:
+    def __init__(
+        self, model: str | Path | None = None, dtype: str = "fp32", **engine_options
+    ) -> None:
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype), progress=True, **engine_options)
         self.tokenizer = self.engine.tokenizer
 

@@ -16,8 +16,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from tokenmill.bench.serving import (BenchConfig, BenchResult, format_comparison, format_report, run_benchmark,
-                                     write_plot)
+from tokenmill.bench.serving import (
+    BenchConfig,
+    BenchResult,
+    format_comparison,
+    format_report,
+    run_benchmark,
+    write_plot,
+)
 from tokenmill.cli.main import main
 from tokenmill.errors import InvalidRequestError
 
@@ -26,7 +32,8 @@ CHUNK_DELAY = 0.002  # seconds between streamed tokens
 
 @dataclass
 class FakeServer:
-    """Streams one token per chunk with a usage chunk; counts a whitespace-separated word as one token."""
+    """Streams one token per chunk with a usage chunk; counts a whitespace-separated word as one
+    token."""
 
     url: str = ""
     tokenize: bool = True
@@ -39,7 +46,9 @@ class FakeServer:
 
     def app(self) -> Starlette:
         async def models(_: Request) -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+            return JSONResponse(
+                {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+            )
 
         async def tokenize(request: Request) -> JSONResponse:
             body = await request.json()
@@ -69,21 +78,36 @@ class FakeServer:
                     for i in range(n):
                         await asyncio.sleep(CHUNK_DELAY)
                         text = f" w{i}"
-                        choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                        choice = (
+                            {"index": 0, "delta": {"content": text}}
+                            if chat
+                            else {"index": 0, "text": text}
+                        )
                         yield _sse({"choices": [choice]})
-                    yield _sse({"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                                         "total_tokens": prompt_tokens + n}})
+                    yield _sse(
+                        {
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": prompt_tokens,
+                                "completion_tokens": n,
+                                "total_tokens": prompt_tokens + n,
+                            },
+                        }
+                    )
                     yield "data: [DONE]\n\n"
                 finally:
                     self.in_flight -= 1
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        return Starlette(routes=[
-            Route("/v1/models", models), Route("/tokenize", tokenize, methods=["POST"]),
-            Route("/v1/completions", generate, methods=["POST"]),
-            Route("/v1/chat/completions", generate, methods=["POST"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/v1/models", models),
+                Route("/tokenize", tokenize, methods=["POST"]),
+                Route("/v1/completions", generate, methods=["POST"]),
+                Route("/v1/chat/completions", generate, methods=["POST"]),
+            ]
+        )
 
 
 def _sse(event: dict) -> str:
@@ -123,7 +147,13 @@ def fake(server_thread) -> FakeServer:
 
 
 def bench(fake: FakeServer, **kwargs) -> BenchResult:
-    settings = {"num_prompts": 8, "input_len": 12, "output_len": 6, "warmup": 0, "timeout": 30.0} | kwargs
+    settings = {
+        "num_prompts": 8,
+        "input_len": 12,
+        "output_len": 6,
+        "warmup": 0,
+        "timeout": 30.0,
+    } | kwargs
     return asyncio.run(run_benchmark(BenchConfig(base_url=fake.url, **settings)))
 
 
@@ -146,21 +176,38 @@ def test_fixed_lengths_are_measured_and_reported(fake) -> None:
     m = result.metrics()
     assert (m["completed"], m["failed"]) == (8, 0)
     assert fake.calls == 9  # the warm-up is sent but not counted
-    assert [r.input_len for r in result.requests] == [12] * 8  # /tokenize calibrated: one token per word
+    # /tokenize calibrated: one token per word
+    assert [r.input_len for r in result.requests] == [12] * 8
     assert m["total_output_tokens"] == 8 * 6
     assert result.model == result.label == "fake-model"
     assert "measured with the server's /tokenize" in result.prompt_mode
-    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["temperature"] == 0
-               and "ignore_eos" not in b for b in fake.bodies)
+    assert all(
+        b["stream"]
+        and b["stream_options"] == {"include_usage": True}
+        and b["temperature"] == 0
+        and "ignore_eos" not in b
+        for b in fake.bodies
+    )
     assert_sane(result)
     report = format_report(result)
-    assert "Serving Benchmark Result" in report and "Successful requests:" in report and "P99 TPOT (ms):" in report
+    assert (
+        "Serving Benchmark Result" in report
+        and "Successful requests:" in report
+        and "P99 TPOT (ms):" in report
+    )
 
 
 def test_random_lengths_prefix_and_ignore_eos(fake) -> None:
     fake.tokenize = False
-    result = bench(fake, num_prompts=12, input_len=20, output_len=8, random_range_ratio=0.5, prefix_len=5,
-                   ignore_eos=True)
+    result = bench(
+        fake,
+        num_prompts=12,
+        input_len=20,
+        output_len=8,
+        random_range_ratio=0.5,
+        prefix_len=5,
+        ignore_eos=True,
+    )
     assert "assumed" in result.prompt_mode
     inputs = [r.input_len for r in result.requests]
     outputs = [r.output_len for r in result.requests]
@@ -175,7 +222,8 @@ def test_random_lengths_prefix_and_ignore_eos(fake) -> None:
 def test_token_id_prompts_and_chat(fake) -> None:
     result = bench(fake, token_ids=True, num_prompts=4)
     assert all(isinstance(b["prompt"], list) and len(b["prompt"]) == 12 for b in fake.bodies)
-    assert all(100 <= t < 100 + 1000 for b in fake.bodies for t in b["prompt"])  # ids the server's tokenizer gave
+    # ids the server's tokenizer gave
+    assert all(100 <= t < 100 + 1000 for b in fake.bodies for t in b["prompt"])
     assert result.metrics()["completed"] == 4
     fake.bodies.clear()
     chat = bench(fake, endpoint="/v1/chat/completions", num_prompts=4)
@@ -232,8 +280,25 @@ def test_json_plot_and_comparison(fake, tmp_path) -> None:
 
 def test_cli(fake, tmp_path, capsys) -> None:
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    code = main(["bench", "--base-url", fake.url, "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
-                 "--max-concurrency", "2", "--result-json", str(out_json), "--plot", str(out_png)])
+    code = main(
+        [
+            "bench",
+            "--base-url",
+            fake.url,
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--result-json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "Serving Benchmark Result" in out and "fake-model" in out
@@ -243,4 +308,3 @@ def test_cli(fake, tmp_path, capsys) -> None:
     assert main(["bench", "--base-url", fake.url, "--num-prompts", "2"]) == 1
     assert "warm-up request" in capsys.readouterr().err
     assert main(["bench", "--base-url", fake.url, "--input-len", "0"]) == 1
-

@@ -30,7 +30,8 @@ def assistant(text: str) -> dict[str, str]:
 
 
 def chat(model_dir, monkeypatch, capsys, lines: list[str], *options: str) -> tuple[int, str, str]:
-    """Run `tokenmill chat` with `lines` as what the user types; returns exit code, stdout, stderr."""
+    """Run `tokenmill chat` with `lines` as what the user types; returns exit code, stdout,
+    stderr."""
     monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{line}\n" for line in lines)))
     code = main(["chat", "--model", str(model_dir), *options])
     out, err = capsys.readouterr()
@@ -64,7 +65,9 @@ def encode(llm: LLM, messages: list[dict[str, str]]) -> list[int]:
     return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_bos=False)
 
 
-def test_replies_match_the_offline_engine_across_turns(tiny_model_dir, offline, tmp_path, monkeypatch, capsys) -> None:
+def test_replies_match_the_offline_engine_across_turns(
+    tiny_model_dir, offline, tmp_path, monkeypatch, capsys
+) -> None:
     first = [SYSTEM, user(FIRST)]
     reply1 = greedy_reply(offline, first)
     second = first + [assistant(reply1), user(SECOND)]
@@ -73,9 +76,15 @@ def test_replies_match_the_offline_engine_across_turns(tiny_model_dir, offline, 
     prompts = record_prompts(monkeypatch)
     saved = tmp_path / "history.json"
 
-    code, out, _ = chat(tiny_model_dir, monkeypatch, capsys,
-                        [FIRST, SECOND, "/stats", f"/save {saved}", "/clear", FIRST, "/bye"],
-                        "--system", SYSTEM["content"], *GREEDY)
+    code, out, _ = chat(
+        tiny_model_dir,
+        monkeypatch,
+        capsys,
+        [FIRST, SECOND, "/stats", f"/save {saved}", "/clear", FIRST, "/bye"],
+        "--system",
+        SYSTEM["content"],
+        *GREEDY,
+    )
 
     assert code == 0
     assert "/help for commands" in out.splitlines()[0]
@@ -85,12 +94,14 @@ def test_replies_match_the_offline_engine_across_turns(tiny_model_dir, offline, 
     assert prompts == [encode(offline, first), encode(offline, second), encode(offline, first)]
     assert json.loads(saved.read_text(encoding="utf-8")) == second + [assistant(reply2)]
     stats = re.search(r"prompt: +(\d+) tokens \((\d+) cached\)", out)
-    assert int(stats[1]) == len(prompts[1]) and int(stats[2]) > 0  # the first turn's KV blocks were reused
+    # the first turn's KV blocks were reused
+    assert int(stats[1]) == len(prompts[1]) and int(stats[2]) > 0
     assert re.search(r"context: +\d+ of \d+ tokens", out)
 
 
-def test_ctrl_c_stops_the_reply_and_keeps_the_partial_text(tiny_model_dir, offline, tmp_path, monkeypatch,
-                                                         capsys) -> None:
+def test_ctrl_c_stops_the_reply_and_keeps_the_partial_text(
+    tiny_model_dir, offline, tmp_path, monkeypatch, capsys
+) -> None:
     full = greedy_reply(offline, [user(FIRST)])
     steps = 0
     step = LLMEngine.step
@@ -106,7 +117,9 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_partial_text(tiny_model_dir, offli
     handler = signal.getsignal(signal.SIGINT)
     saved = tmp_path / "history.json"
 
-    code, out, err = chat(tiny_model_dir, monkeypatch, capsys, [FIRST, SECOND, f"/save {saved}"], *GREEDY)
+    code, out, err = chat(
+        tiny_model_dir, monkeypatch, capsys, [FIRST, SECOND, f"/save {saved}"], *GREEDY
+    )
 
     assert code == 0  # end of input
     assert "(stopped)" in err
@@ -115,19 +128,29 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_partial_text(tiny_model_dir, offli
     partial = history[1]["content"]
     assert partial and len(partial) < len(full) and full.startswith(partial)
     assert f">>> {partial}\n\n>>> " in out
-    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]  # the chat went on
+    # the chat went on
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
 
 
-def test_old_turns_are_dropped_when_the_context_is_full(tiny_model_dir, offline, tmp_path, monkeypatch,
-                                                        capsys) -> None:
+def test_old_turns_are_dropped_when_the_context_is_full(
+    tiny_model_dir, offline, tmp_path, monkeypatch, capsys
+) -> None:
     reply1 = greedy_reply(offline, [SYSTEM, user(FIRST)])
     assert len(encode(offline, [SYSTEM, user(FIRST), assistant(reply1), user(SECOND)])) > 128 - 12
     prompts = record_prompts(monkeypatch)
     saved = tmp_path / "history.json"
 
-    code, out, err = chat(tiny_model_dir, monkeypatch, capsys,
-                          [FIRST, SECOND, "word " * 200, f"/save {saved}"],
-                          "--system", SYSTEM["content"], "--ctx", "128", *GREEDY)
+    code, out, err = chat(
+        tiny_model_dir,
+        monkeypatch,
+        capsys,
+        [FIRST, SECOND, "word " * 200, f"/save {saved}"],
+        "--system",
+        SYSTEM["content"],
+        "--ctx",
+        "128",
+        *GREEDY,
+    )
 
     assert code == 0
     assert "dropped the 1 oldest turn to fit the context of 128 tokens" in err
@@ -139,16 +162,40 @@ def test_old_turns_are_dropped_when_the_context_is_full(tiny_model_dir, offline,
 
 def test_multi_line_input_and_commands(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
     saved = tmp_path / "history.json"
-    code, out, err = chat(tiny_model_dir, monkeypatch, capsys, [
-        '"""', "block a", "block b", '"""', "line one \\", "line two",
-        "/system Be brief.", "/system", "/set temperature 0.5", "/set temperature hot",
-        "/set max_tokens 99999", "/set colour blue", "/nope", "/help", f"/save {saved}", "/bye", "never read",
-    ], "--max-tokens", "2")
+    code, out, err = chat(
+        tiny_model_dir,
+        monkeypatch,
+        capsys,
+        [
+            '"""',
+            "block a",
+            "block b",
+            '"""',
+            "line one \\",
+            "line two",
+            "/system Be brief.",
+            "/system",
+            "/set temperature 0.5",
+            "/set temperature hot",
+            "/set max_tokens 99999",
+            "/set colour blue",
+            "/nope",
+            "/help",
+            f"/save {saved}",
+            "/bye",
+            "never read",
+        ],
+        "--max-tokens",
+        "2",
+    )
 
     assert code == 0
     history = json.loads(saved.read_text(encoding="utf-8"))
     assert history[0] == {"role": "system", "content": "Be brief."}
-    assert [m["content"] for m in history if m["role"] == "user"] == ["block a\nblock b", "line one \nline two"]
+    assert [m["content"] for m in history if m["role"] == "user"] == [
+        "block a\nblock b",
+        "line one \nline two",
+    ]
     assert ">>> Be brief.\n" in out and "temperature = 0.5" in out and "/save FILE" in out
     assert "error: temperature needs a number, got 'hot'" in err
     assert "error: max_tokens must be below the context" in err
@@ -164,7 +211,9 @@ def test_a_model_without_chat_template_is_refused(tiny_model_dir, tmp_path, caps
     assert "has no chat template" in capsys.readouterr().err
 
 
-def test_a_failed_reply_is_reported_and_the_chat_goes_on(tiny_model_dir, monkeypatch, capsys) -> None:
+def test_a_failed_reply_is_reported_and_the_chat_goes_on(
+    tiny_model_dir, monkeypatch, capsys
+) -> None:
     def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 

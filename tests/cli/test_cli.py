@@ -40,11 +40,19 @@ def test_tokenize_needs_exactly_one_text(tiny_model_dir, capsys) -> None:
 
 
 def test_generate_prints_the_greedy_continuation(tiny_model_dir, capsys) -> None:
-    expected = LLM(str(tiny_model_dir)).generate(
-        ["Once upon a time"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
-    )[0].outputs[0].text
+    expected = (
+        LLM(str(tiny_model_dir))
+        .generate(
+            ["Once upon a time"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     capsys.readouterr()
-    assert main(["generate", "--model", str(tiny_model_dir), "--max-tokens", "12", "Once upon a time"]) == 0
+    assert (
+        main(["generate", "--model", str(tiny_model_dir), "--max-tokens", "12", "Once upon a time"])
+        == 0
+    )
     assert capsys.readouterr().out == expected + "\n"
 
 
@@ -54,22 +62,31 @@ def test_generate_rejects_bad_options(tiny_model_dir, capsys) -> None:
 
 
 @pytest.mark.parametrize("decode", [False, True])
-def test_perplexity_matches_a_reference_computation(tiny_model_dir, tmp_path, capsys, decode: bool) -> None:
+def test_perplexity_matches_a_reference_computation(
+    tiny_model_dir, tmp_path, capsys, decode: bool
+) -> None:
     text = " ".join(f"{TEXT} {i}" for i in range(40))
     path = tmp_path / "text.txt"
     path.write_text(text, encoding="utf-8")
     ctx = 64
-    assert main(["perplexity", "--model", str(tiny_model_dir), "--file", str(path), "--ctx", str(ctx)]
-                + ["--decode"] * decode) == 0
+    assert (
+        main(
+            ["perplexity", "--model", str(tiny_model_dir), "--file", str(path), "--ctx", str(ctx)]
+            + ["--decode"] * decode
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     ours = float(printed.split("PPL = ")[1].split()[0])
 
     # llama-perplexity's recipe, computed independently with transformers
     ids = Tokenizer.from_hf_dir(tiny_model_dir).encode(text, parse_special=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32
+    ).eval()
     nll, count = 0.0, 0
     for c in range(len(ids) // ctx):
-        chunk = torch.tensor([ids[c * ctx:(c + 1) * ctx]])
+        chunk = torch.tensor([ids[c * ctx : (c + 1) * ctx]])
         with torch.no_grad():
             logprobs = hf(chunk).logits[0].log_softmax(-1)
         for pos in range(ctx // 2, ctx - 1):

@@ -49,7 +49,9 @@ def test_early_exit_aborts_and_frees_blocks(async_engine) -> None:
             if len(out.outputs[0].token_ids) >= 3:
                 break
         for _ in range(100):
-            stats = await async_engine.call(lambda e: (e.has_unfinished_requests(), e.kv.num_free_blocks))
+            stats = await async_engine.call(
+                lambda e: (e.has_unfinished_requests(), e.kv.num_free_blocks)
+            )
             if not stats[0]:
                 return stats[1]
             await asyncio.sleep(0.01)
@@ -62,7 +64,12 @@ def test_bad_request_raises_to_the_caller_only(async_engine) -> None:
         with pytest.raises(InvalidRequestError):
             async for _ in async_engine.generate("", SamplingParams(), request_id="bad"):
                 pass
-        outs = [o async for o in async_engine.generate("Paris", SamplingParams(max_tokens=2), request_id="ok")]
+        outs = [
+            o
+            async for o in async_engine.generate(
+                "Paris", SamplingParams(max_tokens=2), request_id="ok"
+            )
+        ]
         return outs[-1].finished
 
     assert asyncio.run(main())

@@ -113,7 +113,11 @@ def test_caching_disabled_caches_nothing() -> None:
 def scratch_hashes(tokens: list[int], block_size: int, extra_key: str | None) -> list[bytes]:
     hashes: list[bytes] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[start : start + block_size], extra_key))
+        hashes.append(
+            hash_block_tokens(
+                hashes[-1] if hashes else None, tokens[start : start + block_size], extra_key
+            )
+        )
     return hashes
 
 
@@ -129,9 +133,18 @@ def test_block_hashes_are_incremental_and_match_from_scratch(block_size: int) ->
         assert len(request.block_hashes) == request.num_tokens // block_size
     assert request.block_hashes == scratch_hashes(request.all_token_ids, block_size, "lora-1")
     assert request.all_token_ids == request.prompt_token_ids + request.output_token_ids
-    assert request.num_tokens == 107 and request.num_prompt_tokens == 37 and request.num_output_tokens == 70
-    resumed = Sequence("r2", request.all_token_ids[:37], extra_key="lora-1", block_size=block_size,
-                      output_token_ids=request.output_token_ids[:])
+    assert (
+        request.num_tokens == 107
+        and request.num_prompt_tokens == 37
+        and request.num_output_tokens == 70
+    )
+    resumed = Sequence(
+        "r2",
+        request.all_token_ids[:37],
+        extra_key="lora-1",
+        block_size=block_size,
+        output_token_ids=request.output_token_ids[:],
+    )
     assert resumed.block_hashes == request.block_hashes
 
 
@@ -139,11 +152,25 @@ def test_block_hash_depends_on_parent_tokens_and_extra_key() -> None:
     tokens = [1, 2, 3, 4]
     base = hash_block_tokens(None, tokens, None)
     assert base == hash_block_tokens(None, tokens, None)
-    assert len({base, hash_block_tokens(None, tokens, ""), hash_block_tokens(None, tokens, "a"),
-                hash_block_tokens(base, tokens, None), hash_block_tokens(None, [1, 2, 3, 5], None)}) == 5
+    assert (
+        len(
+            {
+                base,
+                hash_block_tokens(None, tokens, ""),
+                hash_block_tokens(None, tokens, "a"),
+                hash_block_tokens(base, tokens, None),
+                hash_block_tokens(None, [1, 2, 3, 5], None),
+            }
+        )
+        == 5
+    )
 
 
 def test_sequence_status_is_finished() -> None:
     finished = {s for s in SequenceStatus if s.is_finished}
-    assert finished == {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR}
+    assert finished == {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_ERROR,
+    }

@@ -23,10 +23,15 @@ def runner(tiny_model_dir, tmp_path_factory):
     patch = pytest.MonkeyPatch()
     patch.setattr(quant_linear, "LARGE_INT8_WEIGHTS", 320 * 64)
     patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))  # no decode graphs cached yet
+    # no decode graphs cached yet
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
     loaded = load_model(tiny_model_dir, progress=False, quantization="int8", dense_min_tokens=2)
-    heads = {m.out_features for m in loaded.model.modules() if isinstance(m, quant_linear.QuantLinear)
-             and quant_linear.is_large_int8(m.kind, m.out_features * m.in_features)}
+    heads = {
+        m.out_features
+        for m in loaded.model.modules()
+        if isinstance(m, quant_linear.QuantLinear)
+        and quant_linear.is_large_int8(m.kind, m.out_features * m.in_features)
+    }
     assert heads == {320}
     runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
     assert runner.decode_mode in ("compiling", "compiled")
@@ -100,7 +105,8 @@ def test_context_past_the_graphs_runs_eagerly_without_fallback(runner) -> None:
     # eager path directly instead of failing the graphs' guards
     context = model_runner.COMPILED_CONTEXT_MAX + 5
     runner.last_token_logits([list(range(32))], [32], [[0, 1]])  # fill blocks 0 and 1
-    table = [[0, 1] * (context // 32 + 1)]  # a long context of repeated blocks: only its shape matters
+    # a long context of repeated blocks: only its shape matters
+    table = [[0, 1] * (context // 32 + 1)]
     step = ([[7]], [context], table)
     before = runner.uncompiled_decode_steps
     logits = runner.last_token_logits(*step)
@@ -109,7 +115,9 @@ def test_context_past_the_graphs_runs_eagerly_without_fallback(runner) -> None:
     torch.testing.assert_close(logits, eager)
 
 
-def test_a_second_runner_loads_the_graphs_and_a_damaged_entry_is_compiled_again(runner, monkeypatch) -> None:
+def test_a_second_runner_loads_the_graphs_and_a_damaged_entry_is_compiled_again(
+    runner, monkeypatch
+) -> None:
     # the module's runner compiled the graphs and cached them (XDG_CACHE_HOME is still its folder)
     entries = sorted((model_runner.cache_root() / "decode-graphs").glob("*.bin"))
     assert [p.name.split("-")[-1] for p in entries] == ["batch1.bin", "batch2.bin"]
@@ -143,7 +151,9 @@ def bf16_runner(tiny_model_dir, tmp_path_factory, cpu_kernels):
     patch = pytest.MonkeyPatch()
     patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-bf16")))
     patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-bf16")))
-    loaded = load_model(tiny_model_dir, dtype="bf16", progress=False, quantization="int8", dense_min_tokens=2)
+    loaded = load_model(
+        tiny_model_dir, dtype="bf16", progress=False, quantization="int8", dense_min_tokens=2
+    )
     runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
     assert runner.wait_compiled(timeout=900), f"compilation failed: {runner.compile_error!r}"
     yield runner
@@ -151,7 +161,9 @@ def bf16_runner(tiny_model_dir, tmp_path_factory, cpu_kernels):
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_compiled_bf16_decode_with_the_int8_kernels_matches_eager(bf16_runner, batch_size: int) -> None:
+def test_compiled_bf16_decode_with_the_int8_kernels_matches_eager(
+    bf16_runner, batch_size: int
+) -> None:
     runner = bf16_runner
     prompts, tables = PROMPTS[:batch_size], TABLES[:batch_size]
     runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
@@ -161,7 +173,9 @@ def test_compiled_bf16_decode_with_the_int8_kernels_matches_eager(bf16_runner, b
     # int8 weights take the tile kernel on AVX-512, the int8 GEMV elsewhere
     kernels = {"tokenmill::int8_linear", "tokenmill::quant_tiles_linear"}
     kernel_calls = sum(e.count for e in profile.key_averages() if e.key in kernels)
-    assert kernel_calls == sum(isinstance(m, quant_linear.QuantLinear) for m in runner.model.modules())
+    assert kernel_calls == sum(
+        isinstance(m, quant_linear.QuantLinear) for m in runner.model.modules()
+    )
     assert runner.uncompiled_decode_steps == 0
     eager = runner.model.logits(runner.hidden_states(*step))
     # inductor keeps fused intermediates in fp32 where eager rounds each op to bf16: on this

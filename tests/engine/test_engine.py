@@ -1,4 +1,5 @@
-"""Engine acceptance: batching, chunked prefill, preemption, prefix caching, aborts, sampling, stops."""
+"""Engine acceptance: batching, chunked prefill, preemption, prefix caching, aborts, sampling,
+stops."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from tokenmill.sample import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def _prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 120, vocab: int = 300) -> list[list[int]]:
+def _prompts(
+    n: int, seed: int = 0, lo: int = 5, hi: int = 120, vocab: int = 300
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
@@ -60,8 +63,14 @@ def test_kv_cache_dtype_sets_the_pool_and_how_many_blocks_a_budget_buys(tiny_loa
     budget = 1 << 20
     half = LLMEngine(tiny_loaded, kv_cache_memory=budget)
     full = LLMEngine(tiny_loaded, kv_cache_memory=budget, kv_cache_dtype="float32")
-    assert half.runner.cache.k[0].dtype == torch.float16 and full.runner.cache.k[0].dtype == torch.float32
-    assert half.kv.num_total_blocks in (2 * full.kv.num_total_blocks, 2 * full.kv.num_total_blocks + 1)
+    assert (
+        half.runner.cache.k[0].dtype == torch.float16
+        and full.runner.cache.k[0].dtype == torch.float32
+    )
+    assert half.kv.num_total_blocks in (
+        2 * full.kv.num_total_blocks,
+        2 * full.kv.num_total_blocks + 1,
+    )
     assert half.runner.cache.nbytes <= budget + half.runner.cache.nbytes // half.kv.num_total_blocks
     prompts = _prompts(4, seed=9, lo=20, hi=60)
     assert _run(half, prompts) == _run(full, prompts)
@@ -93,7 +102,8 @@ def test_prefix_cache_reuses_a_200_token_prefix(tiny_loaded) -> None:
     hits_before, queries_before = engine.stats.prefix_cache_hits, engine.stats.prefix_cache_queries
     computed_before = _tokens_computed(engine)
     warm = _run(engine, [second])[0]
-    assert engine.stats.prefix_cache_hits - hits_before == 192  # the 12 full blocks of the shared prefix
+    # the 12 full blocks of the shared prefix
+    assert engine.stats.prefix_cache_hits - hits_before == 192
     assert engine.stats.prefix_cache_queries - queries_before == len(second)
     # only the tokens after the cached blocks were run through the model (+ the decode steps)
     assert _tokens_computed(engine) - computed_before == len(second) - 192 + GREEDY.max_tokens - 1
@@ -111,8 +121,12 @@ def test_random_aborts_leak_no_blocks(tiny_loaded) -> None:
     live: list[str] = []
     for step in range(120):
         if step < 60 and rng.random() < 0.5:
-            params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randrange(1, 30),
-                                    n=rng.choice([1, 1, 2]), seed=rng.randrange(100))
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 0.8]),
+                max_tokens=rng.randrange(1, 30),
+                n=rng.choice([1, 1, 2]),
+                seed=rng.randrange(100),
+            )
             live.append(engine.add_request(None, _prompts(1, seed=step, lo=2, hi=90)[0], params))
         if live and rng.random() < 0.2:
             engine.abort_request(live.pop(rng.randrange(len(live))))
@@ -131,7 +145,11 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_loaded) -> None:
     alone = _run(LLMEngine(tiny_loaded, num_kv_blocks=256), [prompt], params)[0]
     engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
     noise = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
-    mixed = [(p, noise) for p in _prompts(5, seed=7)] + [(prompt, params)] + [(p, noise) for p in _prompts(3, seed=8)]
+    mixed = (
+        [(p, noise) for p in _prompts(5, seed=7)]
+        + [(prompt, params)]
+        + [(p, noise) for p in _prompts(3, seed=8)]
+    )
     ids = [engine.add_request(None, p, sp) for p, sp in mixed]
     done = {}
     while engine.has_unfinished_requests():
@@ -146,10 +164,11 @@ def test_stop_string_across_two_tokens_is_trimmed(tiny_loaded) -> None:
     free_run = _run(engine, [prompt])[0]
     pieces = [tok.decode([t]) for t in free_run]
     full = tok.decode(free_run)
-    # a stop string made of the last character of token k and the first of token k+1, first seen there
+    # a stop string made of the last character of token k and the first of token k+1, first seen
+    # there
     for k in range(2, len(pieces) - 1):
         stop = pieces[k][-1:] + pieces[k + 1][:1]
-        boundary = len(tok.decode(free_run[:k + 1]))
+        boundary = len(tok.decode(free_run[: k + 1]))
         if len(stop) == 2 and full.find(stop) == boundary - 1:
             break
     else:
@@ -168,7 +187,9 @@ def test_stop_string_across_two_tokens_is_trimmed(tiny_loaded) -> None:
 
 def test_streamed_deltas_add_up_to_the_text(tiny_loaded) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
-    engine.add_request(None, "The quick brown", SamplingParams(temperature=0.0, max_tokens=20, stop=["zz"]))
+    engine.add_request(
+        None, "The quick brown", SamplingParams(temperature=0.0, max_tokens=20, stop=["zz"])
+    )
     deltas, tokens, final = [], [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -196,7 +217,9 @@ def test_n_children_share_the_prompt_and_differ(tiny_loaded) -> None:
 def test_logprobs_and_prompt_logprobs_match_the_model(tiny_loaded) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
     prompt = _prompts(1, seed=11, lo=12, hi=13)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
     engine.add_request(None, prompt, params)
     final = None
     while engine.has_unfinished_requests():
@@ -208,11 +231,15 @@ def test_logprobs_and_prompt_logprobs_match_the_model(tiny_loaded) -> None:
     assert final.prompt_logprobs[0] is None
     for pos in range(1, len(prompt)):
         entry = final.prompt_logprobs[pos]
-        assert entry[prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+        assert entry[prompt[pos]].logprob == pytest.approx(
+            float(ref[pos - 1, prompt[pos]]), abs=1e-4
+        )
         assert len(entry) in (2, 3)
     for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         row = ref[len(prompt) - 1 + i]
-        assert entry[token].rank == 1 and entry[token].logprob == pytest.approx(float(row.max()), abs=1e-4)
+        assert entry[token].rank == 1 and entry[token].logprob == pytest.approx(
+            float(row.max()), abs=1e-4
+        )
         assert sorted(entry) == sorted(row.topk(3).indices.tolist())
 
 
@@ -238,22 +265,27 @@ def test_overrides_leave_the_callers_config_alone(tiny_loaded) -> None:
         LLMEngine(tiny_loaded, config, num_blocks=16)
 
 
-@pytest.mark.parametrize("free_gib, budget_gib", [(40, 4), (16, 4), (11, 2), (10, 2), (9, 2), (5, 1), (3, 0.5)])
+@pytest.mark.parametrize(
+    "free_gib, budget_gib", [(40, 4), (16, 4), (11, 2), (10, 2), (9, 2), (5, 1), (3, 0.5)]
+)
 def test_default_kv_budget_is_a_power_of_two_of_a_quarter_of_free_ram(free_gib, budget_gib) -> None:
     """Small changes in free memory must not change the pool size: compiled graphs depend on it."""
     assert default_kv_budget(int(free_gib * 2**30)) == int(budget_gib * 2**30)
 
 
-def test_warming_the_kv_pool_writes_only_unheld_blocks_up_to_the_limit(tiny_loaded, monkeypatch) -> None:
+def test_warming_the_kv_pool_writes_only_unheld_blocks_up_to_the_limit(
+    tiny_loaded, monkeypatch
+) -> None:
     from tokenmill.engine import kv_memory
 
     engine = LLMEngine(tiny_loaded, num_kv_blocks=64, block_size=16)
     cache, pool = engine.runner.cache, engine.kv.block_pool
     per_block = cache.k[0][:16].nbytes
     monkeypatch.setattr(kv_memory, "KV_WARM_BYTES", 3 * per_block)  # units of 3 blocks
-    monkeypatch.setattr(kv_memory, "KV_WARM_AHEAD", 20 * 2 * len(cache.k) * per_block)  # 20 blocks past the used
+    # 20 blocks past the used
+    monkeypatch.setattr(kv_memory, "KV_WARM_AHEAD", 20 * 2 * len(cache.k) * per_block)
     for t in cache.k + cache.v:
-        t[:cache.pad_slot].fill_(7.0)
+        t[: cache.pad_slot].fill_(7.0)
     held = [b.block_id for b in pool.get_new_blocks(2)]  # blocks 0 and 1, in use
     cached_block = pool.get_new_blocks(1)[0]  # block 2: full, cached, then freed
     pool.cached[("h",)] = cached_block
@@ -263,20 +295,21 @@ def test_warming_the_kv_pool_writes_only_unheld_blocks_up_to_the_limit(tiny_load
     units = 0
     while engine.warm_kv_cache():
         units += 1
-    assert units == 8 * 2 * len(cache.k)  # blocks 0-23 (to 3 + 20, in whole units of 3), every tensor
+    # blocks 0-23 (to 3 + 20, in whole units of 3), every tensor
+    assert units == 8 * 2 * len(cache.k)
 
     def block(t: torch.Tensor, i: int) -> torch.Tensor:
-        return t[i * 16:(i + 1) * 16]
+        return t[i * 16 : (i + 1) * 16]
 
     for t in cache.k + cache.v:
         for i in held + [cached_block.block_id]:
             assert bool((block(t, i) == 7.0).all()), f"block {i} was written"
         for i in range(3, 24):
             assert bool((block(t, i) == 0).all()), f"block {i} was not warmed"
-        assert bool((t[24 * 16:cache.pad_slot] == 7.0).all()), "warmed past the limit"
+        assert bool((t[24 * 16 : cache.pad_slot] == 7.0).all()), "warmed past the limit"
 
     pool.get_new_blocks(10)  # blocks 3..12 taken: the limit moves to 33
     assert engine.warm_kv_cache()
     while engine.warm_kv_cache():
         pass
-    assert bool((cache.k[0][24 * 16:33 * 16] == 0).all())
+    assert bool((cache.k[0][24 * 16 : 33 * 16] == 0).all())

@@ -49,7 +49,9 @@ def test_tokenizer_failure_fails_only_that_request(tiny_loaded) -> None:
 
     engine._requests["broken"].sequences[0].detokenizer.push = explode
     done = _finish_all(engine)
-    assert done["broken"].outputs[0].finish_reason == "error" and "simulated" in done["broken"].error
+    assert (
+        done["broken"].outputs[0].finish_reason == "error" and "simulated" in done["broken"].error
+    )
     assert done["a"].outputs[0].finish_reason == "length" and done["a"].error is None
 
 
@@ -67,18 +69,25 @@ def test_failed_step_fails_its_batch_and_the_engine_goes_on(tiny_loaded, monkeyp
     monkeypatch.setattr(engine.runner, "_forward", flaky)
     engine.add_request("victim", [5, 6, 7], PARAMS)
     done = _finish_all(engine)
-    assert done["victim"].outputs[0].finish_reason == "error" and "simulated kernel failure" in done["victim"].error
+    assert (
+        done["victim"].outputs[0].finish_reason == "error"
+        and "simulated kernel failure" in done["victim"].error
+    )
     engine.add_request("after", [5, 6, 7], PARAMS)
     assert _finish_all(engine)["after"].outputs[0].finish_reason == "length"
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     assert all(torch.isfinite(k[engine.runner.cache.pad_slot]).all() for k in engine.runner.cache.k)
 
 
-def test_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(tiny_loaded, monkeypatch) -> None:
+def test_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(
+    tiny_loaded, monkeypatch
+) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=64)
     prompt = list(range(5, 70))  # four full blocks, published to the prefix cache when scheduled
     real_forward = engine.runner._forward
-    monkeypatch.setattr(engine.runner, "_forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(
+        engine.runner, "_forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
     engine.add_request("failed", prompt, PARAMS)
     assert _finish_all(engine)["failed"].outputs[0].finish_reason == "error"
     monkeypatch.setattr(engine.runner, "_forward", real_forward)

@@ -13,12 +13,15 @@ from tokenmill.engine.request import Sequence, SequenceStatus
 BS = 16
 
 
-def make_sequence(rid: str, tokens: list[int], extra_key: str | None = None, block_size: int = BS) -> Sequence:
+def make_sequence(
+    rid: str, tokens: list[int], extra_key: str | None = None, block_size: int = BS
+) -> Sequence:
     return Sequence(rid, tokens, extra_key=extra_key, block_size=block_size)
 
 
 def schedule_prompt(manager: KVCacheManager, request: Sequence) -> list[int]:
-    """Hit the cache, allocate the rest of the prompt and mark it computed; returns the block ids."""
+    """Hit the cache, allocate the rest of the prompt and mark it computed; returns the block
+    ids."""
     hits, num_hit = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_hit, hits, num_hit) is not None
     request.num_computed_tokens = request.num_tokens
@@ -126,7 +129,8 @@ def test_allocate_slots_is_all_or_nothing() -> None:
     cached = make_sequence("a", list(range(65)))
     schedule_prompt(manager, cached)  # 5 blocks, the first 4 cached
     manager.free(cached)
-    schedule_prompt(manager, make_sequence("b", list(range(900, 964))))  # the 3 never used + a's uncached tail
+    # the 3 never used + a's uncached tail
+    schedule_prompt(manager, make_sequence("b", list(range(900, 964))))
 
     # 4 free blocks, all of them hits: touching them leaves none for the 2 new blocks needed.
     again = make_sequence("c", list(range(65)) + list(range(200, 216)))
@@ -140,7 +144,8 @@ def test_allocate_slots_is_all_or_nothing() -> None:
     big = make_sequence("d", list(range(300, 400)))
     assert manager.allocate_slots(big, 100) is None
     assert snapshot(manager) == before
-    # 3 hits + 1 new block fit exactly: the new block is the 4th free one (evicting a's last cached block).
+    # 3 hits + 1 new block fit exactly: the new block is the 4th free one (evicting a's last cached
+    # block).
     exact = make_sequence("e", list(range(64)))
     hits, num_hit = manager.get_computed_blocks(exact)
     assert num_hit == 48
@@ -195,7 +200,9 @@ class Simulation:
         self.bs = block_size
         self.manager = KVCacheManager(num_blocks, block_size)
         self.slots: list[tuple | None] = [None] * (num_blocks * block_size)
-        self.prefixes = [[self.rng.randrange(100) for _ in range(self.rng.randrange(1, 40))] for _ in range(4)]
+        self.prefixes = [
+            [self.rng.randrange(100) for _ in range(self.rng.randrange(1, 40))] for _ in range(4)
+        ]
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.max_out: dict[str, int] = {}
@@ -203,12 +210,16 @@ class Simulation:
         self.num_preemptions = 0
 
     def new_request(self) -> None:
-        prompt = self.rng.choice(self.prefixes) + [self.rng.randrange(100) for _ in range(self.rng.randrange(0, 30))]
+        prompt = self.rng.choice(self.prefixes) + [
+            self.rng.randrange(100) for _ in range(self.rng.randrange(0, 30))
+        ]
         if not prompt:
             prompt = [0]
         rid = f"r{self.next_id}"
         self.next_id += 1
-        request = Sequence(rid, prompt, extra_key=self.rng.choice([None, None, "lora"]), block_size=self.bs)
+        request = Sequence(
+            rid, prompt, extra_key=self.rng.choice([None, None, "lora"]), block_size=self.bs
+        )
         self.max_out[rid] = self.rng.randrange(1, 40)
         self.waiting.append(request)
 
@@ -217,7 +228,10 @@ class Simulation:
         for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_tokens):
             block = self.manager.block_pool.blocks[table[pos // self.bs]]
             assert block.ref_cnt == 1, "writing into a shared block"
-            self.slots[block.block_id * self.bs + pos % self.bs] = (request.extra_key, request.all_token_ids[pos])
+            self.slots[block.block_id * self.bs + pos % self.bs] = (
+                request.extra_key,
+                request.all_token_ids[pos],
+            )
         request.num_computed_tokens += num_tokens
         if request.num_computed_tokens == request.num_tokens:
             request.append_output_token(self.rng.randrange(100))
@@ -301,6 +315,12 @@ def test_random_schedule_never_leaks_or_corrupts(seed: int) -> None:
     assert all(blk.ref_cnt == 0 for blk in pool.blocks)
     assert sim.manager._tables == {} and sim.manager._num_cached_blocks == {}
     check_links = list(pool.free_queue)
-    assert len(check_links) == pool.num_blocks and len({blk.block_id for blk in check_links}) == pool.num_blocks
-    assert pool.free_queue._head.next_free is check_links[0] and pool.free_queue._tail.prev_free is check_links[-1]
+    assert (
+        len(check_links) == pool.num_blocks
+        and len({blk.block_id for blk in check_links}) == pool.num_blocks
+    )
+    assert (
+        pool.free_queue._head.next_free is check_links[0]
+        and pool.free_queue._tail.prev_free is check_links[-1]
+    )
     assert all(a.next_free is b and b.prev_free is a for a, b in zip(check_links, check_links[1:]))

@@ -1,4 +1,5 @@
-"""Each supported family: tiny random HF model -> safetensors -> tokenmill, logits equal transformers'."""
+"""Each supported family: tiny random HF model -> safetensors -> tokenmill, logits equal
+transformers'."""
 
 from __future__ import annotations
 
@@ -27,8 +28,13 @@ ARCHITECTURES = {
         "LlamaConfig",
         dict(
             rope_theta=500000.0,
-            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=64),
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
             tie_word_embeddings=True,
         ),
     ),
@@ -38,13 +44,25 @@ ARCHITECTURES = {
     "gemma": ("GemmaConfig", dict(head_dim=16, hidden_activation="gelu_pytorch_tanh")),
     "gemma2": (
         "Gemma2Config",
-        dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=20.0,
-             final_logit_softcapping=15.0, hidden_activation="gelu_pytorch_tanh"),
+        dict(
+            head_dim=16,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=15.0,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
     ),
     "gemma3": (
         "Gemma3TextConfig",
-        dict(head_dim=32, sliding_window=6, query_pre_attn_scalar=24, rope_local_base_freq=10000.0,
-             rope_theta=1000000.0, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        dict(
+            head_dim=32,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            rope_local_base_freq=10000.0,
+            rope_theta=1000000.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
     ),
 }
 
@@ -64,16 +82,24 @@ def _hf_model(name: str) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-def _tokenmill_steps(loaded, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
+def _tokenmill_steps(
+    loaded, prompts: list[list[int]], continuations: list[list[int]]
+) -> list[torch.Tensor]:
     """Prefill all prompts in one batch, then feed the continuations one token per step, batched."""
     max_len = max(len(p) for p in prompts) + DECODE_STEPS
     blocks_per_seq = -(-max_len // BLOCK)
     # a float32 cache: these compare the model's arithmetic with transformers' (a float16 one, the
     # default on CPU, rounds keys and values to 11 bits: its own tests are in test_attention.py)
-    runner = ModelRunner(loaded, num_blocks=blocks_per_seq * len(prompts) + 1, block_size=BLOCK,
-                         kv_cache_dtype="float32")
+    runner = ModelRunner(
+        loaded,
+        num_blocks=blocks_per_seq * len(prompts) + 1,
+        block_size=BLOCK,
+        kv_cache_dtype="float32",
+    )
     # interleave the blocks of different sequences so that block tables really matter
-    tables = [[1 + s + len(prompts) * b for b in range(blocks_per_seq)] for s in range(len(prompts))]
+    tables = [
+        [1 + s + len(prompts) * b for b in range(blocks_per_seq)] for s in range(len(prompts))
+    ]
     lens = [len(p) for p in prompts]
     outputs = [runner.all_logits(prompts, lens, tables)]
     for step in range(DECODE_STEPS):
@@ -89,16 +115,21 @@ def test_logits_match_transformers(name: str, tmp_path) -> None:
     loaded = load_model(tmp_path, dtype="fp32", progress=False)
 
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, COMMON["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    continuations = [torch.randint(0, COMMON["vocab_size"], (DECODE_STEPS,), generator=gen).tolist() for _ in prompts]
+    prompts = [
+        torch.randint(0, COMMON["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS
+    ]
+    continuations = [
+        torch.randint(0, COMMON["vocab_size"], (DECODE_STEPS,), generator=gen).tolist()
+        for _ in prompts
+    ]
     with torch.no_grad():
         ours = _tokenmill_steps(loaded, prompts, continuations)
         offsets = [0] + torch.cumsum(torch.tensor(PROMPT_LENS), 0).tolist()
         for i, (prompt, cont) in enumerate(zip(prompts, continuations)):
             full = torch.tensor([prompt + cont])
             ref = hf(full).logits[0].float()
-            prefill = ours[0][offsets[i]:offsets[i + 1]]
+            prefill = ours[0][offsets[i] : offsets[i + 1]]
             torch.testing.assert_close(prefill, ref[: len(prompt)], atol=1e-4, rtol=0)
             decode = torch.stack([ours[1 + s][i] for s in range(DECODE_STEPS)])
-            torch.testing.assert_close(decode, ref[len(prompt):], atol=1e-4, rtol=0)
+            torch.testing.assert_close(decode, ref[len(prompt) :], atol=1e-4, rtol=0)
     assert ref.abs().max() > 0.05, "logits too small for the comparison to mean anything"

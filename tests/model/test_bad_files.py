@@ -50,8 +50,8 @@ def _unknown_qtype(tmp: Path) -> Path:
     name = b"blk.0.attn_q.weight"
     # tensor info: name, n_dims (u32), dims (u64 each), type (u32), offset (u64)
     at = data.index(name) + len(name) + 4 + 2 * 8
-    assert int.from_bytes(data[at:at + 4], "little") == gguf.GGMLQuantizationType.F32
-    data[at:at + 4] = (99).to_bytes(4, "little")
+    assert int.from_bytes(data[at : at + 4], "little") == gguf.GGMLQuantizationType.F32
+    data[at : at + 4] = (99).to_bytes(4, "little")
     path.write_bytes(bytes(data))
     return path
 

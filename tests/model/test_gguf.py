@@ -5,8 +5,9 @@ from __future__ import annotations
 import lzma
 import math
 import struct
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import gguf
 import numpy as np
@@ -20,7 +21,8 @@ from tokenmill.model.gguf_file import GGUFFile, read_gguf_metadata
 from tokenmill.model.quant import SUPPORTED_QTYPES, GGMLWeight, dequantize
 
 QUANTIZED = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-PY_QUANTIZABLE = [Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants.quantize supports these
+# gguf.quants.quantize supports these
+PY_QUANTIZABLE = [Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 # Byte offsets of the fp16 scale fields (d, dmin) within each block.
 F16_FIELDS = {
     Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
@@ -28,7 +30,9 @@ F16_FIELDS = {
 }  # fmt: skip
 # Logical shapes (torch order); (520, 512) spans more than one dequantization chunk.
 SHAPES = [(256,), (3, 256), (2, 3, 256), (520, 512)]
-VOCAB_GGUF_XZ = Path(__file__).parent.parent / "data" / "tokenizer-vectors" / "ggml-vocab-llama-spm.gguf.xz"
+VOCAB_GGUF_XZ = (
+    Path(__file__).parent.parent / "data" / "tokenizer-vectors" / "ggml-vocab-llama-spm.gguf.xz"
+)
 
 
 def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -78,7 +82,8 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tuple[np.ndarray, Q]]]:
-    """One file holding every supported type in several shapes; returns it and the raw data written."""
+    """One file holding every supported type in several shapes; returns it and the raw data
+    written."""
     rng = np.random.default_rng(0)
     raw: dict[str, tuple[np.ndarray, Q]] = {}
     for shape in SHAPES:
@@ -89,7 +94,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tup
             raw[f"{qtype.name}{shape}.quantized"] = (gguf.quants.quantize(dense, qtype), qtype)
         for qtype in QUANTIZED:
             raw[f"{qtype.name}{shape}.random"] = (random_blocks(qtype, shape, rng), qtype)
-    tensors = {name: (data if qtype in (Q.F32, Q.F16) else (data, qtype)) for name, (data, qtype) in raw.items()}
+    tensors = {
+        name: (data if qtype in (Q.F32, Q.F16) else (data, qtype))
+        for name, (data, qtype) in raw.items()
+    }
     path = write_gguf(tmp_path_factory.mktemp("gguf") / "all-types.gguf", tensors)
     return path, raw
 
@@ -115,8 +123,12 @@ def test_every_tensor_dequantizes_bit_exactly(model) -> None:
             assert isinstance(loaded, torch.Tensor) and loaded.shape == shape
             dense = loaded.float()
         else:
-            assert isinstance(loaded, GGMLWeight) and loaded.shape == shape and loaded.qtype == qtype
-            assert loaded.data.dtype == torch.uint8 and loaded.data.shape[0] == math.prod(shape[:-1])
+            assert (
+                isinstance(loaded, GGMLWeight) and loaded.shape == shape and loaded.qtype == qtype
+            )
+            assert loaded.data.dtype == torch.uint8 and loaded.data.shape[0] == math.prod(
+                shape[:-1]
+            )
             dense = loaded.dequantize()
         assert_same(dense, reference(data, qtype).reshape(shape))
 
@@ -182,7 +194,9 @@ def test_custom_alignment(tmp_path: Path, alignment: int) -> None:
     odd = np.arange(3, dtype=np.int8)  # with alignment 1 the next tensor starts at an odd offset
     dense = rng.standard_normal((2, 5)).astype(np.float32)
     q = random_blocks(Q.Q6_K, (2, 256), rng)
-    path = write_gguf(tmp_path / "aligned.gguf", {"odd": odd, "dense": dense, "q": (q, Q.Q6_K)}, alignment)
+    path = write_gguf(
+        tmp_path / "aligned.gguf", {"odd": odd, "dense": dense, "q": (q, Q.Q6_K)}, alignment
+    )
     f = GGUFFile(path)
     assert f.metadata["general.alignment"] == alignment
     assert all(info.offset % alignment == 0 for info in f.tensors.values())
@@ -280,7 +294,13 @@ def patch(path: Path, offset: int, value: bytes) -> None:
 def type_field(path: Path, tensor: str, n_dims: int = 2) -> int:
     """Byte offset of the ggml type number in ``tensor``'s info record."""
     name = tensor.encode()
-    return path.read_bytes().index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4 + 8 * n_dims
+    return (
+        path.read_bytes().index(struct.pack("<Q", len(name)) + name)
+        + 8
+        + len(name)
+        + 4
+        + 8 * n_dims
+    )
 
 
 def test_truncated_tensor_data(small: Path) -> None:
@@ -288,7 +308,9 @@ def test_truncated_tensor_data(small: Path) -> None:
     end = info.offset + info.nbytes
     small.write_bytes(small.read_bytes()[: end - 100])
     message = open_error(small)
-    assert f"truncated: tensor data ends at byte {end} but the file has {end - 100} bytes" in message
+    assert (
+        f"truncated: tensor data ends at byte {end} but the file has {end - 100} bytes" in message
+    )
     assert "'blk.0.dense'" in message
 
 
@@ -331,7 +353,9 @@ def test_known_but_unsupported_type(small: Path, qtype: Q) -> None:
 
 def test_row_length_not_a_multiple_of_the_block_size(small: Path) -> None:
     patch(small, type_field(small, "blk.0.dense"), struct.pack("<I", Q.Q8_0))
-    assert "row length 48 is not a multiple of the Q8_0 block size 32" in open_error(small, "blk.0.dense")
+    assert "row length 48 is not a multiple of the Q8_0 block size 32" in open_error(
+        small, "blk.0.dense"
+    )
 
 
 def test_unknown_metadata_value_type(small: Path) -> None:

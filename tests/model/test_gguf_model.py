@@ -1,4 +1,5 @@
-"""A tiny model written as GGUF (the way llama.cpp's converter writes it) equals its safetensors twin."""
+"""A tiny model written as GGUF (the way llama.cpp's converter writes it) equals its safetensors
+twin."""
 
 from __future__ import annotations
 
@@ -13,24 +14,54 @@ from gguf.quants import dequantize, quantize
 
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
-from tokenmill.model.quant_linear import COARSE_X_BLOCK, FINE_X_BLOCK, QuantEmbedding, QuantLinear, int4_rows_layout
+from tokenmill.model.quant_linear import (
+    COARSE_X_BLOCK,
+    FINE_X_BLOCK,
+    QuantEmbedding,
+    QuantLinear,
+    int4_rows_layout,
+)
 
 VOCAB = 96
 HF_CONFIGS = {
     "llama": transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0, initializer_range=0.1,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        initializer_range=0.1,
     ),
     "qwen2": transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rope_theta=1000000.0, initializer_range=0.1,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=1000000.0,
+        initializer_range=0.1,
         tie_word_embeddings=True,
     ),
     "gemma3": transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=5,
-        max_position_embeddings=128, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-        initializer_range=0.1, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=5,
+        max_position_embeddings=128,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        initializer_range=0.1,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"],
     ),
 }
 
@@ -65,11 +96,18 @@ def _gguf_name(hf_name: str, arch: str) -> str:
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf reorders q/k rows of Llama models for interleaved rope."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
-def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: gguf.GGMLQuantizationType,
-                quantize_embedding: bool = False) -> dict:
+def _write_gguf(
+    path: Path,
+    hf: transformers.PreTrainedModel,
+    arch: str,
+    qtype: gguf.GGMLQuantizationType,
+    quantize_embedding: bool = False,
+) -> dict:
     """Write hf as llama.cpp would; returns the state dict that the GGUF actually encodes."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -80,14 +118,22 @@ def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: 
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    theta = cfg.rope_parameters["full_attention"]["rope_theta"] if arch == "gemma3" else cfg.rope_parameters["rope_theta"]
+    theta = (
+        cfg.rope_parameters["full_attention"]["rope_theta"]
+        if arch == "gemma3"
+        else cfg.rope_parameters["rope_theta"]
+    )
     writer.add_rope_freq_base(theta)
     if arch == "gemma3":
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
         writer.add_sliding_window(cfg.sliding_window)
-        writer.add_array("gemma3.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])
-    tokens = [chr(c) for c in range(33, 127)] + ["ab", "<|end|>"]  # printable ASCII is its own byte-level form
+        writer.add_array(
+            "gemma3.attention.sliding_window_pattern",
+            [t == "sliding_attention" for t in cfg.layer_types],
+        )
+    # printable ASCII is its own byte-level form
+    tokens = [chr(c) for c in range(33, 127)] + ["ab", "<|end|>"]
     assert len(tokens) == VOCAB
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -112,7 +158,11 @@ def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: 
             data = dequantize(raw, qtype)
             if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
-                data = data.reshape(heads, data.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(data.shape)
+                data = (
+                    data.reshape(heads, data.shape[0] // heads // 2, 2, -1)
+                    .swapaxes(1, 2)
+                    .reshape(data.shape)
+                )
         else:
             writer.add_tensor(_gguf_name(hf_name, arch), data)
         if arch == "gemma3" and "norm" in hf_name:
@@ -126,14 +176,15 @@ def _write_gguf(path: Path, hf: transformers.PreTrainedModel, arch: str, qtype: 
 
 
 def _logits(loaded, prompts: list[list[int]]) -> torch.Tensor:
-    runner = ModelRunner(loaded, num_blocks=16, block_size=8, kv_cache_dtype="float32")  # exact comparisons
+    # exact comparisons
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8, kv_cache_dtype="float32")
     tables = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
     return runner.all_logits(prompts, [len(p) for p in prompts], tables)
 
 
 Q = gguf.GGMLQuantizationType
-# quantized-in-memory tolerance: Q4_0/Q4_1/Q4_K map exactly onto the int4 kernel (Q5_0 onto its 5-bit
-# form where tokenmill's row kernel serves) and Q8_0 is
+# quantized-in-memory tolerance: Q4_0/Q4_1/Q4_K map exactly onto the int4 kernel (Q5_0 onto its
+# 5-bit form where tokenmill's row kernel serves) and Q8_0 is
 # re-quantized to int8 with one scale per row (~0.07), but the GEMVs round the activations to int8,
 # which moves these tiny models' logits by up to ~0.13
 KEPT_ATOL = {Q.F32: 1e-4, Q.Q4_1: 2e-1, Q.Q5_0: 2e-1, Q.Q8_0: 2e-1}
@@ -168,10 +219,15 @@ def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_pat
     else:
         torch.testing.assert_close(ours, twin, atol=KEPT_ATOL[qtype], rtol=0)
         kinds = {m.kind for m in from_gguf.model.modules() if isinstance(m, QuantLinear)}
-        x_blocks = {name.rsplit(".", 1)[-1]: m.x_block for name, m in from_gguf.model.named_modules()
-                    if isinstance(m, QuantLinear)}
+        x_blocks = {
+            name.rsplit(".", 1)[-1]: m.x_block
+            for name, m in from_gguf.model.named_modules()
+            if isinstance(m, QuantLinear)
+        }
         if qtype != Q.F32:  # the down projection's outliers keep finer activation scales
-            assert x_blocks.pop("down_proj") == FINE_X_BLOCK and set(x_blocks.values()) == {COARSE_X_BLOCK}
+            assert x_blocks.pop("down_proj") == FINE_X_BLOCK and set(x_blocks.values()) == {
+                COARSE_X_BLOCK
+            }
         if qtype == Q.Q5_0:
             assert kinds >= ({"int5"} if int4_rows_layout() else {"int8"})
 
@@ -180,14 +236,18 @@ def test_tied_embedding_is_looked_up_from_the_file_rows(tmp_path: Path) -> None:
     """A tied Q8_0 embedding is looked up from the file's rows exactly, not from the head's
     re-quantized int8 rows."""
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS["qwen2"], dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(
+        HF_CONFIGS["qwen2"], dtype=torch.float32
+    ).eval()
     encoded = _write_gguf(tmp_path / "model.gguf", hf, "qwen2", Q.Q8_0, quantize_embedding=True)
     hf.load_state_dict(encoded, strict=False)
     loaded = load_model(tmp_path / "model.gguf", progress=False, quantization="gguf")
     model = loaded.model
     assert isinstance(model.embed, QuantEmbedding) and model.lm_head.kind == "int8"
     ids = torch.arange(VOCAB)
-    torch.testing.assert_close(model.embed(ids), encoded["model.embed_tokens.weight"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        model.embed(ids), encoded["model.embed_tokens.weight"], atol=1e-6, rtol=0
+    )
     prompts = [[5, 9, 3, 70, 1, 1, 44]]
     with torch.no_grad():
         ours = _logits(loaded, prompts)

@@ -9,32 +9,56 @@ import pytest
 import torch
 
 from tokenmill.model import kernels
-from tokenmill.model.attention import AttentionBatch, KVCache, _decode_attention, _matmul_decode_attention
-from tokenmill.model.quant_linear import (COARSE_X_BLOCK, MAX_STEP, Int4Rows, QuantLinear, dense_crossover,
-                                         dense_packed_form, int4_rows_layout, pack_fifth_bits, pack_int4_rows,
-                                         pack_tiles, tiles_layout, unpack_int4_rows, unpack_tiles)
+from tokenmill.model.attention import (
+    AttentionBatch,
+    KVCache,
+    _decode_attention,
+    _matmul_decode_attention,
+)
 from tokenmill.model.config import RopeSettings
+from tokenmill.model.quant_linear import (
+    COARSE_X_BLOCK,
+    MAX_STEP,
+    Int4Rows,
+    QuantLinear,
+    dense_crossover,
+    dense_packed_form,
+    int4_rows_layout,
+    pack_fifth_bits,
+    pack_int4_rows,
+    pack_tiles,
+    tiles_layout,
+    unpack_int4_rows,
+    unpack_tiles,
+)
 from tokenmill.model.transformer import RMSNorm, Rotary, apply_rotary
 from tokenmill.sample.sampler import greedy_ids
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
-                                reason="no C++ compiler to build the kernels with")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None,
+    reason="no C++ compiler to build the kernels with",
+)
 
 
-def _int8_layer(rows: int, cols: int, seed: int, dtype: torch.dtype = torch.bfloat16
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_layer(
+    rows: int, cols: int, seed: int, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
-    return torch.randint(-127, 128, (rows, cols), dtype=torch.int8), (torch.rand(rows) / 100).to(dtype)
+    return torch.randint(-127, 128, (rows, cols), dtype=torch.int8), (torch.rand(rows) / 100).to(
+        dtype
+    )
 
 
 def int8_activations(x: torch.Tensor, per: int = 8) -> torch.Tensor:
-    """x as the kernels multiply it: rounded to int8 with one scale (the largest magnitude / 127) per
-    `per` values, 8 for the GEMVs (sub-block j of each block of 32 holding its elements 4j..4j+3 and
-    16+4j..16+4j+3) or 32 for the tiles."""
+    """x as the kernels multiply it: rounded to int8 with one scale (the largest magnitude / 127)
+    per `per` values, 8 for the GEMVs (sub-block j of each block of 32 holding its elements 4j..4j+3
+    and 16+4j..16+4j+3) or 32 for the tiles."""
     blocks = x.float().view(x.shape[0], -1, 2, 4, 4)  # (row, block, half, j, 4 elements)
     largest = blocks.abs().amax(dim=(2, 4) if per == 8 else (2, 3, 4), keepdim=True)
     # a division, as the kernel's (`127 / tensor` would multiply by a rounded reciprocal)
-    inverse = torch.where(largest > 0, torch.full_like(largest, 127).div(largest), torch.zeros_like(largest))
+    inverse = torch.where(
+        largest > 0, torch.full_like(largest, 127).div(largest), torch.zeros_like(largest)
+    )
     return (torch.round(blocks * inverse) * (largest / 127)).view_as(x.float())
 
 
@@ -43,7 +67,9 @@ def test_kernels_build_and_load(cpu_kernels: bool) -> None:
     assert cpu_kernels and kernels.loaded(), marker.read_text() if marker.exists() else "not loaded"
 
 
-def _within_half_a_step(weight: torch.Tensor, exact: torch.Tensor, q: torch.Tensor, packed: Int4Rows) -> bool:
+def _within_half_a_step(
+    weight: torch.Tensor, exact: torch.Tensor, q: torch.Tensor, packed: Int4Rows
+) -> bool:
     """Whether the row layout moved each weight by at most half its row's unit per unit of q (the
     scale's rounding to a step), plus float32's rounding: the lows are kept exactly."""
     return bool(((weight - exact).abs() <= q.float() * packed.units[:, None] / 2 + 1e-6).all())
@@ -52,9 +78,13 @@ def _within_half_a_step(weight: torch.Tensor, exact: torch.Tensor, q: torch.Tens
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9, 13])  # 13: blocks of 8, 4 and 1 rows
 @pytest.mark.parametrize("means", ["gemv", "dense copy", "chunks"])
-@pytest.mark.parametrize("cols", [96, 288])  # 3 and 9 blocks of 32: the kernels' unrolled steps and a block left
-def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: torch.dtype, cols: int) -> None:
-    weight, scale = _int8_layer(8197, cols, tokens, dtype)  # rows: not a multiple of the threads' share nor of a chunk
+# 3 and 9 blocks of 32: the kernels' unrolled steps and a block left
+@pytest.mark.parametrize("cols", [96, 288])
+def test_int8_linear_matches_a_float_reference(
+    tokens: int, means: str, dtype: torch.dtype, cols: int
+) -> None:
+    # rows: not a multiple of the threads' share nor of a chunk
+    weight, scale = _int8_layer(8197, cols, tokens, dtype)
     x = torch.randn(tokens, cols).to(dtype)
     multiplied = int8_activations(x) if means == "gemv" else x.float()  # the GEMV rounds x to int8
     reference = (multiplied @ weight.float().t()) * scale.float()
@@ -62,9 +92,13 @@ def test_int8_linear_matches_a_float_reference(tokens: int, means: str, dtype: t
     if means == "dense copy":  # what the loader keeps: the dequantized weight, rounded to the dtype
         dense = (weight.float() * scale.float()[:, None]).to(dtype)
         reference = x.float() @ dense.float().t()
-    out = torch.ops.tokenmill.int8_linear(x, weight, scale, dense, 16 if means == "gemv" else 0, 2048)
+    out = torch.ops.tokenmill.int8_linear(
+        x, weight, scale, dense, 16 if means == "gemv" else 0, 2048
+    )
     assert out.dtype == dtype and out.shape == (tokens, 8197)
-    tolerance = dict(atol=2e-3, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    tolerance = (
+        dict(atol=2e-3, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    )
     torch.testing.assert_close(out.float(), reference, **tolerance)
 
 
@@ -75,8 +109,9 @@ def test_int8_linear_rejects_what_it_cannot_multiply() -> None:
     with pytest.raises(RuntimeError, match="of x's dtype"):
         torch.ops.tokenmill.int8_linear(torch.randn(1, 96), weight, scale, None, 4, 2048)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.tokenmill.int8_linear(torch.randn(1, 80).bfloat16(), weight[:, :80].contiguous(), scale, None, 4,
-                                        2048)
+        torch.ops.tokenmill.int8_linear(
+            torch.randn(1, 80).bfloat16(), weight[:, :80].contiguous(), scale, None, 4, 2048
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -87,8 +122,11 @@ def test_quant_linear_uses_the_kernel(dtype: torch.dtype) -> None:
     x = torch.randn(3, 128).to(dtype)
     assert layer._kernel(3, layer._native_fits(x)) == "native"
     assert not layer._native_fits(x.half())  # other dtypes keep PyTorch's kernels
-    packed = (torch.ops.aten._weight_int8pack_mm(x, layer.weight_int8, layer.scales) + layer.bias).float()
-    assert ((layer(x).float() - packed).norm() / packed.norm()).item() < 2e-2  # the GEMV rounds x to int8
+    packed = (
+        torch.ops.aten._weight_int8pack_mm(x, layer.weight_int8, layer.scales) + layer.bias
+    ).float()
+    # the GEMV rounds x to int8
+    assert ((layer(x).float() - packed).norm() / packed.norm()).item() < 2e-2
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
@@ -100,7 +138,9 @@ def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int)
     x = torch.randn(tokens, 128)
     out = torch.ops.tokenmill.int4_linear(x, layer.packed, layer.scales_zeros, 32, dense, 3)
     assert layer.scales_zeros.dtype == torch.bfloat16  # an fp32 model runs the int4 kernel in bf16
-    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), layer.packed, 32, layer.scales_zeros).float()
+    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.bfloat16(), layer.packed, 32, layer.scales_zeros
+    ).float()
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, packed if tokens <= 3 else x @ dense.t())
 
@@ -108,8 +148,11 @@ def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9, 13])  # 13: blocks of 8, 4 and 1 rows
 @pytest.mark.parametrize("dense", [False, True])
-@pytest.mark.parametrize("cols", [160, 288])  # 5 and 9 groups of 32: quads, a pair and a single group left
-def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dtype, dense: bool, cols: int) -> None:
+# 5 and 9 groups of 32: quads, a pair and a single group left
+@pytest.mark.parametrize("cols", [160, 288])
+def test_int4_rows_linear_matches_a_float_reference(
+    tokens: int, dtype: torch.dtype, dense: bool, cols: int
+) -> None:
     torch.manual_seed(tokens)
     rows = 1037  # not a multiple of the threads' share
     q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
@@ -124,14 +167,19 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
     assert _within_half_a_step(weight, exact, q, packed)
     x = torch.randn(tokens, cols).to(dtype)
     x[0, 32:64] = 0  # an all-zero block has no scale to divide by
-    copy = torch.randn(rows, cols).to(dtype) if dense else None  # unrelated: shows which one was used
+    # unrelated: shows which one was used
+    copy = torch.randn(rows, cols).to(dtype) if dense else None
     # the GEMV (on int8 activations) up to 4 rows, then the copy, or the GEMV still without one
     out = torch.ops.tokenmill.int4_rows_linear(x, *packed, None, copy, 4)
     assert out.dtype == dtype and out.shape == (tokens, rows)
     by_copy = dense and tokens > 4
     gemv = not by_copy
-    reference = (int8_activations(x) if gemv else x.float()) @ (copy.float() if by_copy else weight).t()
-    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    reference = (int8_activations(x) if gemv else x.float()) @ (
+        copy.float() if by_copy else weight
+    ).t()
+    tolerance = (
+        dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    )
     torch.testing.assert_close(out.float(), reference, **tolerance)
     if gemv:  # and the rounding costs about what it costs llama.cpp's Q8 activations
         exact = x.float() @ weight.t()
@@ -140,7 +188,8 @@ def test_int4_rows_linear_matches_a_float_reference(tokens: int, dtype: torch.dt
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9, 13])
-@pytest.mark.parametrize("cols", [96, 128, 160, 192, 224, 640])  # blocks of 4 groups; pairs and single groups left
+# blocks of 4 groups; pairs and single groups left
+@pytest.mark.parametrize("cols", [96, 128, 160, 192, 224, 640])
 def test_int4_rows_linear_takes_5bit_weights(tokens: int, dtype: torch.dtype, cols: int) -> None:
     torch.manual_seed(tokens + cols)
     rows = 67
@@ -149,45 +198,61 @@ def test_int4_rows_linear_takes_5bit_weights(tokens: int, dtype: torch.dtype, co
     packed = pack_int4_rows(q, scale, low)
     fifth = pack_fifth_bits(q)
     weight = unpack_int4_rows(packed, fifth)
-    exact = (q.float().view(rows, -1, 32) * scale[..., None] + low.half().float()[..., None]).view(rows, cols)
+    exact = (q.float().view(rows, -1, 32) * scale[..., None] + low.half().float()[..., None]).view(
+        rows, cols
+    )
     assert _within_half_a_step(weight, exact, q, packed)
     x = torch.randn(tokens, cols).to(dtype)
     out = torch.ops.tokenmill.int4_rows_linear(x, *packed, fifth, None, 64)
     reference = int8_activations(x) @ weight.t()
-    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    tolerance = (
+        dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    )
     torch.testing.assert_close(out.float(), reference, **tolerance)
     without_fifth = torch.ops.tokenmill.int4_rows_linear(x, *packed, None, None, 64)
     assert not torch.allclose(without_fifth.float(), reference, atol=1e-2)  # the fifth bits count
 
 
 def test_int4_rows_linear_rejects_what_it_cannot_multiply() -> None:
-    packed = pack_int4_rows(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
+    packed = pack_int4_rows(
+        torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2)
+    )
     linear = torch.ops.tokenmill.int4_rows_linear
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         linear(torch.randn(1, 64).half(), *packed, None, None, 4)
     with pytest.raises(RuntimeError, match="K / 2"):
         linear(torch.randn(1, 96), *packed, None, None, 4)
     with pytest.raises(RuntimeError, match="steps_lows must be contiguous int16"):
-        linear(torch.randn(1, 64), packed.nibbles, packed.steps_lows.int(), packed.units, None, None, 4)
+        linear(
+            torch.randn(1, 64), packed.nibbles, packed.steps_lows.int(), packed.units, None, None, 4
+        )
     with pytest.raises(RuntimeError, match="units must be contiguous float32"):
-        linear(torch.randn(1, 64), packed.nibbles, packed.steps_lows, packed.units[:4], None, None, 4)
+        linear(
+            torch.randn(1, 64), packed.nibbles, packed.steps_lows, packed.units[:4], None, None, 4
+        )
     with pytest.raises(RuntimeError, match="fifth_bits"):
         linear(torch.randn(1, 64), *packed, packed.nibbles, None, 4)
 
 
 needs_avx512 = pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() != "AVX512" or "avx512_vnni" not in kernels.cpu_flags().split(),
-    reason="the tile kernel is built for AVX-512 with VNNI only")
+    torch.backends.cpu.get_cpu_capability() != "AVX512"
+    or "avx512_vnni" not in kernels.cpu_flags().split(),
+    reason="the tile kernel is built for AVX-512 with VNNI only",
+)
 
 
 def _random_tiles(rows: int, cols: int, bits: int, seed: int):
     torch.manual_seed(seed)
     q = torch.randint(0, 1 << bits, (rows, cols))
-    if bits == 8:  # an int8 row as the loader gives it: q + 128 with one scale per row and low = -128 scale
+    if bits == 8:
+        # an int8 row as the loader gives it: q + 128 with one scale per row and low = -128 scale
         scale = (torch.rand(rows, 1) / 100).expand(rows, cols // 32)
         low = -128 * scale
     else:  # float16 values, as the files hold them (Q4_0's scales may be negative); a row of zeros
-        scale, low = (torch.randn(rows, cols // 32) / 10).half().float(), (torch.randn(rows, cols // 32) / 10).half().float()
+        scale, low = (
+            (torch.randn(rows, cols // 32) / 10).half().float(),
+            (torch.randn(rows, cols // 32) / 10).half().float(),
+        )
         scale[1] = 0
     return q, scale, low, pack_tiles(q, scale, low, bits)
 
@@ -198,8 +263,9 @@ def _random_tiles(rows: int, cols: int, bits: int, seed: int):
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("cols", [32, 160])
 @pytest.mark.parametrize("x_block", [8, 32])
-def test_quant_tiles_linear_matches_a_float_reference(tokens: int, dtype: torch.dtype, bits: int, cols: int,
-                                                      x_block: int) -> None:
+def test_quant_tiles_linear_matches_a_float_reference(
+    tokens: int, dtype: torch.dtype, bits: int, cols: int, x_block: int
+) -> None:
     rows = 16 * 37  # tiles not a multiple of the threads' share nor of a chunk
     _, _, _, packed = _random_tiles(rows, cols, bits, tokens + bits)
     weight = unpack_tiles(packed)
@@ -209,12 +275,18 @@ def test_quant_tiles_linear_matches_a_float_reference(tokens: int, dtype: torch.
     out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, x_block)
     assert out.dtype == dtype and out.shape == (tokens, rows)
     per = 8 if tokens == 1 else x_block  # a single row rounds per 8 at any x_block (kFineMaxRows)
-    reference = int8_activations(x, per=per) @ weight.t()  # x rounded to int8, a scale per `per` values
-    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    # x rounded to int8, a scale per `per` values
+    reference = int8_activations(x, per=per) @ weight.t()
+    tolerance = (
+        dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    )
     torch.testing.assert_close(out.float(), reference, **tolerance)
     if bits == 5:
-        without_fifth = torch.ops.tokenmill.quant_tiles_linear(x, packed.tiles, packed.tile_scales, None, 4, None, 64)
-        assert not torch.allclose(without_fifth.float(), reference, atol=1e-2)  # the fifth bits count
+        without_fifth = torch.ops.tokenmill.quant_tiles_linear(
+            x, packed.tiles, packed.tile_scales, None, 4, None, 64
+        )
+        # the fifth bits count
+        assert not torch.allclose(without_fifth.float(), reference, atol=1e-2)
 
 
 @needs_avx512
@@ -247,7 +319,9 @@ def test_quant_tiles_keep_group_scales_in_float16_only_where_exact(exact_in_half
 
 @needs_avx512
 @pytest.mark.parametrize("tokens", [4, 5])
-def test_quant_tiles_linear_takes_fine_activation_scales_beyond_max_coarse_rows(tokens: int) -> None:
+def test_quant_tiles_linear_takes_fine_activation_scales_beyond_max_coarse_rows(
+    tokens: int,
+) -> None:
     _, _, _, packed = _random_tiles(32, 64, 8, 1)
     x = torch.randn(tokens, 64)
     out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 32, 4)
@@ -259,7 +333,9 @@ def _amx_usable() -> bool:
     return kernels.load() and torch.ops.tokenmill.amx_usable()
 
 
-needs_amx = pytest.mark.skipif(not _amx_usable(), reason="the tile kernel's AMX path needs a CPU with AMX")
+needs_amx = pytest.mark.skipif(
+    not _amx_usable(), reason="the tile kernel's AMX path needs a CPU with AMX"
+)
 
 
 @needs_amx
@@ -267,11 +343,15 @@ needs_amx = pytest.mark.skipif(not _amx_usable(), reason="the tile kernel's AMX 
 @pytest.mark.parametrize("tokens", [1, 16, 17, 70, 300])
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("half_scales", [True, False])
-def test_quant_tiles_linear_on_amx_multiplies_the_bf16_weights(tokens: int, bits: int, half_scales: bool) -> None:
+def test_quant_tiles_linear_on_amx_multiplies_the_bf16_weights(
+    tokens: int, bits: int, half_scales: bool
+) -> None:
     _, _, _, packed = _random_tiles(16 * 37, 160, bits, tokens + bits)
     if not half_scales:
         packed = packed._replace(tile_scales=packed.tile_scales.float())
-    assert packed.tile_scales.dtype == (torch.float16 if half_scales and bits != 8 else torch.float32)
+    assert packed.tile_scales.dtype == (
+        torch.float16 if half_scales and bits != 8 else torch.float32
+    )
     x = torch.randn(tokens, 160, dtype=torch.bfloat16)
     reference = x.float() @ unpack_tiles(packed).bfloat16().float().t()  # no int8 activations
 
@@ -303,7 +383,9 @@ def test_quant_tiles_linear_keeps_float32_rows_off_amx() -> None:
     _, _, _, packed = _random_tiles(32, 64, 4, 3)
     x = torch.randn(20, 64)
     out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 8, -1, 0)
-    torch.testing.assert_close(out, int8_activations(x) @ unpack_tiles(packed).t(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        out, int8_activations(x) @ unpack_tiles(packed).t(), atol=1e-4, rtol=1e-4
+    )
 
 
 @needs_avx512
@@ -320,8 +402,17 @@ def test_quant_tiles_linear_rejects_what_it_cannot_multiply() -> None:
         linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, None, 8, None, 4)
     with pytest.raises(RuntimeError, match="tile_scales must be"):
         linear(torch.randn(1, 64), packed.tiles, packed.tile_scales.double(), None, 4, None, 4)
-    with pytest.raises(RuntimeError, match="tile_scales must be"):  # float16 only with a pair per group
-        linear(torch.randn(1, 64), packed.tiles, packed.tile_scales[:, :1].half().contiguous(), None, 4, None, 4)
+    with pytest.raises(RuntimeError, match="tile_scales must be"):
+        # float16 only with a pair per group
+        linear(
+            torch.randn(1, 64),
+            packed.tiles,
+            packed.tile_scales[:, :1].half().contiguous(),
+            None,
+            4,
+            None,
+            4,
+        )
     with pytest.raises(RuntimeError, match="fifth_masks"):
         linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, packed.tiles, 4, None, 4)
 
@@ -331,7 +422,9 @@ def test_quant_tiles_linear_rejects_what_it_cannot_multiply() -> None:
 def test_quant_linear_takes_tiles_on_avx512(kind: str) -> None:
     torch.manual_seed(8)
     kind, data = dense_packed_form(torch.randn(96, 128), kind)
-    tiles, rows = (QuantLinear(96, 128, torch.float32, **{kind: data}, tiles=flag) for flag in (None, False))
+    tiles, rows = (
+        QuantLinear(96, 128, torch.float32, **{kind: data}, tiles=flag) for flag in (None, False)
+    )
     assert tiles_layout() and torch.ops.tokenmill.tiles_built()
     assert tiles.tiles and not rows.tiles and "tiles" in repr(tiles)
     x = torch.randn(11, 128)
@@ -344,30 +437,45 @@ def test_quant_linear_takes_tiles_on_avx512(kind: str) -> None:
     torch.testing.assert_close(tiles(x), int8_activations(x) @ weight.t(), atol=1e-4, rtol=1e-4)
     assert ((rows(x) - tiles(x)).norm() / tiles(x).norm()).item() < 1e-3
     coarse = QuantLinear(96, 128, torch.float32, **{kind: data}, x_block=COARSE_X_BLOCK)
-    torch.testing.assert_close(coarse(x), int8_activations(x, per=32) @ weight.t(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        coarse(x), int8_activations(x, per=32) @ weight.t(), atol=1e-4, rtol=1e-4
+    )
     kind, data = dense_packed_form(torch.randn(100, 128), kind)
-    assert not QuantLinear(100, 128, torch.float32, **{kind: data}).tiles  # rows not in whole tiles of 16
+    # rows not in whole tiles of 16
+    assert not QuantLinear(100, 128, torch.float32, **{kind: data}).tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_quant_linear_int4_layouts_agree(dtype: torch.dtype) -> None:
     torch.manual_seed(6)
     kind, data = dense_packed_form(torch.randn(96, 128), "int4")
-    rows, tiles = (QuantLinear(96, 128, dtype, **{kind: data}, int4_rows=flag, tiles=False) for flag in (True, False))
+    rows, tiles = (
+        QuantLinear(96, 128, dtype, **{kind: data}, int4_rows=flag, tiles=False)
+        for flag in (True, False)
+    )
     x = torch.randn(3, 128).to(dtype)
-    assert rows._kernel(3, rows._native_fits(x)) == ("packed" if dtype == torch.float16 else "native")
+    assert rows._kernel(3, rows._native_fits(x)) == (
+        "packed" if dtype == torch.float16 else "native"
+    )
     out, reference = rows(x).float(), tiles(x).float()
     assert ((out - reference).norm() / reference.norm()).item() < 1e-2  # tiles run in bf16 for fp32
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens, width", [(1, 16), (7, 37), (300, 2048)])  # 37: a partial vector at each row's end
-def test_gated_activation_matches_eager(kind: str, dtype: torch.dtype, tokens: int, width: int) -> None:
+# 37: a partial vector at each row's end
+@pytest.mark.parametrize("tokens, width", [(1, 16), (7, 37), (300, 2048)])
+def test_gated_activation_matches_eager(
+    kind: str, dtype: torch.dtype, tokens: int, width: int
+) -> None:
     torch.manual_seed(tokens)
     gate_up = (torch.randn(tokens, 2 * width) * 4).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
-    act = torch.nn.functional.silu(gate) if kind == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+    act = (
+        torch.nn.functional.silu(gate)
+        if kind == "silu"
+        else torch.nn.functional.gelu(gate, approximate="tanh")
+    )
     out = torch.ops.tokenmill.gated_activation(gate_up, kind)
     assert out.dtype == dtype and out.shape == (tokens, width)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
@@ -398,13 +506,15 @@ def test_greedy_ids_refuse_what_they_cannot_compute() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [1, 17, 49152 + 5])
-def test_sample_ids_take_the_first_token_past_each_rows_draw(dtype: torch.dtype, width: int) -> None:
+def test_sample_ids_take_the_first_token_past_each_rows_draw(
+    dtype: torch.dtype, width: int
+) -> None:
     torch.manual_seed(width)
     logits = (torch.randn(8, width) * 3).to(dtype)
     logits[:, ::3] = float("-inf")  # filtered out: never picked
     logits[:, 1 % width] = 2.0
     temperature = torch.tensor([1.0, 0.5, 2.0, 0.7, 1.0, 1.3, 0.9, 1.0])
-    uniforms = torch.tensor([0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.999, 1.0 - 2.0 ** -24])
+    uniforms = torch.tensor([0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.999, 1.0 - 2.0**-24])
     ids = torch.ops.tokenmill.sample_ids(logits, 1 / temperature, uniforms)
     weights = (logits.double() / temperature.double()[:, None]).softmax(dim=-1)
     cdf = weights.cumsum(dim=-1)
@@ -413,30 +523,45 @@ def test_sample_ids_take_the_first_token_past_each_rows_draw(dtype: torch.dtype,
         assert weights[row, token] > 0, (row, token)
         threshold = float(uniforms[row])
         before = float(cdf[row, token - 1]) if token else 0.0
-        # the kernel's fp32 sums may cross the threshold a token early or late only within their rounding
-        assert before <= threshold + 1e-5 and float(cdf[row, token]) > threshold - 1e-5, (row, token)
+        # the kernel's fp32 sums may cross the threshold a token early or late only within their
+        # rounding
+        assert before <= threshold + 1e-5 and float(cdf[row, token]) > threshold - 1e-5, (
+            row,
+            token,
+        )
 
 
 def test_sample_ids_refuse_what_they_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="2-D float32 or bfloat16"):
-        torch.ops.tokenmill.sample_ids(torch.zeros(2, 4, dtype=torch.float16), torch.ones(2), torch.zeros(2))
+        torch.ops.tokenmill.sample_ids(
+            torch.zeros(2, 4, dtype=torch.float16), torch.ones(2), torch.zeros(2)
+        )
     with pytest.raises(RuntimeError, match="one float32 per row"):
         torch.ops.tokenmill.sample_ids(torch.zeros(2, 4), torch.ones(3), torch.zeros(2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(5, 576), (1, 16), (7, 4, 256)])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])  # a bf16 model's norms are bf16
-def test_rms_norm_matches_the_eager_norm(dtype: torch.dtype, shape: tuple[int, ...], weight_dtype: torch.dtype) -> None:
+# a bf16 model's norms are bf16
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_eager_norm(
+    dtype: torch.dtype, shape: tuple[int, ...], weight_dtype: torch.dtype
+) -> None:
     torch.manual_seed(len(shape))
     norm = RMSNorm(shape[-1], 1e-6)
     norm.weight.data.normal_()
     norm.to(weight_dtype)
     x = torch.randn(*shape).to(dtype)
     if len(shape) == 3:  # heads of a fused projection's output: a strided view
-        x = torch.randn(shape[0], shape[1] * shape[2] + 32).to(dtype)[:, :shape[1] * shape[2]].view(shape)
+        x = (
+            torch.randn(shape[0], shape[1] * shape[2] + 32)
+            .to(dtype)[:, : shape[1] * shape[2]]
+            .view(shape)
+        )
     x32 = x.float()
-    reference = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()).to(dtype)
+    reference = (
+        x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()
+    ).to(dtype)
     out = torch.ops.tokenmill.rms_norm(x, norm.weight, 1e-6)
     assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -455,12 +580,20 @@ def test_rms_norm_refuses_what_it_cannot_compute() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, head_dim", [(9, 64), (1, 256), (3, 32)])
-def test_rotary_matches_the_rotate_half_embedding(dtype: torch.dtype, heads: int, head_dim: int) -> None:
+def test_rotary_matches_the_rotate_half_embedding(
+    dtype: torch.dtype, heads: int, head_dim: int
+) -> None:
     torch.manual_seed(heads)
     tokens = 21
     # heads of a fused projection's output: a strided view
-    x = torch.randn(tokens, heads * head_dim + 64).to(dtype)[:, :heads * head_dim].view(tokens, heads, head_dim)
-    cos, sin = Rotary(RopeSettings(theta=10000.0), head_dim).tables(torch.arange(100, 100 + tokens), dtype)
+    x = (
+        torch.randn(tokens, heads * head_dim + 64)
+        .to(dtype)[:, : heads * head_dim]
+        .view(tokens, heads, head_dim)
+    )
+    cos, sin = Rotary(RopeSettings(theta=10000.0), head_dim).tables(
+        torch.arange(100, 100 + tokens), dtype
+    )
     half = head_dim // 2
     x1, x2, c, s = x[..., :half].double(), x[..., half:].double(), cos.double(), sin.double()
     reference = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
@@ -468,7 +601,8 @@ def test_rotary_matches_the_rotate_half_embedding(dtype: torch.dtype, heads: int
     assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(out.double(), reference, **tolerance)
-    torch.testing.assert_close(apply_rotary(x, cos, sin), out, atol=0, rtol=0)  # eager steps take it
+    # eager steps take it
+    torch.testing.assert_close(apply_rotary(x, cos, sin), out, atol=0, rtol=0)
 
 
 def test_rotary_refuses_what_it_cannot_compute() -> None:
@@ -476,7 +610,9 @@ def test_rotary_refuses_what_it_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="contiguous heads"):
         torch.ops.tokenmill.rotary(torch.zeros(2, 32, 2).transpose(1, 2), cos, sin)
     with pytest.raises(RuntimeError, match="multiple of"):
-        torch.ops.tokenmill.rotary(torch.zeros(2, 1, 24), torch.zeros(2, 1, 12), torch.zeros(2, 1, 12))
+        torch.ops.tokenmill.rotary(
+            torch.zeros(2, 1, 24), torch.zeros(2, 1, 12), torch.zeros(2, 1, 12)
+        )
     with pytest.raises(RuntimeError, match="tables of x's dtype"):
         torch.ops.tokenmill.rotary(torch.zeros(2, 1, 32), cos.bfloat16(), sin.bfloat16())
 
@@ -488,56 +624,103 @@ def test_gated_activation_refuses_what_it_cannot_compute() -> None:
         torch.ops.tokenmill.gated_activation(torch.zeros(8, 4).t(), "silu")
 
 
-@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                                    (torch.float32, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
 # query heads per KV head: 3, 4, 3, 7 (attended 4 then 3 at a time), 2 and 1
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
-                         [(9, 3, 64), (4, 1, 256), (6, 2, 16), (14, 2, 64), (4, 2, 48), (2, 2, 32)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 1, 256), (6, 2, 16), (14, 2, 64), (4, 2, 48), (2, 2, 32)],
+)
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
-def test_decode_attention_matches_batched_matmuls(dtype: torch.dtype, cache_dtype: torch.dtype, heads: int,
-                                                  kv_heads: int, head_dim: int, window: int | None,
-                                                  softcap: float | None) -> None:
+def test_decode_attention_matches_batched_matmuls(
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    window: int | None,
+    softcap: float | None,
+) -> None:
     """Contexts shorter than, equal to and across the kernel's 64-position chunks, padded to the
     longest, blocks out of order; a window leaves whole chunks without an admitted key. A float32
-    model's cache may be half precision: its rows are widened exactly, so float32's tolerance holds."""
+    model's cache may be half precision: its rows are widened exactly, so float32's tolerance
+    holds."""
     torch.manual_seed(head_dim)
     block_size, context_lens = 16, [3, 64, 200, 131]
-    cache = KVCache(num_layers=1, num_blocks=40, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=cache_dtype)
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=40,
+        block_size=block_size,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=cache_dtype,
+    )
     cache.k[0][:-1].normal_()  # every slot but the zero pad slot
     cache.v[0][:-1].normal_()
     order, tables = torch.randperm(40).tolist(), []
     for context in context_lens:
-        tables.append(order[:-(-context // block_size)])
-        order = order[len(tables[-1]):]
+        tables.append(order[: -(-context // block_size)])
+        order = order[len(tables[-1]) :]
     batch = AttentionBatch.build([1] * 4, context_lens, tables, block_size, cache.pad_slot)
     q = torch.randn(4, heads, head_dim).to(dtype)
-    args = (q, cache.k[0], cache.v[0], batch.context_slots, batch.mask(window), head_dim ** -0.5, softcap)
+    args = (
+        q,
+        cache.k[0],
+        cache.v[0],
+        batch.context_slots,
+        batch.mask(window),
+        head_dim**-0.5,
+        softcap,
+    )
     out = torch.ops.tokenmill.decode_attention(*args)
     assert out.dtype == dtype and out.shape == q.shape
-    reference = _matmul_decode_attention(q.float(), cache.k[0].float(), cache.v[0].float(), *args[3:])
+    reference = _matmul_decode_attention(
+        q.float(), cache.k[0].float(), cache.v[0].float(), *args[3:]
+    )
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), reference, **tolerance)
-    torch.testing.assert_close(_decode_attention(*args), out, atol=0, rtol=0)  # the model's decode steps take it
+    # the model's decode steps take it
+    torch.testing.assert_close(_decode_attention(*args), out, atol=0, rtol=0)
 
 
 def test_decode_attention_refuses_what_it_cannot_compute() -> None:
     cache = torch.zeros(10, 1, 16)
     slots, mask = torch.zeros(1, 3, dtype=torch.int64), torch.ones(1, 1, 1, 3, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="head_dim 12 must be a multiple"):
-        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 12), torch.zeros(10, 1, 12), torch.zeros(10, 1, 12),
-                                             slots, mask, 1.0, None)
+        torch.ops.tokenmill.decode_attention(
+            torch.zeros(1, 2, 12),
+            torch.zeros(10, 1, 12),
+            torch.zeros(10, 1, 12),
+            slots,
+            mask,
+            1.0,
+            None,
+        )
     with pytest.raises(RuntimeError, match="share q's dtype"):
-        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16, dtype=torch.bfloat16), cache, cache, slots, mask,
-                                             1.0, None)
+        torch.ops.tokenmill.decode_attention(
+            torch.zeros(1, 2, 16, dtype=torch.bfloat16), cache, cache, slots, mask, 1.0, None
+        )
     half = cache.half()
-    with pytest.raises(RuntimeError, match="share q's dtype"):  # a bfloat16 q takes a bfloat16 cache only
-        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16, dtype=torch.bfloat16), half, half, slots, mask,
-                                             1.0, None)
+    with pytest.raises(RuntimeError, match="share q's dtype"):
+        # a bfloat16 q takes a bfloat16 cache only
+        torch.ops.tokenmill.decode_attention(
+            torch.zeros(1, 2, 16, dtype=torch.bfloat16), half, half, slots, mask, 1.0, None
+        )
     with pytest.raises(RuntimeError, match="share q's dtype"):  # K and V alike
-        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16), half, cache, slots, mask, 1.0, None)
+        torch.ops.tokenmill.decode_attention(
+            torch.zeros(1, 2, 16), half, cache, slots, mask, 1.0, None
+        )
     with pytest.raises(RuntimeError, match="one entry per slot"):
-        torch.ops.tokenmill.decode_attention(torch.zeros(1, 2, 16), cache, cache, slots, mask[..., :2], 1.0, None)
+        torch.ops.tokenmill.decode_attention(
+            torch.zeros(1, 2, 16), cache, cache, slots, mask[..., :2], 1.0, None
+        )
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
@@ -545,19 +728,36 @@ def test_fp32_batches_take_the_gemv_below_the_dense_copy(kind: str) -> None:
     torch.manual_seed(7)
     kind, data = dense_packed_form(torch.randn(96, 128), kind)
     copy = torch.randn(96, 128)  # unrelated to the packed weight: shows which one was used
-    # where tokenmill's row kernels serve (AVX2) no layer keeps a dense copy by default (the GEMVs keep
-    # up at any size); elsewhere copies serve from 65 tokens
+    # where tokenmill's row kernels serve (AVX2) no layer keeps a dense copy by default (the GEMVs
+    # keep up at any size); elsewhere copies serve from 65 tokens
     default = 0 if int4_rows_layout() else 65
-    assert dense_crossover("int8", torch.float32) == dense_crossover("int4", torch.float32) == default
+    assert (
+        dense_crossover("int8", torch.float32) == dense_crossover("int4", torch.float32) == default
+    )
     crossover = 65  # a copy asked for (`dense_min_tokens`) serves from there
-    layer = QuantLinear(96, 128, torch.float32, **{kind: data}, dense=copy, dense_min_tokens=crossover,
-                        int4_rows=True, tiles=False)
-    packed = unpack_int4_rows(layer._int4_rows()) if kind == "int4" else data[0].float() * data[1][:, None]
+    layer = QuantLinear(
+        96,
+        128,
+        torch.float32,
+        **{kind: data},
+        dense=copy,
+        dense_min_tokens=crossover,
+        int4_rows=True,
+        tiles=False,
+    )
+    packed = (
+        unpack_int4_rows(layer._int4_rows())
+        if kind == "int4"
+        else data[0].float() * data[1][:, None]
+    )
     assert layer._gemv_max_tokens(torch.float32) == 64
     for tokens in (1, 9, 64, 65):
         x = torch.randn(tokens, 128)
-        reference = x @ copy.t() if tokens >= crossover else int8_activations(x) @ packed.t()  # the GEMV's rounding
+        # the GEMV's rounding
+        reference = x @ copy.t() if tokens >= crossover else int8_activations(x) @ packed.t()
         torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-4)
     without_copy = QuantLinear(96, 128, torch.float32, **{kind: data}, int4_rows=True, tiles=False)
     x = torch.randn(100, 128)  # without a copy, the GEMV at any size
-    torch.testing.assert_close(without_copy(x), int8_activations(x) @ packed.t(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        without_copy(x), int8_activations(x) @ packed.t(), atol=1e-4, rtol=1e-4
+    )

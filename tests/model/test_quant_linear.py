@@ -1,4 +1,5 @@
-"""Packed linear layers: `--quantization int8|int4` of dense checkpoints, kernel choice by batch size."""
+"""Packed linear layers: `--quantization int8|int4` of dense checkpoints, kernel choice by batch
+size."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from gguf import GGMLQuantizationType as Q
 from tests.model.test_gguf import random_blocks
 from tests.model.test_kernels import int8_activations
 from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.model.loader import load_model
 from tokenmill.model import kernels, quant_linear
+from tokenmill.model.loader import load_model
 from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     AMX_MIN_TOKENS,
@@ -43,7 +44,9 @@ def _logits(loaded) -> torch.Tensor:
 # every weight error; per-layer accuracy is checked tightly below, and the real-model cost is a
 # perplexity figure (SmolLM2 on GPL-3, 4 chunks: none 18.20, int8 18.44, int4 19.03).
 @pytest.mark.parametrize(("mode", "max_error"), [("int8", 0.1), ("int4", 0.7)])
-def test_quantized_dense_checkpoint_runs_packed(tiny_model_dir, mode: str, max_error: float) -> None:
+def test_quantized_dense_checkpoint_runs_packed(
+    tiny_model_dir, mode: str, max_error: float
+) -> None:
     dense = _logits(load_model(tiny_model_dir, progress=False))
     loaded = load_model(tiny_model_dir, progress=False, quantization=mode, dense_min_tokens=0)
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
@@ -66,9 +69,11 @@ def test_kernel_choice_by_batch_size_gives_the_same_numbers() -> None:
     torch.manual_seed(0)
     weight = torch.randn(96, 64)
     kind, data = dense_packed_form(weight, "int4")
-    layer = QuantLinear(96, 64, torch.float32, **{kind: data}, dense=_int4_dense(*data), dense_min_tokens=4)
+    layer = QuantLinear(
+        96, 64, torch.float32, **{kind: data}, dense=_int4_dense(*data), dense_min_tokens=4
+    )
     x = torch.randn(6, 64)
-    packed_rows = torch.cat([layer(x[i:i + 1]) for i in range(6)])  # one token: the int4 kernel
+    packed_rows = torch.cat([layer(x[i : i + 1]) for i in range(6)])  # one token: the int4 kernel
     dense_rows = layer(x)  # six tokens: the dense copy
     # the int4 kernel runs in bf16 (int4_kernel_dtype): the two agree to bf16's precision
     assert ((packed_rows - dense_rows).norm() / dense_rows.norm()).item() < 1e-2
@@ -77,7 +82,8 @@ def test_kernel_choice_by_batch_size_gives_the_same_numbers() -> None:
 def test_large_int8_matrix_goes_in_chunks_without_a_dense_copy(monkeypatch) -> None:
     torch.manual_seed(3)
     monkeypatch.setattr(quant_linear, "LARGE_INT8_WEIGHTS", 100 * 64)
-    monkeypatch.setitem(quant_linear.CHUNK_ROWS, torch.float32, 32)  # 100 rows: three whole chunks and a part
+    # 100 rows: three whole chunks and a part
+    monkeypatch.setitem(quant_linear.CHUNK_ROWS, torch.float32, 32)
     kind, data = dense_packed_form(torch.randn(100, 64), "int8")
     layer = QuantLinear(100, 64, torch.float32, **{kind: data})
     x = torch.randn(5, 64)
@@ -112,7 +118,9 @@ def test_large_int8_matrix_in_whole_tiles_takes_the_tile_kernel_in_bf16(monkeypa
         assert error < 2e-2, (tokens, error)  # x rounded to int8 (tiles) or the output to bf16
 
 
-def test_bf16_tile_layers_keep_dense_copies_only_where_the_copies_alone_have_amx(tiny_model_dir) -> None:
+def test_bf16_tile_layers_keep_dense_copies_only_where_the_copies_alone_have_amx(
+    tiny_model_dir,
+) -> None:
     loaded = load_model(tiny_model_dir, dtype="bf16", progress=False, quantization="int4")
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert layers
@@ -148,16 +156,22 @@ def test_gguf_int4_formats_keep_their_values(qtype: Q) -> None:
     raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(int(qtype))))
     weight = GGMLWeight(raw, qtype, shape)
     q, scale, low = exact_groups(weight)
-    torch.testing.assert_close(_int4_dense(q, scale, low), weight.dequantize(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        _int4_dense(q, scale, low), weight.dequantize(), rtol=1e-6, atol=1e-6
+    )
     packed = pack_int4_rows(q, scale, low)
     rows = unpack_int4_rows(packed)
-    assert ((rows - weight.dequantize()).abs() <= _layout_bound(q, packed, low, qtype == Q.Q4_K)).all()
+    assert (
+        (rows - weight.dequantize()).abs() <= _layout_bound(q, packed, low, qtype == Q.Q4_K)
+    ).all()
 
 
-def _layout_bound(q: torch.Tensor, packed: Int4Rows, low: torch.Tensor, rounded_lows: bool) -> torch.Tensor:
+def _layout_bound(
+    q: torch.Tensor, packed: Int4Rows, low: torch.Tensor, rounded_lows: bool
+) -> torch.Tensor:
     """How far the row layout may move each weight: its scale to the nearest step of the row's unit
-    (half a unit per unit of q), its low to float16 (half a step of float16's, 2^-11 of it) unless the
-    file holds it in float16 already, and float32's rounding."""
+    (half a unit per unit of q), its low to float16 (half a step of float16's, 2^-11 of it) unless
+    the file holds it in float16 already, and float32's rounding."""
     lows = low.abs().repeat_interleave(32, dim=1) * 2.0**-11 if rounded_lows else 0
     return q.float() * packed.units[:, None] / 2 + lows + 1e-6
 
@@ -172,10 +186,14 @@ def test_gguf_5bit_formats_keep_their_values(qtype: Q, cols: int) -> None:
     weight = GGMLWeight(raw, qtype, shape)
     q, scale, low = exact_groups(weight)
     assert q.max() > 15 and q.max() <= 31
-    torch.testing.assert_close(_int4_dense(q, scale, low), weight.dequantize(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        _int4_dense(q, scale, low), weight.dequantize(), rtol=1e-6, atol=1e-6
+    )
     packed = pack_int4_rows(q, scale, low)
     rows = unpack_int4_rows(packed, pack_fifth_bits(q))
-    assert ((rows - weight.dequantize()).abs() <= _layout_bound(q, packed, low, qtype == Q.Q5_K)).all()
+    assert (
+        (rows - weight.dequantize()).abs() <= _layout_bound(q, packed, low, qtype == Q.Q5_K)
+    ).all()
 
 
 def test_merging_int4_with_5bit_parts_keeps_both_exact() -> None:
@@ -184,8 +202,12 @@ def test_merging_int4_with_5bit_parts_keeps_both_exact() -> None:
     five = ("int5", (torch.randint(0, 32, (4, 64)), torch.rand(4, 2), -torch.rand(4, 2)))
     kind, (q, scale, low) = merge_packed([four, five])
     assert kind == "int5"
-    torch.testing.assert_close(_int4_dense(q, scale, low), torch.cat([_int4_dense(*four[1]), _int4_dense(*five[1])]),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        _int4_dense(q, scale, low),
+        torch.cat([_int4_dense(*four[1]), _int4_dense(*five[1])]),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
@@ -194,16 +216,21 @@ def test_tile_layout_keeps_the_values(bits: int) -> None:
     q = torch.randint(0, 1 << bits, (48, 96))
     scale, low = torch.rand(48, 3), -torch.rand(48, 3)
     packed = pack_tiles(q, scale, low, bits)
-    assert packed.tiles.numel() == 48 * 96 * (1 if bits == 8 else 0.5) and (packed.fifth_masks is not None) == (bits == 5)
+    assert packed.tiles.numel() == 48 * 96 * (1 if bits == 8 else 0.5) and (
+        packed.fifth_masks is not None
+    ) == (bits == 5)
     torch.testing.assert_close(unpack_tiles(packed), _int4_dense(q, scale, low), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_K])
 def test_gguf_formats_keep_their_values_in_tiles(qtype: Q) -> None:
-    """Unlike the row layout, tiles hold each group's scale and low in float32: ggml's values exactly."""
+    """Unlike the row layout, tiles hold each group's scale and low in float32: ggml's values
+    exactly."""
     shape = (16, 256)
     raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(int(qtype))))
     weight = GGMLWeight(raw, qtype, shape)
     q, scale, low = exact_groups(weight)
     bits = 5 if qtype in quant_linear.INT5_EXACT else 4
-    torch.testing.assert_close(unpack_tiles(pack_tiles(q, scale, low, bits)), weight.dequantize(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        unpack_tiles(pack_tiles(q, scale, low, bits)), weight.dequantize(), rtol=1e-6, atol=1e-6
+    )

@@ -23,7 +23,8 @@ LOGITS = torch.from_numpy(GEN.normal(0, 3, size=(6, V))).float()
 
 @pytest.fixture(params=["kernel", "tensor ops"])
 def random_path(request, monkeypatch) -> str:
-    """Random rows sampled by tokenmill's CPU kernel (`sample_ids`), or by tensor ops where it is not loaded."""
+    """Random rows sampled by tokenmill's CPU kernel (`sample_ids`), or by tensor ops where it is
+    not loaded."""
     if request.param == "kernel":
         assert kernels.load(), "the CPU kernels did not build"
     else:
@@ -33,12 +34,19 @@ def random_path(request, monkeypatch) -> str:
 
 def build(params: list[SamplingParams], generators: list | None = None) -> SamplingBatch:
     rows = len(params)
-    return SamplingBatch.build(params, [list(map(int, p)) for p in PROMPTS[:rows]],
-                               [list(map(int, o)) for o in OUTPUTS[:rows]], generators or [None] * rows,
-                               V, [STOPS] * rows)
+    return SamplingBatch.build(
+        params,
+        [list(map(int, p)) for p in PROMPTS[:rows]],
+        [list(map(int, o)) for o in OUTPUTS[:rows]],
+        generators or [None] * rows,
+        V,
+        [STOPS] * rows,
+    )
 
 
-def ref_processed(x: np.ndarray, p: SamplingParams, prompt: list[int], output: list[int]) -> np.ndarray:
+def ref_processed(
+    x: np.ndarray, p: SamplingParams, prompt: list[int], output: list[int]
+) -> np.ndarray:
     """min_tokens, then logit bias, then repetition, then frequency and presence penalties."""
     x = x.astype(np.float64)
     if len(output) < p.min_tokens:
@@ -59,11 +67,12 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def ref_distribution(x: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Temperature, then keep the top_k, then the smallest top set with mass >= top_p, then min_p."""
+    """Temperature, then keep the top_k, then the smallest top set with mass >= top_p, then
+    min_p."""
     probs = softmax(x / p.temperature)
     order = np.argsort(-probs)
     if p.top_k > 0:
-        probs[order[p.top_k:]] = 0
+        probs[order[p.top_k :]] = 0
         probs /= probs.sum()
     if p.top_p < 1:
         mass, kept = 0.0, np.zeros(len(x), dtype=bool)
@@ -96,25 +105,68 @@ def check_distribution(params: list[SamplingParams]) -> None:
     for i, p in enumerate(params):
         want = ref_distribution(ref_processed(LOGITS[i].numpy(), p, PROMPTS[i], OUTPUTS[i]), p)
         decided = (want == 0) | (want > 1e-30)  # float32 underflows to 0 below that
-        np.testing.assert_array_equal((got[i] > 0)[decided], (want > 0)[decided], err_msg=f"support of row {i}")
+        np.testing.assert_array_equal(
+            (got[i] > 0)[decided], (want > 0)[decided], err_msg=f"support of row {i}"
+        )
         np.testing.assert_allclose(got[i], want, atol=1e-6)
 
 
 S = SamplingParams
 FEATURES = {
-    "repetition_penalty": [S(repetition_penalty=1.3), S(), S(repetition_penalty=0.7), S(repetition_penalty=2.0),
-                           S(), S(repetition_penalty=1.1)],
-    "presence_penalty": [S(), S(presence_penalty=1.5), S(presence_penalty=-0.5), S(presence_penalty=2.0),
-                         S(), S(presence_penalty=0.3)],
-    "frequency_penalty": [S(frequency_penalty=0.5), S(), S(frequency_penalty=-1.0), S(), S(frequency_penalty=2.0),
-                          S(frequency_penalty=0.25)],
-    "logit_bias": [S(logit_bias={3: 5.0, 49: -100.0}), S(), S(logit_bias={0: 100.0}), S(logit_bias={}),
-                   S(logit_bias={3: -2.5}), S()],
-    "min_tokens": [S(min_tokens=5), S(min_tokens=1), S(min_tokens=9), S(min_tokens=2), S(), S(min_tokens=100)],
+    "repetition_penalty": [
+        S(repetition_penalty=1.3),
+        S(),
+        S(repetition_penalty=0.7),
+        S(repetition_penalty=2.0),
+        S(),
+        S(repetition_penalty=1.1),
+    ],
+    "presence_penalty": [
+        S(),
+        S(presence_penalty=1.5),
+        S(presence_penalty=-0.5),
+        S(presence_penalty=2.0),
+        S(),
+        S(presence_penalty=0.3),
+    ],
+    "frequency_penalty": [
+        S(frequency_penalty=0.5),
+        S(),
+        S(frequency_penalty=-1.0),
+        S(),
+        S(frequency_penalty=2.0),
+        S(frequency_penalty=0.25),
+    ],
+    "logit_bias": [
+        S(logit_bias={3: 5.0, 49: -100.0}),
+        S(),
+        S(logit_bias={0: 100.0}),
+        S(logit_bias={}),
+        S(logit_bias={3: -2.5}),
+        S(),
+    ],
+    "min_tokens": [
+        S(min_tokens=5),
+        S(min_tokens=1),
+        S(min_tokens=9),
+        S(min_tokens=2),
+        S(),
+        S(min_tokens=100),
+    ],
     "all_penalties_with_bias_and_min_tokens": [
-        S(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5, logit_bias={4: 3.0}, min_tokens=8),
-        S(), S(repetition_penalty=0.9, frequency_penalty=-0.3), S(presence_penalty=1.0, logit_bias={7: 50.0}),
-        S(min_tokens=1), S(repetition_penalty=1.5, presence_penalty=-1.0, frequency_penalty=1.0)],
+        S(
+            repetition_penalty=1.2,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            logit_bias={4: 3.0},
+            min_tokens=8,
+        ),
+        S(),
+        S(repetition_penalty=0.9, frequency_penalty=-0.3),
+        S(presence_penalty=1.0, logit_bias={7: 50.0}),
+        S(min_tokens=1),
+        S(repetition_penalty=1.5, presence_penalty=-1.0, frequency_penalty=1.0),
+    ],
 }
 
 
@@ -127,30 +179,54 @@ FILTERS = {
     "top_k": [S(top_k=1), S(), S(top_k=5), S(top_k=-1), S(top_k=49), S(top_k=1000)],
     "top_p": [S(top_p=0.9), S(top_p=0.5), S(), S(top_p=0.05), S(top_p=0.99), S(top_p=1.0)],
     "min_p": [S(min_p=0.1), S(), S(min_p=0.5), S(min_p=1.0), S(min_p=0.01), S()],
-    "temperature": [S(temperature=0.5), S(), S(temperature=2.0), S(temperature=0.1), S(), S(temperature=1.5)],
-    "combined": [S(temperature=0.7, top_k=10, top_p=0.8, min_p=0.05), S(top_k=3, top_p=0.5),
-                 S(temperature=1.3, top_p=0.9, min_p=0.2), S(), S(top_k=20, min_p=0.1, repetition_penalty=1.2),
-                 S(temperature=0.9, top_p=0.95, presence_penalty=1.0, logit_bias={5: 4.0})],
+    "temperature": [
+        S(temperature=0.5),
+        S(),
+        S(temperature=2.0),
+        S(temperature=0.1),
+        S(),
+        S(temperature=1.5),
+    ],
+    "combined": [
+        S(temperature=0.7, top_k=10, top_p=0.8, min_p=0.05),
+        S(top_k=3, top_p=0.5),
+        S(temperature=1.3, top_p=0.9, min_p=0.2),
+        S(),
+        S(top_k=20, min_p=0.1, repetition_penalty=1.2),
+        S(temperature=0.9, top_p=0.95, presence_penalty=1.0, logit_bias={5: 4.0}),
+    ],
 }
 
 
 @pytest.mark.parametrize("feature", FILTERS)
-@pytest.mark.parametrize("candidates", [1024, 12, 2])  # whole rows sorted; top candidates first (50 logits)
-def test_sampling_distribution_matches_reference(feature: str, candidates: int, monkeypatch) -> None:
+# whole rows sorted; top candidates first (50 logits)
+@pytest.mark.parametrize("candidates", [1024, 12, 2])
+def test_sampling_distribution_matches_reference(
+    feature: str, candidates: int, monkeypatch
+) -> None:
     monkeypatch.setattr(sampler_module, "FILTER_CANDIDATES", candidates)
     check_distribution(FILTERS[feature])
 
 
 def test_greedy_rows_take_argmax_of_processed_logits() -> None:
-    params = [S(temperature=0), S(), S(temperature=0, repetition_penalty=1.5, min_tokens=3), S(top_k=2),
-              S(temperature=0, logit_bias={9: 30.0}), S(temperature=0, presence_penalty=2.0)]
+    params = [
+        S(temperature=0),
+        S(),
+        S(temperature=0, repetition_penalty=1.5, min_tokens=3),
+        S(top_k=2),
+        S(temperature=0, logit_bias={9: 30.0}),
+        S(temperature=0, presence_penalty=2.0),
+    ]
     batch = build(params)
     out = Sampler()(LOGITS, batch)
     for i in (0, 2, 4, 5):
         want = ref_processed(LOGITS[i].numpy(), params[i], PROMPTS[i], OUTPUTS[i])
         assert out.token_ids[i] == int(np.argmax(want))
     assert out.token_ids[4] == 9
-    assert Sampler()(LOGITS, build([S(temperature=0)] * 6)).token_ids.tolist() == LOGITS.argmax(-1).tolist()
+    assert (
+        Sampler()(LOGITS, build([S(temperature=0)] * 6)).token_ids.tolist()
+        == LOGITS.argmax(-1).tolist()
+    )
 
 
 def test_argmax_only_batches_keep_the_logits_dtype() -> None:
@@ -159,8 +235,11 @@ def test_argmax_only_batches_keep_the_logits_dtype() -> None:
     assert argmax.argmax_only and process_logits(half, argmax) is half
     out = Sampler()(half, argmax)
     assert out.token_ids.tolist() == half.float().argmax(-1).tolist() and bool(out.usable.all())
-    for params in ([S(temperature=0, logprobs=2)] * 6, [S(temperature=0, presence_penalty=1.0)] * 6,
-                   [S(temperature=0)] * 5 + [S()]):
+    for params in (
+        [S(temperature=0, logprobs=2)] * 6,
+        [S(temperature=0, presence_penalty=1.0)] * 6,
+        [S(temperature=0)] * 5 + [S()],
+    ):
         batch = build(params)
         assert not batch.argmax_only and process_logits(half, batch).dtype == torch.float32
 
@@ -168,11 +247,23 @@ def test_argmax_only_batches_keep_the_logits_dtype() -> None:
 def test_min_tokens_keeps_stop_ids_from_being_picked() -> None:
     logits = LOGITS.clone()
     logits[:, 7] = 100.0  # a stop id every row would otherwise pick
-    params = [S(temperature=0, min_tokens=5), S(temperature=0, min_tokens=1), S(min_tokens=10),
-              S(temperature=0, min_tokens=2), S(temperature=0), S(min_tokens=7)]
+    params = [
+        S(temperature=0, min_tokens=5),
+        S(temperature=0, min_tokens=1),
+        S(min_tokens=10),
+        S(temperature=0, min_tokens=2),
+        S(temperature=0),
+        S(min_tokens=7),
+    ]
     # Output lengths are 4, 0, 9, 2, 1, 6: rows 0, 1, 2 and 5 are still short of min_tokens.
     assert [t == 7 for t in Sampler()(logits, build(params)).token_ids.tolist()] == [
-        False, False, False, True, True, False]
+        False,
+        False,
+        False,
+        True,
+        True,
+        False,
+    ]
 
 
 def test_temperature_to_zero_approaches_argmax() -> None:
@@ -193,13 +284,23 @@ def test_input_logits_are_not_modified() -> None:
     assert torch.equal(logits, LOGITS)
 
 
-@pytest.mark.parametrize("params", [S(temperature=0.6), S(top_k=3), S(top_p=0.8),
-                                    S(temperature=0.7, top_k=6, top_p=0.9, min_p=0.1)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        S(temperature=0.6),
+        S(top_k=3),
+        S(top_p=0.8),
+        S(temperature=0.7, top_k=6, top_p=0.9, min_p=0.1),
+    ],
+)
 def test_empirical_frequencies_match_reference(params: SamplingParams, random_path: str) -> None:
-    """Many rows with the same small-vocab logits: counts fit the filtered distribution (chi-square)."""
+    """Many rows with the same small-vocab logits: counts fit the filtered distribution
+    (chi-square)."""
     vocab, n = 8, 20_000
     logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7]]).expand(n, vocab)
-    batch = SamplingBatch.build([params] * n, [[]] * n, [[]] * n, [None] * n, vocab, [frozenset()] * n)
+    batch = SamplingBatch.build(
+        [params] * n, [[]] * n, [[]] * n, [None] * n, vocab, [frozenset()] * n
+    )
     with torch.random.fork_rng():
         torch.manual_seed(0)
         tokens = Sampler()(logits, batch).token_ids
@@ -212,8 +313,9 @@ def test_empirical_frequencies_match_reference(params: SamplingParams, random_pa
 
 
 @pytest.mark.parametrize("u, expected", [(0.0, 2), (1.0, 5)])
-def test_draws_at_either_end_of_the_unit_interval_keep_to_tokens_of_positive_mass(monkeypatch, u: float,
-                                                                                expected: int, random_path: str) -> None:
+def test_draws_at_either_end_of_the_unit_interval_keep_to_tokens_of_positive_mass(
+    monkeypatch, u: float, expected: int, random_path: str
+) -> None:
     """Tokens 0-1 and 6-7 filtered out by top-k: u = 0 takes the first kept token, and u = 1 (a u
     just below 1 whose product with the row's mass rounds up to the mass itself) the last one."""
     logits = torch.tensor([[-5.0, -4.0, 3.0, 2.5, 2.0, 1.5, -3.0, -6.0]])
@@ -223,9 +325,14 @@ def test_draws_at_either_end_of_the_unit_interval_keep_to_tokens_of_positive_mas
 
 
 def test_logprobs_come_from_processed_logits_before_temperature() -> None:
-    params = [S(logprobs=3, temperature=0.5, repetition_penalty=1.3), S(), S(logprobs=0, top_k=4),
-              S(logprobs=5, temperature=0, logit_bias={2: 10.0}), S(logprobs=1, top_p=0.7, frequency_penalty=1.0),
-              S(logprobs=2, temperature=2.0)]
+    params = [
+        S(logprobs=3, temperature=0.5, repetition_penalty=1.3),
+        S(),
+        S(logprobs=0, top_k=4),
+        S(logprobs=5, temperature=0, logit_bias={2: 10.0}),
+        S(logprobs=1, top_p=0.7, frequency_penalty=1.0),
+        S(logprobs=2, temperature=2.0),
+    ]
     gens = [torch.Generator().manual_seed(i) for i in range(6)]
     out = Sampler()(LOGITS, build(params, gens))
     assert out.top_ids.shape == out.top_logprobs.shape == (6, 5)
@@ -234,7 +341,9 @@ def test_logprobs_come_from_processed_logits_before_temperature() -> None:
         logprobs = x - x.max() - np.log(np.exp(x - x.max()).sum())
         assert out.logprobs[i].item() == pytest.approx(logprobs[out.token_ids[i]], abs=1e-5)
         assert out.top_ids[i].tolist() == np.argsort(-logprobs)[:5].tolist()
-        np.testing.assert_allclose(out.top_logprobs[i].numpy(), np.sort(logprobs)[::-1][:5], atol=1e-5)
+        np.testing.assert_allclose(
+            out.top_logprobs[i].numpy(), np.sort(logprobs)[::-1][:5], atol=1e-5
+        )
 
 
 def test_logprobs_absent_or_empty_when_not_asked() -> None:

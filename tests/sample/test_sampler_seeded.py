@@ -26,18 +26,26 @@ class Request:
         self.generator = request_generator(self.params)
 
     def logits(self, step: int) -> torch.Tensor:
-        return torch.randn(V, generator=torch.Generator().manual_seed(1000 * self.stream + step)) * 2
+        return (
+            torch.randn(V, generator=torch.Generator().manual_seed(1000 * self.stream + step)) * 2
+        )
 
 
 def run(requests: list[Request], global_seed: int) -> list[list[int]]:
-    """Decode STEPS tokens for every request together; the global RNG is seeded differently per run."""
+    """Decode STEPS tokens for every request together; the global RNG is seeded differently per
+    run."""
     sampler = Sampler()
     with torch.random.fork_rng():
         torch.manual_seed(global_seed)
         for step in range(STEPS):
-            batch = SamplingBatch.build([r.params for r in requests], [[1, 2, 3]] * len(requests),
-                                        [r.output for r in requests], [r.generator for r in requests], V,
-                                        [frozenset({0})] * len(requests))
+            batch = SamplingBatch.build(
+                [r.params for r in requests],
+                [[1, 2, 3]] * len(requests),
+                [r.output for r in requests],
+                [r.generator for r in requests],
+                V,
+                [frozenset({0})] * len(requests),
+            )
             logits = torch.stack([r.logits(step) for r in requests])
             for r, token in zip(requests, sampler(logits, batch).token_ids.tolist()):
                 r.output.append(token)
@@ -49,9 +57,15 @@ PLAIN = S(seed=99, temperature=1.0)
 
 
 def others() -> list[Request]:
-    return [Request(10, S(seed=5)), Request(11, S()), Request(12, S(temperature=0)),
-            Request(13, S(top_k=3, min_p=0.2)), Request(14, S(seed=6, top_p=0.5)), Request(15, S(temperature=2.0)),
-            Request(16, S(presence_penalty=1.0, logprobs=2))]
+    return [
+        Request(10, S(seed=5)),
+        Request(11, S()),
+        Request(12, S(temperature=0)),
+        Request(13, S(top_k=3, min_p=0.2)),
+        Request(14, S(seed=6, top_p=0.5)),
+        Request(15, S(temperature=2.0)),
+        Request(16, S(presence_penalty=1.0, logprobs=2)),
+    ]
 
 
 def test_filtered_seeded_request_is_batch_and_row_independent() -> None:
@@ -59,13 +73,19 @@ def test_filtered_seeded_request_is_batch_and_row_independent() -> None:
     batch = others()
     batch.insert(3, Request(7, FILTERED))
     assert run(batch, global_seed=1)[3] == alone
-    twins = [Request(20, S(temperature=0)), Request(7, FILTERED), Request(21, S()), Request(7, FILTERED)]
+    twins = [
+        Request(20, S(temperature=0)),
+        Request(7, FILTERED),
+        Request(21, S()),
+        Request(7, FILTERED),
+    ]
     got = run(twins, global_seed=2)
     assert got[1] == got[3] == alone
 
 
 def test_plain_seeded_request_is_unaffected_by_other_rows_filters() -> None:
-    """Other rows' top-k/top-p send the whole batch through the sort path; this row must not notice."""
+    """Other rows' top-k/top-p send the whole batch through the sort path; this row must not
+    notice."""
     alone = run([Request(8, PLAIN)], global_seed=0)[0]
     batch = others()
     batch.insert(3, Request(8, PLAIN))

@@ -31,7 +31,9 @@ class RunningServer:
         self.app = build_app(self.async_engine, config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -58,13 +60,17 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def server(tiny_loaded):
-    running = RunningServer(LLMEngine(tiny_loaded, num_kv_blocks=256, max_model_len=512),
-                            ServerConfig(MODEL_NAME, api_key=API_KEY, max_body_bytes=1 << 20))
+    running = RunningServer(
+        LLMEngine(tiny_loaded, num_kv_blocks=256, max_model_len=512),
+        ServerConfig(MODEL_NAME, api_key=API_KEY, max_body_bytes=1 << 20),
+    )
     yield running
     running.stop()
 
 
 @pytest.fixture()
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as client:
         yield client

@@ -9,11 +9,31 @@ from tokenmill.cli.main import main
 
 
 def test_bench_against_a_running_tokenmill(server, tmp_path, capsys) -> None:
-    """`tokenmill bench` against the real server (tiny model): the table is printed and the PNG written."""
+    """`tokenmill bench` against the real server (tiny model): the table is printed and the PNG
+    written."""
     plot, result = tmp_path / "bench.png", tmp_path / "bench.json"
-    code = main(["bench", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6", "--input-len", "16",
-                 "--output-len", "8", "--max-concurrency", "3", "--ignore-eos", "--plot", str(plot),
-                 "--result-json", str(result)])
+    code = main(
+        [
+            "bench",
+            "--base-url",
+            server.url,
+            "--api-key",
+            API_KEY,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--max-concurrency",
+            "3",
+            "--ignore-eos",
+            "--plot",
+            str(plot),
+            "--result-json",
+            str(result),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "Successful requests" in out and "Output token throughput" in out and "TTFT" in out

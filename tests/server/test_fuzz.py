@@ -36,8 +36,14 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_EXAMPLES = 20  # per operation and mode
 ERROR_KEYS = {"message", "type", "param", "code"}
 EXPECTED_ROUTES = {
-    ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/models"),
-    ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+    ("GET", "/health"),
+    ("GET", "/version"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/models"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
 }
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,8 +51,10 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_loaded, one_torch_thread):
-    running = RunningServer(LLMEngine(tiny_loaded, num_kv_blocks=96, max_model_len=64, max_num_seqs=32),
-                            ServerConfig(MODEL_NAME, api_key=API_KEY, max_body_bytes=1 << 20))
+    running = RunningServer(
+        LLMEngine(tiny_loaded, num_kv_blocks=96, max_model_len=64, max_num_seqs=32),
+        ServerConfig(MODEL_NAME, api_key=API_KEY, max_body_bytes=1 << 20),
+    )
     yield running
     running.stop()
 
@@ -66,7 +74,9 @@ def operations(schema):
 
 def _strict_json(text: str):
     """json.loads that refuses NaN and Infinity, which no JSON client can read."""
-    return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"non-finite {c}")))
+    return json.loads(
+        text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"non-finite {c}"))
+    )
 
 
 def _header(response, name: str) -> str:
@@ -85,7 +95,11 @@ def _problems(case, response) -> list[str]:
             error = response.json()["error"]
         except Exception:  # noqa: BLE001
             return [f"{status} without an OpenAI error body: {response.text[:300]!r}"]
-        if not isinstance(error, dict) or set(error) != ERROR_KEYS or not isinstance(error["message"], str):
+        if (
+            not isinstance(error, dict)
+            or set(error) != ERROR_KEYS
+            or not isinstance(error["message"], str)
+        ):
             return [f"{status} with a malformed error body: {response.text[:300]!r}"]
         if status >= 500 or status in (401,):
             return [f"unexpected {status}: {response.text[:300]!r}"]
@@ -93,7 +107,9 @@ def _problems(case, response) -> list[str]:
     if status != 200:
         return [f"unexpected status {status}"]
     if case.path == "/metrics":
-        return [] if content_type.startswith("text/plain") else [f"/metrics served as {content_type}"]
+        return (
+            [] if content_type.startswith("text/plain") else [f"/metrics served as {content_type}"]
+        )
     if content_type.startswith("text/event-stream"):
         problems = []
         for line in response.text.splitlines():
@@ -120,11 +136,19 @@ def _fuzz(operations, url: str, mode) -> list[str]:
     statuses: Counter = Counter()
     with requests.Session() as session:
         for op in operations:
-            strategy = st.tuples(op.as_strategy(generation_mode=mode), st.sampled_from(["keep", "ours", "none"]))
+            strategy = st.tuples(
+                op.as_strategy(generation_mode=mode), st.sampled_from(["keep", "ours", "none"])
+            )
 
-            @settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
-                      print_blob=False)
+            @settings(
+                max_examples=MAX_EXAMPLES,
+                derandomize=True,
+                deadline=None,
+                database=None,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+                print_blob=False,
+            )
             @given(strategy)
             def run(drawn) -> None:
                 nonlocal calls
@@ -141,7 +165,9 @@ def _fuzz(operations, url: str, mode) -> list[str]:
                 try:
                     response = case.call(base_url=url, session=session, headers=AUTH, timeout=60)
                 except requests.RequestException as exc:
-                    failures.append(f"{label}: no answer ({exc!r})\n    {case.as_curl_command(headers=AUTH)}")
+                    failures.append(
+                        f"{label}: no answer ({exc!r})\n    {case.as_curl_command(headers=AUTH)}"
+                    )
                     return
                 statuses[label, response.status_code] += 1
                 try:
@@ -154,10 +180,14 @@ def _fuzz(operations, url: str, mode) -> list[str]:
 
             try:
                 run()
-            except Unsatisfiable:  # negative mode: a route without inputs cannot be sent invalid ones
+            except Unsatisfiable:
+                # negative mode: a route without inputs cannot be sent invalid ones
                 if op.method.upper() != "GET":
                     raise
-    print(f"{mode.value}: {calls} cases;", ", ".join(f"{k[0]} {k[1]}: {v}" for k, v in sorted(statuses.items())))
+    print(
+        f"{mode.value}: {calls} cases;",
+        ", ".join(f"{k[0]} {k[1]}: {v}" for k, v in sorted(statuses.items())),
+    )
     assert calls >= len(operations) * 5, f"only {calls} cases were generated"
     return failures
 
@@ -175,11 +205,22 @@ def _quiesce(url: str) -> None:
 def _assert_healthy(url: str) -> None:
     with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
         assert http.get("/health").status_code == 200
-        resp = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once upon a time",
-                                                  "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+        resp = http.post(
+            "/v1/completions",
+            json={
+                "model": MODEL_NAME,
+                "prompt": "Once upon a time",
+                "max_tokens": 5,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        )
         assert resp.status_code == 200, resp.text
         body = resp.json()
-        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 5
+        assert (
+            body["choices"][0]["finish_reason"] == "length"
+            and body["usage"]["completion_tokens"] == 5
+        )
         # Nothing the fuzzer sent left a request behind or a KV block taken.
         deadline = time.monotonic() + 10
         while True:
@@ -188,10 +229,12 @@ def _assert_healthy(url: str) -> None:
                 if line.startswith("tokenmill:") and " " in line:
                     name, _, value = line.rpartition(" ")
                     values[name.split("{")[0]] = float(value)
-            settled = (values.get("tokenmill:num_requests_running") == 0
-                       and values.get("tokenmill:num_requests_waiting") == 0
-                       and values.get("tokenmill:kv_cache_free_blocks")
-                       == values.get("tokenmill:kv_cache_total_blocks"))
+            settled = (
+                values.get("tokenmill:num_requests_running") == 0
+                and values.get("tokenmill:num_requests_waiting") == 0
+                and values.get("tokenmill:kv_cache_free_blocks")
+                == values.get("tokenmill:kv_cache_total_blocks")
+            )
             if settled or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -215,6 +258,7 @@ def test_fuzz_every_route(operations, fuzz_server, mode) -> None:
 # validators. Here every body is well formed and every value spans its whole documented range,
 # extremes included: the server must answer 200 (a complete, consistent result) or 400.
 
+
 def _finite(lo: float, hi: float, extremes: tuple = ()) -> st.SearchStrategy:
     return st.one_of(st.floats(lo, hi, allow_nan=False), st.sampled_from((lo, hi) + extremes))
 
@@ -228,8 +272,12 @@ SAMPLING = {
     "presence_penalty": _finite(-2.0, 2.0),
     "frequency_penalty": _finite(-2.0, 2.0),
     "logit_bias": st.dictionaries(st.integers(0, 319).map(str), _finite(-100.0, 100.0), max_size=4),
-    "seed": st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 2**63 - 1, -(2**63)])),
-    "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+    "seed": st.one_of(
+        st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 2**63 - 1, -(2**63)])
+    ),
+    "stop": st.one_of(
+        st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)
+    ),
     "stop_token_ids": st.lists(st.integers(0, 319), max_size=3),
     "n": st.integers(1, 3),
     "max_tokens": st.integers(1, 8),
@@ -241,13 +289,31 @@ SAMPLING = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
 }
-COMPLETION = {**SAMPLING, "logprobs": st.integers(0, 5), "echo": st.booleans(), "prompt_logprobs": st.integers(0, 5)}
-CHAT = {**SAMPLING, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
-        "max_completion_tokens": st.integers(1, 8), "add_generation_prompt": st.booleans()}
-PROMPTS = st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 319), min_size=1, max_size=20),
-                    st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=2))
-MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                           "content": st.text(max_size=30)}), min_size=1, max_size=3)
+COMPLETION = {
+    **SAMPLING,
+    "logprobs": st.integers(0, 5),
+    "echo": st.booleans(),
+    "prompt_logprobs": st.integers(0, 5),
+}
+CHAT = {
+    **SAMPLING,
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 20),
+    "max_completion_tokens": st.integers(1, 8),
+    "add_generation_prompt": st.booleans(),
+}
+PROMPTS = st.one_of(
+    st.text(min_size=1, max_size=40),
+    st.lists(st.integers(0, 319), min_size=1, max_size=20),
+    st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=2),
+)
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=30)}
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 
 def _check_generation(route: str, body: dict, resp: httpx.Response) -> str | None:
@@ -258,11 +324,19 @@ def _check_generation(route: str, body: dict, resp: httpx.Response) -> str | Non
     if resp.status_code != 200:
         return f"status {resp.status_code}: {resp.text[:300]!r}"
     prompts = 1
-    if route == "/v1/completions" and isinstance(body["prompt"], list) and isinstance(body["prompt"][0], str):
+    if (
+        route == "/v1/completions"
+        and isinstance(body["prompt"], list)
+        and isinstance(body["prompt"][0], str)
+    ):
         prompts = len(body["prompt"])
     expected = prompts * body.get("n", 1)
     limit = body.get("max_completion_tokens", body.get("max_tokens", 16))
-    if route == "/v1/chat/completions" and "max_completion_tokens" not in body and "max_tokens" not in body:
+    if (
+        route == "/v1/chat/completions"
+        and "max_completion_tokens" not in body
+        and "max_tokens" not in body
+    ):
         limit = 64
     try:
         if body.get("stream"):
@@ -295,14 +369,19 @@ def _check_generation(route: str, body: dict, resp: httpx.Response) -> str | Non
                 elif route == "/v1/chat/completions" and lp:
                     counts.append(len(lp["content"]))
             if len(counts) == expected and sum(counts) != usage[0]["completion_tokens"]:
-                return f"usage says {usage[0]['completion_tokens']} tokens, logprobs hold {sum(counts)}"
+                return (
+                    f"usage says {usage[0]['completion_tokens']} tokens, "
+                    f"logprobs hold {sum(counts)}"
+                )
     except (ValueError, KeyError, TypeError) as exc:
         return f"bad body ({exc!r}): {resp.text[:500]!r}"
     if sorted(finish) != list(range(expected)) or not set(finish.values()) <= {"stop", "length"}:
         return f"finish reasons {finish}, expected {expected} of stop/length"
     for u in usage:
-        if not 0 <= u["completion_tokens"] <= expected * limit or \
-                u["total_tokens"] != u["prompt_tokens"] + u["completion_tokens"]:
+        if (
+            not 0 <= u["completion_tokens"] <= expected * limit
+            or u["total_tokens"] != u["prompt_tokens"] + u["completion_tokens"]
+        ):
             return f"inconsistent usage {u} for {expected} choices of at most {limit} tokens"
     return None
 
@@ -315,9 +394,15 @@ def test_fuzz_sampling_parameters(fuzz_server, route) -> None:
     statuses: Counter = Counter()
     with httpx.Client(base_url=fuzz_server.url, headers=AUTH, timeout=60) as http:
 
-        @settings(max_examples=40, derandomize=True, deadline=None, database=None,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
-                  print_blob=False)
+        @settings(
+            max_examples=40,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+        )
         @given(st.fixed_dictionaries(required, optional=fields))
         def run(body) -> None:
             if body.get("echo") and body.get("stream"):
@@ -343,14 +428,19 @@ def test_fuzz_sampling_parameters(fuzz_server, route) -> None:
 # Regressions the fuzzer's value ranges are unlikely to reach on their own (found by probing the
 # same surface): any out-of-range input must be a 400, never a 500 or non-JSON output.
 
+
 @pytest.mark.parametrize(("seed", "n"), [(2**64, 1), (-(2**63) - 1, 1), (2**64 - 1, 2)])
 def test_out_of_range_seed_is_a_client_error(fuzz_server, seed, n) -> None:
     """A seed torch cannot take (n > 1 derives seed + 1, seed + 2, ... for the other choices) must
     be refused with 400 or served, never a 500."""
     with httpx.Client(base_url=fuzz_server.url, headers=AUTH, timeout=60) as http:
-        responses = [http.post(route, json={**body, "max_tokens": 2, "seed": seed, "n": n}) for route, body in
-                     (("/v1/completions", {"prompt": "hi"}),
-                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}))]
+        responses = [
+            http.post(route, json={**body, "max_tokens": 2, "seed": seed, "n": n})
+            for route, body in (
+                ("/v1/completions", {"prompt": "hi"}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            )
+        ]
     _quiesce(fuzz_server.url)
     for resp in responses:
         assert resp.status_code in (200, 400), resp.text
@@ -366,16 +456,22 @@ def test_out_of_range_seed_is_a_client_error(fuzz_server, seed, n) -> None:
 def test_tiny_repetition_penalty_never_yields_non_json(fuzz_server, route, stream) -> None:
     """A repetition_penalty small enough to underflow must be refused or give finite numbers:
     NaN or Infinity is not JSON (a 500 from the JSON encoder, or an unreadable stream event)."""
-    body = {"prompt": "hi", "logprobs": 1} if route == "/v1/completions" else {
-        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1}
+    body = (
+        {"prompt": "hi", "logprobs": 1}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1}
+    )
     body |= {"max_tokens": 2, "repetition_penalty": 1e-300, "stream": stream}
     with httpx.Client(base_url=fuzz_server.url, headers=AUTH, timeout=60) as http:
         resp = http.post(route, json=body)
     _quiesce(fuzz_server.url)
     assert resp.status_code in (200, 400), resp.text
     if resp.status_code == 200:  # then every number in it must be finite: strict JSON
-        payloads = [line[6:] for line in resp.text.splitlines() if line.startswith("data: {")] if stream \
+        payloads = (
+            [line[6:] for line in resp.text.splitlines() if line.startswith("data: {")]
+            if stream
             else [resp.text]
+        )
         for payload in payloads:
             try:
                 _strict_json(payload)

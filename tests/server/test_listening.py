@@ -21,8 +21,10 @@ def test_on_listening_runs_once_the_socket_accepts() -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             accepted.append(True)
 
-    server = ListeningServer(uvicorn.Config(FastAPI(), host="127.0.0.1", port=port, log_level="warning",
-                                            lifespan="off"), on_listening=on_listening)
+    server = ListeningServer(
+        uvicorn.Config(FastAPI(), host="127.0.0.1", port=port, log_level="warning", lifespan="off"),
+        on_listening=on_listening,
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -38,9 +40,16 @@ def test_on_listening_is_not_called_when_the_port_is_taken() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        server = ListeningServer(uvicorn.Config(FastAPI(), host="127.0.0.1", port=taken.getsockname()[1],
-                                                log_level="critical", lifespan="off"),
-                                 on_listening=lambda: calls.append(True))
+        server = ListeningServer(
+            uvicorn.Config(
+                FastAPI(),
+                host="127.0.0.1",
+                port=taken.getsockname()[1],
+                log_level="critical",
+                lifespan="off",
+            ),
+            on_listening=lambda: calls.append(True),
+        )
         try:
             server.run()
         except SystemExit:  # uvicorn's answer to a failed bind

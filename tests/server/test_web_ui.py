@@ -18,11 +18,21 @@ from tests.server.conftest import API_KEY, MODEL_NAME
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "test-artifacts" / "web-chat.png"
 CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-HOW_TO_INSTALL = ("Run scripts/test.sh, which installs everything, or by hand: `pip install playwright` "
-                  "(do not run `playwright install`; the test drives the system Chromium) and, as root, "
-                  "`apt-get update && apt-get install -y chromium`.")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+HOW_TO_INSTALL = (
+    "Run scripts/test.sh, which installs everything, or by hand: `pip install playwright` "
+    "(do not run `playwright install`; the test drives the system Chromium) and, as root, "
+    "`apt-get update && apt-get install -y chromium`."
+)
 STREAM_TIMEOUT_MS = 60_000
 
 
@@ -32,7 +42,10 @@ def browser_or_reason():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        yield f"the web UI test needs the `playwright` Python package, which is not installed. {HOW_TO_INSTALL}"
+        yield (
+            "the web UI test needs the `playwright` Python package, which is not installed. "
+            f"{HOW_TO_INSTALL}"
+        )
         return
     if not os.access(CHROMIUM, os.X_OK):
         yield f"the web UI test needs Chromium at {CHROMIUM}, which is missing. {HOW_TO_INSTALL}"
@@ -63,7 +76,8 @@ def browser_page(browser_or_reason, server):
 
 
 def _need(browser_page):
-    """The page; a missing browser fails the test itself (a failure, not a setup error or a skip)."""
+    """The page; a missing browser fails the test itself (a failure, not a setup error or a
+    skip)."""
     if isinstance(browser_page, str):
         pytest.fail(browser_page, pytrace=False)
     return browser_page
@@ -71,7 +85,9 @@ def _need(browser_page):
 
 def _chat_requests(page) -> list:
     requests: list = []
-    page.on("request", lambda r: requests.append(r) if r.url.endswith("/v1/chat/completions") else None)
+    page.on(
+        "request", lambda r: requests.append(r) if r.url.endswith("/v1/chat/completions") else None
+    )
     return requests
 
 
@@ -111,15 +127,23 @@ def test_chat_streams_answer_with_stats_and_metrics(browser_page, server) -> Non
     expect(stats).to_contain_text(re.compile(r"TTFT \d+(\.\d+)? m?s"))
     assert float(answer.get_attribute("data-tokens-per-second")) > 0
 
-    # What the page sent, and that the streamed text equals the non-streamed answer (greedy decoding).
+    # What the page sent, and that the streamed text equals the non-streamed answer (greedy
+    # decoding).
     body = requests[0].post_data_json
     assert requests[0].headers["authorization"] == f"Bearer {API_KEY}"
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["model"] == MODEL_NAME and body["temperature"] == 0 and body["max_tokens"] == 48
-    first_turn = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a capital."}]
+    first_turn = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a capital."},
+    ]
     assert body["messages"] == first_turn
-    reference = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                           json={k: v for k, v in body.items() if k not in ("stream", "stream_options")}, timeout=60)
+    reference = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={k: v for k, v in body.items() if k not in ("stream", "stream_options")},
+        timeout=60,
+    )
     assert text == reference.json()["choices"][0]["message"]["content"]
 
     # A second turn carries the whole conversation.
@@ -129,7 +153,9 @@ def test_chat_streams_answer_with_stats_and_metrics(browser_page, server) -> Non
     expect(second).to_have_attribute("data-state", "done", timeout=STREAM_TIMEOUT_MS)
     assert len(requests) == 2
     assert requests[1].post_data_json["messages"] == first_turn + [
-        {"role": "assistant", "content": text}, {"role": "user", "content": "And another?"}]
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "And another?"},
+    ]
     expect(page.get_by_test_id("user-message")).to_have_count(2)
 
     # The live panel polls /metrics every 2 s: wait for a poll after the answers, then read it.
@@ -181,14 +207,18 @@ def test_stop_aborts_the_stream(browser_page, server) -> None:
     # Throttle the download so that the answer is still streaming when Stop is pressed.
     cdp = page.context.new_cdp_session(page)
     cdp.send("Network.enable")
-    cdp.send("Network.emulateNetworkConditions",
-             {"offline": False, "latency": 0, "downloadThroughput": 1500, "uploadThroughput": -1})
+    cdp.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 0, "downloadThroughput": 1500, "uploadThroughput": -1},
+    )
 
     prompt = page.get_by_label("Message")
     prompt.fill("Tell me a long story.")
     prompt.press("Enter")
     answer = page.get_by_test_id("assistant-message").last
-    expect(answer).to_have_attribute("data-chunks", re.compile(r"^[1-9]"), timeout=STREAM_TIMEOUT_MS)
+    expect(answer).to_have_attribute(
+        "data-chunks", re.compile(r"^[1-9]"), timeout=STREAM_TIMEOUT_MS
+    )
     stop = page.get_by_role("button", name="Stop")
     expect(stop).to_be_enabled()
     stop.click()

@@ -1,4 +1,5 @@
-"""Fixtures for the tokenizer tests: llama.cpp's vocab-only GGUFs, the real models, and tokenizers built once."""
+"""Fixtures for the tokenizer tests: llama.cpp's vocab-only GGUFs, the real models, and tokenizers
+built once."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from tokenmill.model.gguf_file import read_gguf_metadata
 from tokenmill.tokenizer import Tokenizer
 
 VECTORS = Path(__file__).parent.parent / "data" / "tokenizer-vectors"
+
+
 @pytest.fixture(scope="session")
 def vocab_gguf(tmp_path_factory: pytest.TempPathFactory):
-    """Path to llama.cpp's vocab-only GGUF NAME; they are kept xz-compressed (3 MB instead of 16 MB)."""
+    """Path to llama.cpp's vocab-only GGUF NAME; they are kept xz-compressed (3 MB instead of
+    16 MB)."""
     folder = tmp_path_factory.mktemp("vocabs")
 
     def unpack(name: str) -> Path:
@@ -49,7 +53,8 @@ def gemma3_tokenizer(gemma3_gguf: Path) -> Tokenizer:
 
 
 def _transformers_tokenizer(path: Path):
-    """transformers' tokenizer for a GGUF: what `AutoTokenizer.from_pretrained(dir, gguf_file=...)` builds.
+    """transformers' tokenizer for a GGUF: what `AutoTokenizer.from_pretrained(dir, gguf_file=...)`
+    builds.
 
     It is made by the same two calls that loader makes, skipping its reading of the model config,
     which keeps these tests quick.

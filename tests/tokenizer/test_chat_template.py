@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.tokenizer.chat_template import builtin_chat_template
 from tokenmill.tokenizer import Tokenizer, TokenizerError
+from tokenmill.tokenizer.chat_template import builtin_chat_template
 
 DATA = Path(__file__).parent.parent / "data" / "tokenizer-vectors"
 GEMMA3_TEMPLATE = builtin_chat_template("gemma3")
@@ -37,8 +37,12 @@ CONVERSATIONS = [
 def test_smollm2_chatml_matches_transformers(
     smollm2_tokenizer: Tokenizer, smollm2_hf, messages: list[dict], add_generation_prompt: bool
 ) -> None:
-    ours = smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    theirs = smollm2_hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ours = smollm2_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt
+    )
+    theirs = smollm2_hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert ours == theirs
     assert ours.startswith("<|im_start|>system\n")
 
@@ -77,30 +81,39 @@ FEATURES_TEMPLATE = """{%- set ns = namespace(count=0) -%}
 {%- if enable_thinking is defined %}thinking={{ enable_thinking }} {% endif %}
 {{- dict(a=1) | tojson }} {{ strftime_now('%Y') | length }}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% endif %}"""  # noqa: E501
 
 
 def test_template_features_match_transformers(smollm2_tokenizer: Tokenizer, smollm2_hf) -> None:
-    """namespace, loop controls, tojson (non-ASCII, indent), tools, extra variables, reasoning fields."""
+    """namespace, loop controls, tojson (non-ASCII, indent), tools, extra variables, reasoning
+    fields."""
     tokenizer = copy.copy(smollm2_tokenizer)
     tokenizer.chat_template = FEATURES_TEMPLATE
     messages = [
-        {"role": "user", "content": "Héllo <b>\"quoted\"</b> 🦙"},
+        {"role": "user", "content": 'Héllo <b>"quoted"</b> 🦙'},
         {"role": "skip", "content": "hidden"},
         {"role": "assistant", "content": "ok", "reasoning": "because", "tool_calls": None},
     ]
-    tools = [{"type": "function", "function": {"name": "f", "description": "ünïcode", "parameters": {}}}]
+    tools = [
+        {"type": "function", "function": {"name": "f", "description": "ünïcode", "parameters": {}}}
+    ]
     ours = tokenizer.apply_chat_template(messages, tools=tools, enable_thinking=False)
     theirs = smollm2_hf.apply_chat_template(
-        messages, chat_template=FEATURES_TEMPLATE, tools=tools, tokenize=False, add_generation_prompt=True,
-        enable_thinking=False,
+        messages, chat_template=FEATURES_TEMPLATE, tools=tools, tokenize=False,
+        add_generation_prompt=True, enable_thinking=False,
     )  # fmt: skip
     assert ours == theirs
-    assert '"Héllo <b>\\"quoted\\"</b> 🦙"' in ours and "(thought: because)" in ours and "hidden" not in ours
+    assert (
+        '"Héllo <b>\\"quoted\\"</b> 🦙"' in ours
+        and "(thought: because)" in ours
+        and "hidden" not in ours
+    )
 
 
 def test_template_errors_are_reported(gemma3_chat: Tokenizer) -> None:
     with pytest.raises(TokenizerError, match="roles must alternate"):
-        gemma3_chat.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+        gemma3_chat.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        )
     with pytest.raises(TokenizerError, match="empty conversation"):
         gemma3_chat.apply_chat_template([])

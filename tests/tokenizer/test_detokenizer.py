@@ -1,4 +1,5 @@
-"""Streaming detokenization: the pieces add up to the full decode, never split a character, keep leading spaces."""
+"""Streaming detokenization: the pieces add up to the full decode, never split a character, keep
+leading spaces."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def tokenizer(request: pytest.FixtureRequest, vocab_tokenizer) -> Tokenizer:
     return vocab_tokenizer(request.param)
 
 
-def stream(tokenizer: Tokenizer, ids: Sequence[int], prompt_ids: Sequence[int] = (), skip: bool = True) -> list[str]:
+def stream(
+    tokenizer: Tokenizer, ids: Sequence[int], prompt_ids: Sequence[int] = (), skip: bool = True
+) -> list[str]:
     detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids, skip_special_tokens=skip)
     return [detokenizer.push(token) for token in ids] + [detokenizer.flush()]
 
@@ -50,8 +53,13 @@ def test_stream_equals_decode(tokenizer: Tokenizer) -> None:
 
 
 def test_first_generated_token_keeps_its_space(tokenizer: Tokenizer) -> None:
-    """After a prompt, the continuation's leading space is text too (SentencePiece decode alone drops it)."""
-    for prompt, continuation in [("The answer is", " 42, surely 🦙"), ("Translate:", " café 日本"), ("x", "  two")]:
+    """After a prompt, the continuation's leading space is text too (SentencePiece decode alone
+    drops it)."""
+    for prompt, continuation in [
+        ("The answer is", " 42, surely 🦙"),
+        ("Translate:", " café 日本"),
+        ("x", "  two"),
+    ]:
         prompt_ids = tokenizer.encode(prompt)
         ids = tokenizer.encode(prompt + continuation)
         assert ids[: len(prompt_ids)] == prompt_ids
@@ -66,7 +74,12 @@ def test_special_tokens_are_shown_or_skipped(smollm2_tokenizer: Tokenizer) -> No
 
 def test_byte_fallback_character_is_emitted_whole(gemma3_tokenizer: Tokenizer) -> None:
     ids = gemma3_tokenizer.encode("ok 🦙", add_bos=False)
-    assert [gemma3_tokenizer.id_to_piece(i) for i in ids[-4:]] == ["<0xF0>", "<0x9F>", "<0xA6>", "<0x99>"]
+    assert [gemma3_tokenizer.id_to_piece(i) for i in ids[-4:]] == [
+        "<0xF0>",
+        "<0x9F>",
+        "<0xA6>",
+        "<0x99>",
+    ]
     assert stream(gemma3_tokenizer, ids)[-5:] == ["", "", "", "🦙", ""]
 
 
@@ -82,5 +95,7 @@ def test_decodes_only_a_short_tail(vocab_tokenizer) -> None:
 
     prompt_ids, ids = tokenizer.encode("Some prompt."), tokenizer.encode(" ".join(TEXTS) * 20)
     detokenizer = IncrementalDetokenizer(Recording(), prompt_ids=prompt_ids)  # type: ignore[arg-type]
-    assert "".join(detokenizer.push(token) for token in ids) + detokenizer.flush() == tokenizer.decode(ids)
+    assert "".join(
+        detokenizer.push(token) for token in ids
+    ) + detokenizer.flush() == tokenizer.decode(ids)
     assert len(ids) > 2000 and max(lengths) <= 12

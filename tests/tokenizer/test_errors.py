@@ -19,7 +19,10 @@ BPE = {
     [
         ({}, "no tokenizer.ggml.tokens"),
         ({**BPE, "tokenizer.ggml.model": "bert"}, "unsupported GGUF tokenizer.ggml.model 'bert'"),
-        ({**BPE, "tokenizer.ggml.pre": "brand-new"}, "unsupported GGUF pre-tokenizer tokenizer.ggml.pre='brand-new'"),
+        (
+            {**BPE, "tokenizer.ggml.pre": "brand-new"},
+            "unsupported GGUF pre-tokenizer tokenizer.ggml.pre='brand-new'",
+        ),
         ({**BPE, "tokenizer.ggml.merges": []}, "no tokenizer.ggml.merges"),
         ({**BPE, "tokenizer.ggml.tokens": ["a", "b", "a"]}, "lists the token 'a' twice"),
         ({**BPE, "tokenizer.ggml.add_bos_token": True}, "names no BOS token"),

@@ -1,4 +1,5 @@
-"""`Tokenizer.from_hf_dir` on folders written by transformers' `save_pretrained`, checked against transformers."""
+"""`Tokenizer.from_hf_dir` on folders written by transformers' `save_pretrained`, checked against
+transformers."""
 
 from __future__ import annotations
 
@@ -20,10 +21,17 @@ CORPUS = [
     "def f(x):\n    return x * 2\n",
 ] * 20
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-TEXTS = ["Hello world!", "  the lazy  fox\n", "日本語 🦙 café", "<|im_start|>user\nhi<|im_end|>", ""]
+TEXTS = [
+    "Hello world!",
+    "  the lazy  fox\n",
+    "日本語 🦙 café",
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🦙"}]
 
 
@@ -50,10 +58,14 @@ def assert_same_as_transformers(folder: Path) -> Tokenizer:
     theirs = transformers.AutoTokenizer.from_pretrained(folder)
     for text in TEXTS:
         assert ours.encode(text) == theirs.encode(text), text
-        assert ours.encode(text, add_bos=False) == theirs.encode(text, add_special_tokens=False), text
+        assert ours.encode(text, add_bos=False) == theirs.encode(text, add_special_tokens=False), (
+            text
+        )
         ids = ours.encode(text)
         for skip in (False, True):
-            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                ids, skip_special_tokens=skip
+            )
     assert ours.apply_chat_template(MESSAGES) == theirs.apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=True
     )
@@ -62,7 +74,9 @@ def assert_same_as_transformers(folder: Path) -> Tokenizer:
 
 
 def test_chatml_folder(tmp_path: Path) -> None:
-    folder = save(tmp_path, byte_level_bpe(), bos_token="<s>", eos_token="<|im_end|>", chat_template=CHATML)
+    folder = save(
+        tmp_path, byte_level_bpe(), bos_token="<s>", eos_token="<|im_end|>", chat_template=CHATML
+    )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 1]}))
     ours = assert_same_as_transformers(folder)
     assert (ours.bos_token_id, ours.eos_token_id, ours.add_bos) == (0, 3, False)
@@ -71,26 +85,39 @@ def test_chatml_folder(tmp_path: Path) -> None:
 
 
 def test_bos_from_config_flag(tmp_path: Path) -> None:
-    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHATML, "add_bos_token": True}
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "chat_template": CHATML,
+        "add_bos_token": True,
+    }
     folder = save(tmp_path, byte_level_bpe(), **config)
     assert assert_same_as_transformers(folder).encode("Hello")[0] == 0
 
 
 def test_bos_from_post_processor(tmp_path: Path) -> None:
     backend = byte_level_bpe()
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
     folder = save(tmp_path, backend, bos_token="<s>", eos_token="</s>", chat_template=CHATML)
     assert assert_same_as_transformers(folder).add_bos
 
 
 def test_chat_template_sources(tmp_path: Path) -> None:
-    """Named templates in tokenizer_config.json (the "default" one is used); chat_template.jinja wins over them."""
+    """Named templates in tokenizer_config.json (the "default" one is used); chat_template.jinja
+    wins over them."""
     folder = save(tmp_path, byte_level_bpe(), bos_token="<s>", eos_token="</s>")
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": CHATML}]
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": CHATML},
+    ]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     assert assert_same_as_transformers(folder).chat_template == CHATML
-    (folder / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] | tojson }}")
+    (folder / "chat_template.jinja").write_text(
+        "{{ bos_token }}{{ messages[0]['content'] | tojson }}"
+    )
     ours = assert_same_as_transformers(folder)
     assert ours.apply_chat_template([{"role": "user", "content": "é<>"}]) == '<s>"é<>"'
 

@@ -1,4 +1,5 @@
-"""llama.cpp's published tokenizer test vectors (`models/ggml-vocab-*.gguf.{inp,out}`), read as test-tokenizer-0 does.
+"""llama.cpp's published tokenizer test vectors (`models/ggml-vocab-*.gguf.{inp,out}`), read as
+test-tokenizer-0 does.
 
 test-tokenizer-0 splits the .inp file on "\\n__ggml_vocab_test__\\n" (the file ends with one, which
 adds no empty string), keys the tests by string, and tokenizes with add_special=false and
@@ -58,7 +59,8 @@ def test_decode_round_trips(vocab: tuple[str, Tokenizer]) -> None:
 
 
 def test_llama_spm_defaults(vocab_tokenizer) -> None:
-    """SentencePiece vocabularies get BOS and the prefix space; special-token text parses only on request."""
+    """SentencePiece vocabularies get BOS and the prefix space; special-token text parses only on
+    request."""
     tokenizer = vocab_tokenizer("llama-spm")
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.vocab_size) == (1, 2, 32000)
     assert tokenizer.encode("Hello world") == [1, 15043, 3186]
@@ -75,4 +77,3 @@ def test_llama3_adds_bos_by_default(vocab_tokenizer) -> None:
     assert tokenizer.encode("Hello world") == [128000, 9906, 1917]
     assert tokenizer.encode("<|eot_id|>", add_bos=False) == [128009]
     assert 128009 in tokenizer.stop_token_ids  # <|eot_id|> ends a turn, as llama.cpp detects it
-

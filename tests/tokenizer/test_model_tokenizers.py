@@ -1,4 +1,5 @@
-"""SmolLM2 (byte-level BPE, pre type "smollm") and Gemma 3 (SentencePiece) GGUFs against transformers and llama.cpp.
+"""SmolLM2 (byte-level BPE, pre type "smollm") and Gemma 3 (SentencePiece) GGUFs against
+transformers and llama.cpp.
 
 transformers' GGUF conversion is the reference for ordinary text. Where it disagrees with llama.cpp,
 we follow llama.cpp (the GGUF format's own implementation); the ids for those cases below come from
@@ -45,14 +46,18 @@ def assert_matches_transformers(ours: Tokenizer, hf) -> None:
     for text in TEXTS:
         for parse_special in (True, False):
             ids = ours.encode(text, add_bos=False, parse_special=parse_special)
-            assert ids == hf.encode(text, add_special_tokens=False, split_special_tokens=not parse_special), (
+            assert ids == hf.encode(
+                text, add_special_tokens=False, split_special_tokens=not parse_special
+            ), (
                 text,
                 parse_special,
             )
         ids = ours.encode(text)
         assert ids == hf.encode(text), text
         for skip in (False, True):
-            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), text
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(
+                ids, skip_special_tokens=skip
+            ), text
 
 
 def test_smollm2_matches_transformers(smollm2_tokenizer: Tokenizer, smollm2_hf) -> None:
@@ -63,14 +68,20 @@ def test_gemma3_matches_transformers(gemma3_tokenizer: Tokenizer, gemma3_hf) -> 
     assert_matches_transformers(gemma3_tokenizer, gemma3_hf)
 
 
-PIECES = list("abcXYZ019 \n\t.,;!?'\"()<>{}|_-=/#@") + list("éàüßñÅ日本語中文한국어при😀🦙🚀‍️✅ △▁") + [
-    "  ", "\n\n", "'s", "'ll", "<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>",
-    "<s>", "</s>", "<table>", "<unused3>", "[multimodal]", "<0x41>",
-]  # fmt: skip
+PIECES = (
+    list("abcXYZ019 \n\t.,;!?'\"()<>{}|_-=/#@")
+    + list("éàüßñÅ日本語中文한국어при😀🦙🚀‍️✅ △▁")
+    + [
+        "  ", "\n\n", "'s", "'ll", "<|im_start|>", "<|im_end|>", "<start_of_turn>",
+        "<end_of_turn>", "<bos>", "<eos>", "<s>", "</s>", "<table>", "<unused3>", "[multimodal]",
+        "<0x41>",
+    ]
+)  # fmt: skip
 
 
 def random_texts(seed: int, exclude: str) -> list[str]:
-    """Random texts, leaving out the pattern where transformers is known to differ from llama.cpp."""
+    """Random texts, leaving out the pattern where transformers is known to differ from
+    llama.cpp."""
     rng = random.Random(seed)
     texts = ["".join(rng.choice(PIECES) for _ in range(rng.randint(1, 30))) for _ in range(300)]
     return [text for text in texts if not re.search(exclude, text)]
@@ -96,11 +107,15 @@ def test_gemma3_random_text_matches_transformers(gemma3_tokenizer: Tokenizer, ge
     ("text", "llama_cpp_ids"),
     [("  5", [256, 37]), ("\n\n1", [1116, 33]), ("a  5 and\n1", [81, 256, 37, 284, 198, 33])],
 )
-def test_smollm2_digits_split_like_llama_cpp(smollm2_tokenizer: Tokenizer, text: str, llama_cpp_ids: list[int]) -> None:
+def test_smollm2_digits_split_like_llama_cpp(
+    smollm2_tokenizer: Tokenizer, text: str, llama_cpp_ids: list[int]
+) -> None:
     assert smollm2_tokenizer.encode(text) == llama_cpp_ids
 
 
-@pytest.mark.parametrize(("text", "llama_cpp_ids"), [("x ▁y", [236781, 236743, 570]), ("  5", [138, 236810])])
+@pytest.mark.parametrize(
+    ("text", "llama_cpp_ids"), [("x ▁y", [236781, 236743, 570]), ("  5", [138, 236810])]
+)
 def test_gemma3_whitespace_tokens_like_llama_cpp(
     gemma3_tokenizer: Tokenizer, text: str, llama_cpp_ids: list[int]
 ) -> None:

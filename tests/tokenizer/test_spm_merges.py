@@ -1,4 +1,5 @@
-"""SentencePiece vocabularies merge as llama.cpp's SPM tokenizer does, checked against a port of its algorithm.
+"""SentencePiece vocabularies merge as llama.cpp's SPM tokenizer does, checked against a port of its
+algorithm.
 
 The case that needs care is a tie: llama.cpp merges the best-scoring adjacent pair, leftmost first
 among equal scores, and Llama 2 gives all its `▁` runs one score. The vocabulary below numbers the
@@ -16,7 +17,17 @@ from tokenmill.tokenizer import Tokenizer, gguf_vocab
 
 SPECIAL = ["<unk>", "<s>", "</s>"]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
-NORMAL = {"▁": -1.0, "a": -2.0, "b": -3.0, "▁▁": -5.0, "▁▁▁": -5.0, "▁▁▁▁": -5.0, "▁a": -4.0, "ab": -6.0, "▁ab": -7.0}
+NORMAL = {
+    "▁": -1.0,
+    "a": -2.0,
+    "b": -3.0,
+    "▁▁": -5.0,
+    "▁▁▁": -5.0,
+    "▁▁▁▁": -5.0,
+    "▁a": -4.0,
+    "ab": -6.0,
+    "▁ab": -7.0,
+}
 TOKENS = SPECIAL + BYTES + list(NORMAL)
 SCORES = [0.0] * (len(SPECIAL) + len(BYTES)) + list(NORMAL.values())
 
@@ -65,13 +76,17 @@ METADATA = {
 def test_merges_match_llama_cpp_including_ties() -> None:
     tokenizer = Tokenizer.from_gguf_metadata(METADATA)
     rng = random.Random(0)
-    random_texts = ["".join(rng.choice(" ab c") for _ in range(rng.randint(1, 30))) for _ in range(300)]
+    random_texts = [
+        "".join(rng.choice(" ab c") for _ in range(rng.randint(1, 30))) for _ in range(300)
+    ]
     texts = ["     ", "a     b", "ab  ab"] + random_texts
     for text in texts:
         assert tokenizer.encode(text, add_bos=False) == llama_cpp_spm(text.replace(" ", "▁")), text
 
 
-def test_splits_are_cached_per_vocabulary_and_a_damaged_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
+def test_splits_are_cached_per_vocabulary_and_a_damaged_entry_is_rebuilt(
+    tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     text = "ab  ab ▁a b"
     expected = llama_cpp_spm(text.replace(" ", "▁"))
@@ -98,4 +113,6 @@ def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch) -> None:
     blocker.write_text("not a directory")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     text = "ab  ab ▁a b"
-    assert Tokenizer.from_gguf_metadata(METADATA).encode(text, add_bos=False) == llama_cpp_spm(text.replace(" ", "▁"))
+    assert Tokenizer.from_gguf_metadata(METADATA).encode(text, add_bos=False) == llama_cpp_spm(
+        text.replace(" ", "▁")
+    )

@@ -12,8 +12,8 @@ kernels (the quantized GEMVs, which round activations to int8), whose quality th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -46,7 +46,9 @@ def perplexity(
     if max_chunks is not None:
         num_chunks = min(num_chunks, max_chunks)
     if len(token_ids) < 2 * ctx:
-        raise InvalidRequestError(f"the text has {len(token_ids)} tokens; at least {2 * ctx} (2 x ctx) are needed")
+        raise InvalidRequestError(
+            f"the text has {len(token_ids)} tokens; at least {2 * ctx} (2 x ctx) are needed"
+        )
     tok = loaded.tokenizer
     bos = tok.bos_token_id if tok.add_bos else None
     runner = ModelRunner(loaded, num_blocks=blocks_needed(ctx, 16), kv_cache_dtype=kv_cache_dtype)
@@ -56,10 +58,14 @@ def perplexity(
     count = 0
     running = []
     for i in range(num_chunks):
-        chunk = token_ids[i * ctx:(i + 1) * ctx]
+        chunk = token_ids[i * ctx : (i + 1) * ctx]
         if bos is not None:
             chunk = [bos] + chunk[1:]
-        nll = (_decoded_nll(runner, chunk, first, table) if decode else _prompt_nll(runner, chunk, first, table)).double()
+        nll = (
+            _decoded_nll(runner, chunk, first, table)
+            if decode
+            else _prompt_nll(runner, chunk, first, table)
+        ).double()
         nll_sum += float(nll.sum())
         nll2_sum += float((nll * nll).sum())
         count += len(nll)
@@ -70,22 +76,33 @@ def perplexity(
     variance = max(nll2_sum / count - mean * mean, 0.0)
     ppl = math.exp(mean)
     error = ppl * math.sqrt(variance / max(count - 1, 1))
-    return PerplexityResult(ppl=ppl, ppl_error=error, num_chunks=num_chunks, num_scored=count, chunk_ppls=running)
+    return PerplexityResult(
+        ppl=ppl, ppl_error=error, num_chunks=num_chunks, num_scored=count, chunk_ppls=running
+    )
 
 
-def _prompt_nll(runner: ModelRunner, chunk: list[int], first: int, table: list[int]) -> torch.Tensor:
+def _prompt_nll(
+    runner: ModelRunner, chunk: list[int], first: int, table: list[int]
+) -> torch.Tensor:
     """Negative log-likelihoods of chunk[first + 1:], from one pass over the chunk."""
     hidden = runner.hidden_states([chunk], [len(chunk)], [table])
-    return _nll(runner.model.logits(hidden[first:len(chunk) - 1]), chunk[first + 1:])
+    return _nll(runner.model.logits(hidden[first : len(chunk) - 1]), chunk[first + 1 :])
 
 
-def _decoded_nll(runner: ModelRunner, chunk: list[int], first: int, table: list[int]) -> torch.Tensor:
+def _decoded_nll(
+    runner: ModelRunner, chunk: list[int], first: int, table: list[int]
+) -> torch.Tensor:
     """The same, from one decode step per token after a pass over chunk[:first]."""
     runner.hidden_states([chunk[:first]], [first], [table])
-    return torch.cat([
-        _nll(runner.last_token_logits([[chunk[pos]]], [pos + 1], [table]), chunk[pos + 1:pos + 2])
-        for pos in range(first, len(chunk) - 1)
-    ])
+    return torch.cat(
+        [
+            _nll(
+                runner.last_token_logits([[chunk[pos]]], [pos + 1], [table]),
+                chunk[pos + 1 : pos + 2],
+            )
+            for pos in range(first, len(chunk) - 1)
+        ]
+    )
 
 
 def _nll(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:

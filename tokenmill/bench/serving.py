@@ -24,8 +24,8 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import aiohttp
 import numpy as np
@@ -34,18 +34,23 @@ from tokenmill.errors import InvalidRequestError, TokenmillError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 PERCENTILES = (("Mean", "mean"), ("Median", "median"), ("P90", "p90"), ("P99", "p99"))
-LATENCIES = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-             ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+LATENCIES = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
 FALLBACK_TOKEN_IDS = range(1000, 10000)
 CALIBRATION_WORDS = 1000
 WORDS = (
-    "the of and to in is was for on that with as by at from his it an were are which this be has or had "
-    "first one their its new after who they have her she two been other when there all during into "
-    "school time may years more most only over city some world would where later up such used many can "
-    "state about national out known university united then made high between life year before "
-    "under part three well like so what because group people since while water house music game name "
-    "right back work place long small great old light day night home line power road book war "
-    "team film side land body family sea river south north west east end man woman king word number"
+    "the of and to in is was for on that with as by at from his it an were are which this be has "
+    "or had first one their its new after who they have her she two been other when there all "
+    "during into school time may years more most only over city some world would where later up "
+    "such used many can state about national out known university united then made high between "
+    "life year before under part three well like so what because group people since while water "
+    "house music game name right back work place long small great old light day night home line "
+    "power road book war team film side land body family sea river south north west east end man "
+    "woman king word number"
 ).split()
 
 
@@ -73,7 +78,9 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
-            raise InvalidRequestError(f"endpoint must be one of {', '.join(ENDPOINTS)}, not {self.endpoint!r}")
+            raise InvalidRequestError(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}, not {self.endpoint!r}"
+            )
         if min(self.num_prompts, self.input_len, self.output_len) < 1:
             raise InvalidRequestError("num_prompts, input_len and output_len must be at least 1")
         if not 0 <= self.random_range_ratio < 1:
@@ -94,7 +101,8 @@ class BenchConfig:
 class RequestResult:
     """What one request measured; times in seconds."""
 
-    input_len: int  # prompt tokens: the server's usage count when it sends one, else the planned length
+    # prompt tokens: the server's usage count when it sends one, else the planned length
+    input_len: int
     start: float = 0.0  # when it was sent, after the start of the benchmark
     success: bool = False
     output_len: int = 0
@@ -105,7 +113,11 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        return (self.e2e - self.ttft) / (self.output_len - 1) if self.success and self.output_len > 1 else None
+        return (
+            (self.e2e - self.ttft) / (self.output_len - 1)
+            if self.success and self.output_len > 1
+            else None
+        )
 
 
 @dataclass
@@ -124,18 +136,31 @@ class BenchResult:
         total_out = sum(r.output_len for r in ok)
         d = self.duration
         metrics: dict[str, float] = {
-            "completed": len(ok), "failed": len(self.requests) - len(ok), "duration": d,
-            "total_input_tokens": total_in, "total_output_tokens": total_out,
-            "request_throughput": len(ok) / d, "output_throughput": total_out / d,
+            "completed": len(ok),
+            "failed": len(self.requests) - len(ok),
+            "duration": d,
+            "total_input_tokens": total_in,
+            "total_output_tokens": total_out,
+            "request_throughput": len(ok) / d,
+            "output_throughput": total_out / d,
             "total_token_throughput": (total_in + total_out) / d,
         }
-        samples = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
-                   "itl": [gap for r in ok for gap in r.itl], "e2el": [r.e2e for r in ok]}
+        samples = {
+            "ttft": [r.ttft for r in ok],
+            "tpot": [r.tpot for r in ok if r.tpot is not None],
+            "itl": [gap for r in ok for gap in r.itl],
+            "e2el": [r.e2e for r in ok],
+        }
         for name, values in samples.items():
-            ms = np.asarray(values or [0.0]) * 1000  # 0 when there is nothing to measure, as in vLLM
-            metrics |= {f"mean_{name}_ms": float(ms.mean()), f"std_{name}_ms": float(ms.std()),
-                        f"median_{name}_ms": float(np.median(ms)), f"p90_{name}_ms": float(np.percentile(ms, 90)),
-                        f"p99_{name}_ms": float(np.percentile(ms, 99))}
+            # 0 when there is nothing to measure, as in vLLM
+            ms = np.asarray(values or [0.0]) * 1000
+            metrics |= {
+                f"mean_{name}_ms": float(ms.mean()),
+                f"std_{name}_ms": float(ms.std()),
+                f"median_{name}_ms": float(np.median(ms)),
+                f"p90_{name}_ms": float(np.percentile(ms, 90)),
+                f"p99_{name}_ms": float(np.percentile(ms, 99)),
+            }
         return metrics
 
     def settings(self) -> dict[str, object]:
@@ -150,10 +175,17 @@ class BenchResult:
     def to_dict(self) -> dict[str, object]:
         """Settings, metrics and per-request arrays (seconds), laid out like vLLM's result JSON."""
         rs = self.requests
-        return {"settings": self.settings(), **self.metrics(),
-                "input_lens": [r.input_len for r in rs], "output_lens": [r.output_len for r in rs],
-                "starts": [r.start for r in rs], "ttfts": [r.ttft for r in rs], "itls": [r.itl for r in rs],
-                "e2els": [r.e2e for r in rs], "errors": [r.error for r in rs]}
+        return {
+            "settings": self.settings(),
+            **self.metrics(),
+            "input_lens": [r.input_len for r in rs],
+            "output_lens": [r.output_len for r in rs],
+            "starts": [r.start for r in rs],
+            "ttfts": [r.ttft for r in rs],
+            "itls": [r.itl for r in rs],
+            "e2els": [r.e2e for r in rs],
+            "errors": [r.error for r in rs],
+        }
 
     def write_json(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -169,8 +201,11 @@ class _Workload:
     description: str
 
 
-async def run_benchmark(config: BenchConfig, progress: Callable[[int, int], None] | None = None) -> BenchResult:
-    """Send `config.num_prompts` streaming requests and measure them; `progress(done, total)` after each.
+async def run_benchmark(
+    config: BenchConfig, progress: Callable[[int, int], None] | None = None
+) -> BenchResult:
+    """Send `config.num_prompts` streaming requests and measure them; `progress(done, total)` after
+    each.
 
     Failed requests are recorded, not raised; TokenmillError only when no model id can be found
     or a warm-up request fails, since then every measurement would be meaningless.
@@ -178,24 +213,29 @@ async def run_benchmark(config: BenchConfig, progress: Callable[[int, int], None
     base = config.base_url.rstrip("/")
     key = config.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    # No connection cap: a pooled request waiting for a free connection would count that wait as TTFT.
-    # aiohttp parses HTTP in C: on a small machine the client shares the cores with the server it
-    # measures, and a pure-Python parser (httpx's) takes CPU from the server on every streamed
+    # No connection cap: a pooled request waiting for a free connection would count that wait as
+    # TTFT. aiohttp parses HTTP in C: on a small machine the client shares the cores with the server
+    # it measures, and a pure-Python parser (httpx's) takes CPU from the server on every streamed
     # chunk.
     # A connection per request (force_close): reusing a kept-alive one that the server is closing
     # at that moment fails the request (llama-server closes idle ones), and connecting over loopback
     # costs well under a millisecond of the request's TTFT.
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=config.timeout)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as client:
+    async with aiohttp.ClientSession(
+        headers=headers, timeout=timeout, connector=connector
+    ) as client:
         model = config.model or await _first_model(client, base)
         work = await _workload(config, client, base, model)
         url = base + config.endpoint
 
         def payload(prompt: str | list[int], max_tokens: int) -> dict[str, object]:
             body: dict[str, object] = {
-                "model": model, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True},
+                "model": model,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
             }
             if config.endpoint == "/v1/chat/completions":
                 body["messages"] = [{"role": "user", "content": prompt}]
@@ -205,16 +245,24 @@ async def run_benchmark(config: BenchConfig, progress: Callable[[int, int], None
                 body["ignore_eos"] = True
             return body
 
-        async def send(prompt: str | list[int], input_len: int, output_len: int, t0: float) -> RequestResult:
+        async def send(
+            prompt: str | list[int], input_len: int, output_len: int, t0: float
+        ) -> RequestResult:
             start = time.perf_counter()
             try:
                 return await asyncio.wait_for(
-                    _stream(client, url, payload(prompt, output_len), input_len, start, t0), config.timeout)
+                    _stream(client, url, payload(prompt, output_len), input_len, start, t0),
+                    config.timeout,
+                )
             except asyncio.TimeoutError:
-                return RequestResult(input_len, start=start - t0, error=f"timed out after {config.timeout:g} s")
+                return RequestResult(
+                    input_len, start=start - t0, error=f"timed out after {config.timeout:g} s"
+                )
 
         for _ in range(config.warmup):
-            warm = await send(work.warmup_prompt, config.input_len, config.output_len, time.perf_counter())
+            warm = await send(
+                work.warmup_prompt, config.input_len, config.output_len, time.perf_counter()
+            )
             if not warm.success:
                 raise TokenmillError(f"warm-up request to {url} failed: {warm.error}")
 
@@ -227,7 +275,9 @@ async def run_benchmark(config: BenchConfig, progress: Callable[[int, int], None
                 result = await send(work.prompts[i], work.input_lens[i], work.output_lens[i], t0)
             else:
                 async with sem:
-                    result = await send(work.prompts[i], work.input_lens[i], work.output_lens[i], t0)
+                    result = await send(
+                        work.prompts[i], work.input_lens[i], work.output_lens[i], t0
+                    )
             done += 1
             if progress:
                 progress(done, config.num_prompts)
@@ -245,7 +295,9 @@ async def run_benchmark(config: BenchConfig, progress: Callable[[int, int], None
             tasks.append(asyncio.create_task(one(i, t0)))
         requests = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    return BenchResult(config, model, config.label or model, work.description, duration, list(requests))
+    return BenchResult(
+        config, model, config.label or model, work.description, duration, list(requests)
+    )
 
 
 async def _first_model(client: aiohttp.ClientSession, base: str) -> str:
@@ -253,17 +305,32 @@ async def _first_model(client: aiohttp.ClientSession, base: str) -> str:
         async with client.get(f"{base}/v1/models") as resp:
             resp.raise_for_status()
             return (await resp.json(content_type=None))["data"][0]["id"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise TokenmillError(f"cannot read the model id from {base}/v1/models ({exc}); pass --model") from exc
+    except (
+        aiohttp.ClientError,
+        asyncio.TimeoutError,
+        ValueError,
+        KeyError,
+        IndexError,
+        TypeError,
+    ) as exc:
+        raise TokenmillError(
+            f"cannot read the model id from {base}/v1/models ({exc}); pass --model"
+        ) from exc
 
 
-async def _server_tokenize(client: aiohttp.ClientSession, base: str, model: str, text: str) -> list[int] | None:
+async def _server_tokenize(
+    client: aiohttp.ClientSession, base: str, model: str, text: str
+) -> list[int] | None:
     """Token ids of `text` (without BOS) from the server's /tokenize, or None when it has none."""
     # vLLM and tokenmill take {"model", "prompt"}; llama-server takes {"content"}.
     for body in ({"model": model, "prompt": text, "add_special_tokens": False}, {"content": text}):
         try:
             async with client.post(f"{base}/tokenize", json=body) as resp:
-                tokens = (await resp.json(content_type=None)).get("tokens") if resp.status == 200 else None
+                tokens = (
+                    (await resp.json(content_type=None)).get("tokens")
+                    if resp.status == 200
+                    else None
+                )
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             continue
         if isinstance(tokens, list) and tokens and all(isinstance(t, int) for t in tokens):
@@ -276,14 +343,20 @@ def _lengths(rng: random.Random, mean: int, ratio: float, n: int) -> list[int]:
     return [rng.randint(low, high) for _ in range(n)]
 
 
-async def _workload(config: BenchConfig, client: aiohttp.ClientSession, base: str, model: str) -> _Workload:
+async def _workload(
+    config: BenchConfig, client: aiohttp.ClientSession, base: str, model: str
+) -> _Workload:
     rng = random.Random(config.seed)
     sample = [rng.choice(WORDS) for _ in range(CALIBRATION_WORDS)]
     ids = await _server_tokenize(client, base, model, " ".join(sample))
     if config.token_ids:
         pool: list[str] | list[int] = sorted(set(ids)) if ids else list(FALLBACK_TOKEN_IDS)
         per_piece = 1.0
-        source = "from the server's /tokenize" if ids else f"in [{FALLBACK_TOKEN_IDS.start}, {FALLBACK_TOKEN_IDS.stop})"
+        source = (
+            "from the server's /tokenize"
+            if ids
+            else f"in [{FALLBACK_TOKEN_IDS.start}, {FALLBACK_TOKEN_IDS.stop})"
+        )
         description = f"random token ids {source}"
     else:
         pool = list(WORDS)
@@ -320,8 +393,9 @@ def _text(event: dict, chat: bool) -> str:
     return delta.get("content") or delta.get("reasoning_content") or ""
 
 
-async def _stream(client: aiohttp.ClientSession, url: str, body: dict, input_len: int, start: float,
-                  t0: float) -> RequestResult:
+async def _stream(
+    client: aiohttp.ClientSession, url: str, body: dict, input_len: int, start: float, t0: float
+) -> RequestResult:
     out = RequestResult(input_len, start=start - t0)
     chat = "messages" in body
     last = start
@@ -373,9 +447,12 @@ async def _stream(client: aiohttp.ClientSession, url: str, body: dict, input_len
 def _rows() -> list[tuple[str, str | None]]:
     """(caption, metrics key) in report order; a None key marks a section heading."""
     rows: list[tuple[str, str | None]] = [
-        ("Successful requests", "completed"), ("Failed requests", "failed"),
-        ("Benchmark duration (s)", "duration"), ("Total input tokens", "total_input_tokens"),
-        ("Total generated tokens", "total_output_tokens"), ("Request throughput (req/s)", "request_throughput"),
+        ("Successful requests", "completed"),
+        ("Failed requests", "failed"),
+        ("Benchmark duration (s)", "duration"),
+        ("Total input tokens", "total_input_tokens"),
+        ("Total generated tokens", "total_output_tokens"),
+        ("Request throughput (req/s)", "request_throughput"),
         ("Output token throughput (tok/s)", "output_throughput"),
         ("Total token throughput (tok/s)", "total_token_throughput"),
     ]
@@ -395,17 +472,24 @@ def format_report(result: BenchResult) -> str:
     rate = "inf" if math.isinf(c.request_rate) else f"{c.request_rate:g}"
     spread = f" (random range ratio {c.random_range_ratio:g})" if c.random_range_ratio else ""
     settings = [
-        ("Label", result.label), ("Model", result.model), ("URL", c.base_url.rstrip("/") + c.endpoint),
-        ("Prompts", result.prompt_mode), ("Input / output tokens", f"{c.input_len} / {c.output_len}{spread}"),
-        ("Shared prefix tokens", c.prefix_len), ("Request rate (req/s)", rate),
-        ("Max concurrency", c.max_concurrency or "unlimited"), ("Ignore EOS", c.ignore_eos),
+        ("Label", result.label),
+        ("Model", result.model),
+        ("URL", c.base_url.rstrip("/") + c.endpoint),
+        ("Prompts", result.prompt_mode),
+        ("Input / output tokens", f"{c.input_len} / {c.output_len}{spread}"),
+        ("Shared prefix tokens", c.prefix_len),
+        ("Request rate (req/s)", rate),
+        ("Max concurrency", c.max_concurrency or "unlimited"),
+        ("Ignore EOS", c.ignore_eos),
     ]
     lines = [" Serving Benchmark Result ".center(50, "=")]
     lines += [f"{k + ':':<40} {v}" for k, v in settings]
     lines.append("-" * 50)
     metrics = result.metrics()
     for caption, key in _rows():
-        lines.append(f"{caption:-^50}" if key is None else f"{caption + ':':<40} {_value(metrics[key])}")
+        lines.append(
+            f"{caption:-^50}" if key is None else f"{caption + ':':<40} {_value(metrics[key])}"
+        )
     lines.append("=" * 50)
     errors = [r.error for r in result.requests if not r.success]
     if errors:
@@ -414,7 +498,8 @@ def format_report(result: BenchResult) -> str:
 
 
 def format_comparison(results: dict[str, BenchResult]) -> str:
-    """The metrics of several runs side by side, each after the first with its ratio to the first."""
+    """The metrics of several runs side by side, each after the first with its ratio to the
+    first."""
     names = list(results)
     metrics = [results[n].metrics() for n in names]
     width = max(22, *(len(n) + 2 for n in names))
@@ -433,7 +518,8 @@ def format_comparison(results: dict[str, BenchResult]) -> str:
 
 
 def write_plot(results: dict[str, BenchResult], path: str) -> None:
-    """A PNG with one latency panel per metric (mean/p50/p90/p99) and two throughput panels, bars per run."""
+    """A PNG with one latency panel per metric (mean/p50/p90/p99) and two throughput panels, bars
+    per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -441,10 +527,17 @@ def write_plot(results: dict[str, BenchResult], path: str) -> None:
 
     names = list(results)
     metrics = [results[n].metrics() for n in names]
-    panels = [(f"{short} (ms)", [(cap, f"{stat}_{name}_ms") for cap, stat in PERCENTILES])
-              for name, short, _ in LATENCIES]
-    panels += [("Token throughput (tok/s)", [("output", "output_throughput"), ("total", "total_token_throughput")]),
-               ("Request throughput (req/s)", [("requests", "request_throughput")])]
+    panels = [
+        (f"{short} (ms)", [(cap, f"{stat}_{name}_ms") for cap, stat in PERCENTILES])
+        for name, short, _ in LATENCIES
+    ]
+    panels += [
+        (
+            "Token throughput (tok/s)",
+            [("output", "output_throughput"), ("total", "total_token_throughput")],
+        ),
+        ("Request throughput (req/s)", [("requests", "request_throughput")]),
+    ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     width = 0.8 / len(names)
     for ax, (title, bars) in zip(axes.flat, panels):

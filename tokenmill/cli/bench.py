@@ -12,49 +12,132 @@ from tokenmill.bench.serving import ENDPOINTS, BenchConfig, format_report, run_b
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p = sub.add_parser(
-        name, help="benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)",
-        description="Stream --num-prompts requests of random prompts to an OpenAI-compatible server and report "
-                    "throughput and TTFT/TPOT/ITL/E2E latency percentiles, with vLLM's metric definitions. "
-                    "Prompts are random words, sized with the server's /tokenize when it has one "
-                    "(else about one token per word), or random token ids with --token-ids.")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (default: %(default)s)")
-    p.add_argument("--endpoint", default=ENDPOINTS[0], choices=ENDPOINTS, help="API route (default: %(default)s)")
-    p.add_argument("--model", default=None, help="model id to request (default: the first of GET /v1/models)")
+        name,
+        help="benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)",
+        description="Stream --num-prompts requests of random prompts to an OpenAI-compatible "
+        "server and report throughput and TTFT/TPOT/ITL/E2E latency percentiles, with vLLM's "
+        "metric definitions. "
+        "Prompts are random words, sized with the server's /tokenize when it has one "
+        "(else about one token per word), or random token ids with --token-ids.",
+    )
+    p.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="server URL (default: %(default)s)"
+    )
+    p.add_argument(
+        "--endpoint",
+        default=ENDPOINTS[0],
+        choices=ENDPOINTS,
+        help="API route (default: %(default)s)",
+    )
+    p.add_argument(
+        "--model", default=None, help="model id to request (default: the first of GET /v1/models)"
+    )
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default: %(default)s)")
-    p.add_argument("--input-len", type=int, default=100, help="prompt tokens per request (default: %(default)s)")
-    p.add_argument("--output-len", type=int, default=128, help="max_tokens per request (default: %(default)s)")
-    p.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
-                   help="draw lengths uniformly from [len*(1-R), len*(1+R)] (default: 0, fixed lengths)")
-    p.add_argument("--prefix-len", type=int, default=0,
-                   help="tokens of a random prefix shared by all prompts, for prefix caching (default: 0)")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrival rate in req/s (default: inf, all requests at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
-    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request runs to --output-len")
-    p.add_argument("--token-ids", action="store_true",
-                   help="send prompts as token-id lists, exact in length (completions endpoint only)")
-    p.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals (default: 0)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed requests sent first (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds before a request is counted as failed (default: %(default)s)")
-    p.add_argument("--label", default=None, help="name of this run in the report (default: the model id)")
-    p.add_argument("--result-json", default=None, metavar="PATH", help="write metrics and per-request data here")
-    p.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG of latencies and throughput here")
+    p.add_argument(
+        "--num-prompts", type=int, default=100, help="requests to send (default: %(default)s)"
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=100,
+        help="prompt tokens per request (default: %(default)s)",
+    )
+    p.add_argument(
+        "--output-len", type=int, default=128, help="max_tokens per request (default: %(default)s)"
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="draw lengths uniformly from [len*(1-R), len*(1+R)] (default: 0, fixed lengths)",
+    )
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        help="tokens of a random prefix shared by all prompts, for prefix caching (default: 0)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrival rate in req/s (default: inf, all requests at once)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="cap on requests in flight (default: none)",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos so every request runs to --output-len",
+    )
+    p.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="send prompts as token-id lists, exact in length (completions endpoint only)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of prompts, lengths and arrivals (default: 0)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed requests sent first (default: %(default)s)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds before a request is counted as failed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--label", default=None, help="name of this run in the report (default: the model id)"
+    )
+    p.add_argument(
+        "--result-json",
+        default=None,
+        metavar="PATH",
+        help="write metrics and per-request data here",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH.png",
+        help="write a PNG of latencies and throughput here",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     config = BenchConfig(
-        base_url=args.base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
-        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        random_range_ratio=args.random_range_ratio, prefix_len=args.prefix_len, request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, token_ids=args.token_ids,
-        seed=args.seed, warmup=args.warmup, timeout=args.timeout, label=args.label,
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        api_key=args.api_key,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        random_range_ratio=args.random_range_ratio,
+        prefix_len=args.prefix_len,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
+        token_ids=args.token_ids,
+        seed=args.seed,
+        warmup=args.warmup,
+        timeout=args.timeout,
+        label=args.label,
     )
 
     def show(done: int, total: int) -> None:
-        print(f"\r{done}/{total} requests", end="\n" if done == total else "", file=sys.stderr, flush=True)
+        print(
+            f"\r{done}/{total} requests",
+            end="\n" if done == total else "",
+            file=sys.stderr,
+            flush=True,
+        )
 
     result = asyncio.run(run_benchmark(config, progress=show if sys.stderr.isatty() else None))
     print(format_report(result))

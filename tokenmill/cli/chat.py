@@ -1,4 +1,5 @@
-"""`tokenmill chat`: a multi-turn chat in the terminal that streams each reply as it is generated."""
+"""`tokenmill chat`: a multi-turn chat in the terminal that streams each reply as it is
+generated."""
 
 from __future__ import annotations
 
@@ -34,24 +35,49 @@ Ctrl-C stops a reply (the partial reply stays in the conversation); at the promp
 
 # What /set may change, and how to parse the value.
 SETTABLE: dict[str, Callable[[str], float | int]] = {
-    "temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "max_tokens": int,
+    "seed": int,
 }
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
-    p = sub.add_parser(name, help="chat with a model in the terminal",
-                       description="Talk to the model turn by turn through its chat template; replies stream "
-                                   "as they are generated. Type /help at the prompt for the commands.")
+    p = sub.add_parser(
+        name,
+        help="chat with a model in the terminal",
+        description="Talk to the model turn by turn through its chat template; replies stream "
+        "as they are generated. Type /help at the prompt for the commands.",
+    )
     add_model_args(p)
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--temperature", "-t", type=float, default=0.7, help="sampling temperature; 0 is greedy "
-                                                                        "(default: 0.7)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling threshold (default: 0.9)")
-    p.add_argument("--max-tokens", "-n", type=int, default=None,
-                   help="most tokens per reply (default: until the model ends its turn or the context is full)")
+    p.add_argument(
+        "--temperature",
+        "-t",
+        type=float,
+        default=0.7,
+        help="sampling temperature; 0 is greedy (default: 0.7)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=0.9, help="nucleus sampling threshold (default: 0.9)"
+    )
+    p.add_argument(
+        "--max-tokens",
+        "-n",
+        type=int,
+        default=None,
+        help="most tokens per reply "
+        "(default: until the model ends its turn or the context is full)",
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--ctx", "-c", type=int, default=None,
-                   help="context length in tokens (default: the model's, as far as the KV cache holds)")
+    p.add_argument(
+        "--ctx",
+        "-c",
+        type=int,
+        default=None,
+        help="context length in tokens (default: the model's, as far as the KV cache holds)",
+    )
     p.set_defaults(run=run)
 
 
@@ -85,14 +111,17 @@ class ChatSession:
 
     @property
     def reserve(self) -> int:
-        """Tokens kept free for the reply: max_tokens, or a quarter of the context when it is unbounded."""
+        """Tokens kept free for the reply: max_tokens, or a quarter of the context when it is
+        unbounded."""
         return self.params.max_tokens or self.engine.max_model_len // 4
 
     def set_params(self, params: SamplingParams) -> None:
         params.validate(vocab_size=self.engine.loaded.config.vocab_size)
         if params.max_tokens is not None and params.max_tokens >= self.engine.max_model_len:
-            raise TokenmillError(f"max_tokens must be below the context of {self.engine.max_model_len} tokens, "
-                                 f"got {params.max_tokens}")
+            raise TokenmillError(
+                f"max_tokens must be below the context of {self.engine.max_model_len} tokens, "
+                f"got {params.max_tokens}"
+            )
         self.params = params
 
     def send(self, text: str) -> str:
@@ -121,8 +150,13 @@ class ChatSession:
         sys.stdout.write("\n\n")
         reply = completion.text
         self.turns.append({"role": "assistant", "content": reply})
-        self.last = ReplyStats(len(ids), out.num_cached_tokens, len(completion.token_ids),
-                               (first or end) - start, end - (first or end))
+        self.last = ReplyStats(
+            len(ids),
+            out.num_cached_tokens,
+            len(completion.token_ids),
+            (first or end) - start,
+            end - (first or end),
+        )
         if completion.finish_reason == "abort":
             print("(stopped)", file=sys.stderr)
         elif completion.finish_reason == "length":
@@ -138,13 +172,18 @@ class ChatSession:
         limit = self.engine.max_model_len - self.reserve
         while len(ids := self._encode(turns)) > limit:
             if len(turns) == 1:
-                raise TokenmillError(f"this message needs {len(ids)} prompt tokens but only {limit} fit (a context "
-                                     f"of {self.engine.max_model_len} less {self.reserve} for the reply); "
-                                     "send a shorter one or lower max_tokens with /set")
+                raise TokenmillError(
+                    f"this message needs {len(ids)} prompt tokens but only {limit} fit (a context "
+                    f"of {self.engine.max_model_len} less {self.reserve} for the reply); "
+                    "send a shorter one or lower max_tokens with /set"
+                )
             turns = turns[2:]
         if dropped := (len(self.turns) + 1 - len(turns)) // 2:
-            print(f"(dropped the {dropped} oldest turn{'s' * (dropped > 1)} to fit the context of "
-                  f"{self.engine.max_model_len} tokens)", file=sys.stderr)
+            print(
+                f"(dropped the {dropped} oldest turn{'s' * (dropped > 1)} to fit the context of "
+                f"{self.engine.max_model_len} tokens)",
+                file=sys.stderr,
+            )
         return turns, ids
 
     def _encode(self, turns: list[Message]) -> list[int]:
@@ -154,12 +193,18 @@ class ChatSession:
         s = self.last
         if s is None:
             return "no reply yet"
-        rate = f"{(s.reply_tokens - 1) / s.decode_seconds:.1f} tokens/s" if s.decode_seconds > 0 else "n/a"
+        rate = (
+            f"{(s.reply_tokens - 1) / s.decode_seconds:.1f} tokens/s"
+            if s.decode_seconds > 0
+            else "n/a"
+        )
         used, ctx = s.prompt_tokens + s.reply_tokens, self.engine.max_model_len
-        return (f"prompt:  {s.prompt_tokens} tokens ({s.cached_tokens} cached)\n"
-                f"ttft:    {s.ttft * 1000:.0f} ms\n"
-                f"reply:   {s.reply_tokens} tokens, {rate}\n"
-                f"context: {used} of {ctx} tokens ({100 * used / ctx:.0f}%)")
+        return (
+            f"prompt:  {s.prompt_tokens} tokens ({s.cached_tokens} cached)\n"
+            f"ttft:    {s.ttft * 1000:.0f} ms\n"
+            f"reply:   {s.reply_tokens} tokens, {rate}\n"
+            f"context: {used} of {ctx} tokens ({100 * used / ctx:.0f}%)"
+        )
 
 
 @contextmanager
@@ -234,15 +279,18 @@ def command(session: ChatSession, line: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_tokens)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
+    )
     params.validate()
     if args.ctx is not None and args.ctx < 2:
         raise TokenmillError(f"--ctx must be at least 2 tokens, got {args.ctx}")
     loaded = load_from_args(args)
     if loaded.tokenizer.chat_template is None:
-        raise TokenmillError(f"{loaded.path.name} has no chat template, so it cannot chat; "
-                             "use `tokenmill generate` to complete plain text")
+        raise TokenmillError(
+            f"{loaded.path.name} has no chat template, so it cannot chat; "
+            "use `tokenmill generate` to complete plain text"
+        )
     engine = LLMEngine(loaded, max_num_seqs=1, max_model_len=args.ctx)
     session = ChatSession(engine, params, args.system)
     if sys.stdin.isatty():
@@ -250,7 +298,10 @@ def run(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  (gives input() line editing and history)
         except ImportError:
             pass
-    print(f"{args.model or DEFAULT_MODEL} · context {engine.max_model_len} tokens · /help for commands")
+    print(
+        f"{args.model or DEFAULT_MODEL} · context {engine.max_model_len} tokens · "
+        "/help for commands"
+    )
     while True:
         try:
             text = read_message().strip()

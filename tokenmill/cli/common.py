@@ -13,35 +13,62 @@ from tokenmill.model.loader import LoadedModel, load_model
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", "-m", default=None,
-        help=f"catalog alias (pulled on first use), GGUF file or HF directory (default: {DEFAULT_MODEL})",
+        "--model",
+        "-m",
+        default=None,
+        help="catalog alias (pulled on first use), GGUF file or HF directory "
+        f"(default: {DEFAULT_MODEL})",
     )
-    parser.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"],
-                        help="compute dtype for the weights (default: fp32; auto: bf16 where the CPU "
-                             "multiplies it natively, else fp32)")
+    parser.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="compute dtype for the weights (default: fp32; auto: bf16 where the CPU "
+        "multiplies it natively, else fp32)",
+    )
     add_quantization_args(parser)
-    parser.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
+    parser.add_argument(
+        "--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)"
+    )
 
 
 def add_quantization_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
-                        help="weights in memory: auto keeps a GGUF file's quantized weights packed (gguf) and "
-                             "leaves other checkpoints dense (none); int8/int4 quantize every linear layer")
-    parser.add_argument("--dense-min-tokens", type=int, default=None,
-                        help="also keep dense copies of quantized layers for batches of at least this many "
-                             "tokens (faster prefill, more memory)")
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default="auto",
+        choices=["auto", "none", "gguf", "int8", "int4"],
+        help="weights in memory: auto keeps a GGUF file's quantized weights packed (gguf) and "
+        "leaves other checkpoints dense (none); int8/int4 quantize every linear layer",
+    )
+    parser.add_argument(
+        "--dense-min-tokens",
+        type=int,
+        default=None,
+        help="also keep dense copies of quantized layers for batches of at least this many "
+        "tokens (faster prefill, more memory)",
+    )
 
 
 def add_kv_cache_dtype_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
-                        help="dtype of the KV cache (default: auto, float16 for a float32 model on CPU, as "
-                             "llama.cpp keeps it, else the model's dtype)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", *KV_CACHE_DTYPES],
+        help="dtype of the KV cache (default: auto, float16 for a float32 model on CPU, as "
+        "llama.cpp keeps it, else the model's dtype)",
+    )
 
 
 def load_from_args(args: argparse.Namespace, need_tokenizer: bool = True) -> LoadedModel:
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
-    loaded = load_model(path, dtype=args.dtype, progress=sys.stderr.isatty(), quantization=args.quantization,
-                        dense_min_tokens=args.dense_min_tokens)
+    loaded = load_model(
+        path,
+        dtype=args.dtype,
+        progress=sys.stderr.isatty(),
+        quantization=args.quantization,
+        dense_min_tokens=args.dense_min_tokens,
+    )
     if need_tokenizer and loaded.tokenizer is None:
         raise TokenmillError(f"{path}: no tokenizer found (tokenizer.json is missing)")
     return loaded
@@ -50,7 +77,9 @@ def load_from_args(args: argparse.Namespace, need_tokenizer: bool = True) -> Loa
 def read_text_arg(text: str | None, file: str | None) -> str:
     """The text given on the command line or read from --file (exactly one of them)."""
     if (text is None) == (file is None):
-        raise TokenmillError("give the text either as an argument or with --file, not both or neither")
+        raise TokenmillError(
+            "give the text either as an argument or with --file, not both or neither"
+        )
     if file is None:
         return text
     try:

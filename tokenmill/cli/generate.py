@@ -11,25 +11,45 @@ from tokenmill.sample import SamplingParams
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
-    p = sub.add_parser(name, help="complete a prompt (greedy by default)",
-                       description="Complete PROMPT with the model and print the continuation as it is generated.")
+    p = sub.add_parser(
+        name,
+        help="complete a prompt (greedy by default)",
+        description="Complete PROMPT with the model and print the continuation as it is generated.",
+    )
     p.add_argument("prompt", help="text to continue")
     add_model_args(p)
-    p.add_argument("--max-tokens", "-n", type=int, default=64, help="most tokens to generate (default: 64)")
-    p.add_argument("--temperature", "-t", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument(
+        "--max-tokens", "-n", type=int, default=64, help="most tokens to generate (default: 64)"
+    )
+    p.add_argument(
+        "--temperature", "-t", type=float, default=0.0, help="sampling temperature; 0 is greedy"
+    )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)"
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
-    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the model's chat template as a user turn",
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens"
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
     params.validate()
     engine = LLMEngine(load_from_args(args), max_num_seqs=1)

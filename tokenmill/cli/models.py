@@ -6,7 +6,9 @@ import argparse
 
 from tokenmill.catalog import CATALOG, DEFAULT_MODEL, list_models, models_dir, pull
 
-_MODELS_DIR_HELP = "model cache directory (default: $TOKENMILL_MODELS_DIR or ~/.cache/tokenmill/models)"
+_MODELS_DIR_HELP = (
+    "model cache directory (default: $TOKENMILL_MODELS_DIR or ~/.cache/tokenmill/models)"
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
@@ -19,10 +21,17 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
             "size and sha256 and store it in the model cache. Prints the cached file's path. "
             "Models already cached are not downloaded again unless --force is given.",
         )
-        parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL",
-                            help=f"catalog alias, one of: {', '.join(CATALOG)} (default: {DEFAULT_MODEL})")
+        parser.add_argument(
+            "model",
+            nargs="?",
+            default=DEFAULT_MODEL,
+            metavar="MODEL",
+            help=f"catalog alias, one of: {', '.join(CATALOG)} (default: {DEFAULT_MODEL})",
+        )
         parser.add_argument("--force", action="store_true", help="download again even if cached")
-        parser.add_argument("-q", "--quiet", action="store_true", help="no download progress on stderr")
+        parser.add_argument(
+            "-q", "--quiet", action="store_true", help="no download progress on stderr"
+        )
         parser.set_defaults(run=run_pull)
     elif name == "models":
         parser = subparsers.add_parser(

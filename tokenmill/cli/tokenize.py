@@ -10,16 +10,24 @@ from tokenmill.errors import TokenmillError
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
-    p = sub.add_parser(name, help="print the token ids of a text",
-                       description="Tokenize TEXT (or --file) with the model's tokenizer and print the ids "
-                                   "space-separated on one line.")
+    p = sub.add_parser(
+        name,
+        help="print the token ids of a text",
+        description="Tokenize TEXT (or --file) with the model's tokenizer and print the ids "
+        "space-separated on one line.",
+    )
     p.add_argument("text", nargs="?", help="text to tokenize")
     p.add_argument("--file", "-f", help="read the text from this file instead")
     p.add_argument("--model", "-m", default=None, help="catalog alias, GGUF file or HF directory")
-    p.add_argument("--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)")
+    p.add_argument(
+        "--models-dir", default=None, help="model cache (default: ~/.cache/tokenmill/models)"
+    )
     p.add_argument("--no-bos", action="store_true", help="leave out the BOS token")
-    p.add_argument("--no-parse-special", action="store_true",
-                   help="treat special-token text such as <|im_start|> as plain text")
+    p.add_argument(
+        "--no-parse-special",
+        action="store_true",
+        help="treat special-token text such as <|im_start|> as plain text",
+    )
     p.set_defaults(run=run)
 
 
@@ -39,6 +47,8 @@ def load_tokenizer(model: str | None, models_dir: str | None):
 def run(args: argparse.Namespace) -> int:
     text = read_text_arg(args.text, args.file)
     tok = load_tokenizer(args.model, args.models_dir)
-    ids = tok.encode(text, add_bos=False if args.no_bos else None, parse_special=not args.no_parse_special)
+    ids = tok.encode(
+        text, add_bos=False if args.no_bos else None, parse_special=not args.no_parse_special
+    )
     print(" ".join(map(str, ids)))
     return 0

@@ -15,8 +15,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any
 
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
@@ -37,18 +38,20 @@ class AsyncLLMEngine:
         """engine: a built engine, or a function that builds one on the engine thread (raising here
         if it fails).
 
-        Pass the function where speed matters: the model should be loaded by the thread that runs it.
-        OpenMP (libgomp) keeps a pool of worker threads for every thread that has started parallel
-        work; while the loading thread's pool lives on, the engine thread's workers barely spin
-        between the hundreds of parallel regions of a step and sleep instead, which makes a small
-        model's decode steps much slower (see the tuning log).
+        Pass the function where speed matters: the model should be loaded by the thread that runs
+        it. OpenMP (libgomp) keeps a pool of worker threads for every thread that has started
+        parallel work; while the loading thread's pool lives on, the engine thread's workers barely
+        spin between the hundreds of parallel regions of a step and sleep instead, which makes a
+        small model's decode steps much slower (see the tuning log).
         """
         self._commands: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self.error: BaseException | None = None
         built: Future = Future()
-        self._thread = threading.Thread(target=self._loop, args=(engine, built), name="tokenmill-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(engine, built), name="tokenmill-engine", daemon=True
+        )
         self.engine: LLMEngine  # set on the engine thread, before it serves anything
         self._thread.start()
         built.result()  # raises what building the engine raised
@@ -97,8 +100,9 @@ class AsyncLLMEngine:
         """Token ids of a text prompt, or of chat messages rendered with the model's chat
         template, as `add_request` tokenizes them (see `InputProcessor.tokenize`). Raises
         InvalidRequestError for input that cannot be tokenized."""
-        return self.engine.input_processor.tokenize(prompt, messages, add_special_tokens,
-                                                    add_generation_prompt, chat_template_kwargs)
+        return self.engine.input_processor.tokenize(
+            prompt, messages, add_special_tokens, add_generation_prompt, chat_template_kwargs
+        )
 
     @property
     def is_healthy(self) -> bool:
@@ -124,20 +128,25 @@ class AsyncLLMEngine:
                     outputs = self.engine.step()
                     self._deliver((out.request_id, out) for out in outputs)
                     if outputs:
-                        # Hand the GIL to the event loop now, while it has tokens to send: most torch
-                        # ops keep the GIL, so otherwise the loop waits out a whole switch interval
-                        # (5 ms) per step, as long as a small model's whole step.
+                        # Hand the GIL to the event loop now, while it has tokens to send: most
+                        # torch ops keep the GIL, so otherwise the loop waits out a whole switch
+                        # interval (5 ms) per step, as long as a small model's whole step.
                         time.sleep(0)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter and to /health
             log.exception("engine loop crashed")
             self.error = exc
-            message = f"the engine stopped: {exc!r}"  # an error of its own for each stream that raises it
-            self._deliver((request_id, EngineDeadError(message)) for request_id in list(self._streams))
+            # an error of its own for each stream that raises it
+            message = f"the engine stopped: {exc!r}"
+            self._deliver(
+                (request_id, EngineDeadError(message)) for request_id in list(self._streams)
+            )
             self._fail_pending_commands(exc)
 
     def _run_commands(self, block: bool) -> None:
         try:
-            command, future = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+            command, future = (
+                self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:
@@ -167,7 +176,9 @@ class AsyncLLMEngine:
         """Outputs (or errors) to their requests' streams, with one wake-up of each event loop for
         all of them: a wake-up per output would write the loop's self-pipe and hand it the GIL once
         per stream (see the tuning log)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
+        by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]
+        ] = {}
         for request_id, item in items:
             target = self._streams.get(request_id)
             if target is not None:
@@ -201,8 +212,9 @@ class AsyncLLMEngine:
         calling thread (see `InputProcessor`); the engine thread only checks it against the
         engine's state (request id in use, queue full) and queues it."""
         self._check_alive()
-        request = self.engine.input_processor.process(request_id, prompt, params, priority,
-                                                      extra_key=extra_key)
+        request = self.engine.input_processor.process(
+            request_id, prompt, params, priority, extra_key=extra_key
+        )
         stream = RequestStream(self, request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
         try:

@@ -22,7 +22,8 @@ from tokenmill.engine.request import BlockHash, Sequence
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: BlockHash | None = field(default=None, repr=False)  # set only while in the cache map
+    # set only while in the cache map
+    block_hash: BlockHash | None = field(default=None, repr=False)
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -89,7 +90,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
-        self.used_end = 0  # one past the highest block id ever handed out (fresh blocks go in id order)
+        # one past the highest block id ever handed out (fresh blocks go in id order)
+        self.used_end = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,7 +106,8 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Take n blocks (ref_cnt 1) from the head of the free queue, evicting their cached content."""
+        """Take n blocks (ref_cnt 1) from the head of the free queue, evicting their cached
+        content."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot get {n} blocks: only {self.num_free_blocks} free")
         blocks = []
@@ -119,14 +122,16 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference to each block (a prefix-cache hit), pulling free ones off the queue."""
+        """Take one more reference to each block (a prefix-cache hit), pulling free ones off the
+        queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference to each block; those reaching 0 join the free queue in the given order.
+        """Drop one reference to each block; those reaching 0 join the free queue in the given
+        order.
 
         Callers pass a sequence's table tail first: the tail of a sequence is the part least
         likely to be shared, so it should be evicted before the prefix.
@@ -165,8 +170,8 @@ class BlockPool:
                 self.cached[block_hash] = block
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached content (e.g. after a weight update); refused while any block is in use,
-        since running sequences would go on to cache blocks computed before the reset."""
+        """Forget all cached content (e.g. after a weight update); refused while any block is in
+        use, since running sequences would go on to cache blocks computed before the reset."""
         if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.cached.values():

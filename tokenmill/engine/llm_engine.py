@@ -78,16 +78,25 @@ def _load(model: str | Path | None, cfg: EngineConfig, progress: bool) -> Loaded
     from tokenmill.catalog import resolve_model
 
     path = resolve_model(model, models_dir=cfg.models_dir, progress=progress)
-    return load_model(path, dtype=cfg.dtype, progress=progress, quantization=cfg.quantization,
-                      dense_min_tokens=cfg.dense_min_tokens)
+    return load_model(
+        path,
+        dtype=cfg.dtype,
+        progress=progress,
+        quantization=cfg.quantization,
+        dense_min_tokens=cfg.dense_min_tokens,
+    )
 
 
 class LLMEngine:
     """The model, its KV cache and the scheduler, driven one `step` at a time by one thread."""
 
-    def __init__(self, model: str | Path | LoadedModel | None = None,
-                 config: EngineConfig | None = None, progress: bool = False,
-                 **overrides: Any) -> None:
+    def __init__(
+        self,
+        model: str | Path | LoadedModel | None = None,
+        config: EngineConfig | None = None,
+        progress: bool = False,
+        **overrides: Any,
+    ) -> None:
         """model: a catalog name, a path or a loaded model. config: the engine's settings, with
         overrides of any of its fields (the caller's config is left as it is)."""
         self.config = cfg = _with_overrides(config or EngineConfig(), overrides)
@@ -97,17 +106,25 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         num_blocks = cfg.num_kv_blocks or blocks_for_budget(
-            cfg.kv_cache_memory, self.loaded, cfg.block_size, cfg.kv_cache_dtype)
-        self.runner = ModelRunner(self.loaded, num_blocks=num_blocks, block_size=cfg.block_size,
-                                  compile=cfg.compile, defer_compile=cfg.defer_compile,
-                                  kv_cache_dtype=cfg.kv_cache_dtype)
+            cfg.kv_cache_memory, self.loaded, cfg.block_size, cfg.kv_cache_dtype
+        )
+        self.runner = ModelRunner(
+            self.loaded,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            compile=cfg.compile,
+            defer_compile=cfg.defer_compile,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+        )
         limit = min(mc.max_position_embeddings, num_blocks * cfg.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy), self.kv)
-        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
-                                              cfg.block_size)
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy), self.kv
+        )
+        self.input_processor = InputProcessor(
+            self.tokenizer, mc.vocab_size, self.max_model_len, cfg.block_size
+        )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.sampler = Sampler()
         self.stats = EngineStats(num_total_blocks=num_blocks)
@@ -118,22 +135,37 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def tokenize(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-                 add_special_tokens: bool = True, add_generation_prompt: bool = True,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of a text prompt or of chat messages (see `InputProcessor.tokenize`)."""
-        return self.input_processor.tokenize(prompt, messages, add_special_tokens,
-                                             add_generation_prompt, chat_template_kwargs)
+        return self.input_processor.tokenize(
+            prompt, messages, add_special_tokens, add_generation_prompt, chat_template_kwargs
+        )
 
-    def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None, extra_key: str | None = None) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        extra_key: str | None = None,
+    ) -> str:
         """Process and queue a request; returns its id (one is made up for None). Raises
         InvalidRequestError for anything unservable, QueueFullError when the queue is full."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        self.enqueue(self.input_processor.process(request_id, prompt, params, priority,
-                                                  arrival_time, extra_key))
+        self.enqueue(
+            self.input_processor.process(
+                request_id, prompt, params, priority, arrival_time, extra_key
+            )
+        )
         return request_id
 
     def enqueue(self, request: Request) -> None:
@@ -142,8 +174,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         limit, waiting = self.config.max_queue_len, len(self.scheduler.waiting)
         if limit is not None and waiting + len(request.sequences) > limit:
-            raise QueueFullError(f"the server is at capacity ({waiting} requests waiting); "
-                                 "retry shortly")
+            raise QueueFullError(
+                f"the server is at capacity ({waiting} requests waiting); retry shortly"
+            )
         for seq in request.sequences:
             self.scheduler.add_sequence(seq)
         self._requests[request.request_id] = request
@@ -179,8 +212,9 @@ class LLMEngine:
             try:
                 self._run(sched, touched)
             except Exception as exc:  # noqa: BLE001 - fail this batch only, keep the engine serving
-                log.exception("step failed; failing the %d sequences of its batch",
-                              len(sched.sequences))
+                log.exception(
+                    "step failed; failing the %d sequences of its batch", len(sched.sequences)
+                )
                 self._fail_batch(sched.sequences, exc, touched)
         outputs = [self.output_processor.make_output(r) for r in touched.values()]
         for request in touched.values():
@@ -210,13 +244,21 @@ class LLMEngine:
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build(
-            [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs], [s.generator for s in seqs],
-            self.loaded.config.vocab_size, [s.request.stop_token_ids for s in seqs],
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs],
+            self.loaded.config.vocab_size,
+            [s.request.stop_token_ids for s in seqs],
         )
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch,
-                touched: dict[str, Request]) -> None:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        batch: SamplingBatch,
+        touched: dict[str, Request],
+    ) -> None:
         for seq in seqs:
             touched[seq.request.request_id] = seq.request
         self.output_processor.process_sampled(seqs, self.sampler(logits, batch), logits)
@@ -225,11 +267,12 @@ class LLMEngine:
     def _prompt_logprobs(self, hidden: torch.Tensor, start: int, seq: Sequence) -> None:
         positions = self.output_processor.prompt_logprob_positions(seq, start, hidden.shape[0])
         if positions:
-            logprobs = self.runner.model.logits(hidden[:len(positions)]).log_softmax(-1)
+            logprobs = self.runner.model.logits(hidden[: len(positions)]).log_softmax(-1)
             self.output_processor.record_prompt_logprobs(seq, positions, logprobs)
 
-    def _fail_batch(self, seqs: list[Sequence], exc: Exception,
-                    touched: dict[str, Request]) -> None:
+    def _fail_batch(
+        self, seqs: list[Sequence], exc: Exception, touched: dict[str, Request]
+    ) -> None:
         """Fail the batch's unfinished sequences after a failed step. Their blocks leave the
         prefix cache: they were published for the step, but perhaps never written."""
         for seq in seqs:

@@ -4,9 +4,9 @@ logits the caller asks for (`hidden_states`, `last_token_logits`, `all_logits`).
 Decode steps (one new token per sequence) can run a `torch.compile`d graph of the whole model:
 eager PyTorch spends more time dispatching a small model's hundreds of ops per step than
 computing them, while the compiled graph fuses the norms, rotary, attention and activations into
-a few C++ kernels and calls the quantized matmuls directly. Compilation takes minutes the first time (seconds once
-inductor's on-disk cache has the graphs), so it runs on a background thread while eager steps
-serve; the compiled graph takes over when it is ready.
+a few C++ kernels and calls the quantized matmuls directly. Compilation takes minutes the first time
+(seconds once inductor's on-disk cache has the graphs), so it runs on a background thread while
+eager steps serve; the compiled graph takes over when it is ready.
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ import torch
 from tokenmill import model as model_package
 from tokenmill.catalog import cache_root, mark_used, prune_cache
 from tokenmill.model import kernels
-from tokenmill.model.attention import AttentionBatch, KVCache, kernel_attends_prompts, resolve_kv_cache_dtype
+from tokenmill.model.attention import (
+    AttentionBatch,
+    KVCache,
+    kernel_attends_prompts,
+    resolve_kv_cache_dtype,
+)
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.transformer import Transformer
 
@@ -42,33 +47,58 @@ KEEP_GRAPHS = 16
 # call (hundreds of checks a step): the graphs' inputs are the model's own fixed tensors and the
 # batch tensors built for them, so the checks are left out, which cuts the graph's own time
 # outside the ops it calls (see the tuning log).
-GRAPH_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+GRAPH_OPTIONS = {
+    "cpp_wrapper": True,
+    "size_asserts": False,
+    "alignment_asserts": False,
+    "scalar_asserts": False,
+}
 
 
 class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, compile: bool = False,
-                 defer_compile: bool = False, kv_cache_dtype: str = "auto") -> None:
-        """compile: build (or load) the compiled decode graphs on a background thread, from now on or,
-        with defer_compile, from `start_compile`. kv_cache_dtype: see `attention.resolve_kv_cache_dtype`."""
-        self.max_threads = torch.get_num_threads()  # as configured on the thread that builds the runner
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int = 16,
+        compile: bool = False,
+        defer_compile: bool = False,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        """compile: build (or load) the compiled decode graphs on a background thread, from now on
+        or, with defer_compile, from `start_compile`. kv_cache_dtype: see
+        `attention.resolve_kv_cache_dtype`."""
+        # as configured on the thread that builds the runner
+        self.max_threads = torch.get_num_threads()
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
         self.block_size = block_size
         device = loaded.model.device
-        self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                             dtype=resolve_kv_cache_dtype(kv_cache_dtype, loaded.dtype, device.type), device=device)
-        self._compiled_decode: dict[int, AOTCompiledFunction] | None = None  # by batch size: 1, and 2 for 2 or more
-        self._checked_graphs: set[int] = set()  # keys of the graphs whose guards held on a real step
+        self.cache = KVCache(
+            cfg.num_layers,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=resolve_kv_cache_dtype(kv_cache_dtype, loaded.dtype, device.type),
+            device=device,
+        )
+        # by batch size: 1, and 2 for 2 or more
+        self._compiled_decode: dict[int, AOTCompiledFunction] | None = None
+        # keys of the graphs whose guards held on a real step
+        self._checked_graphs: set[int] = set()
         self.compile_error: BaseException | None = None
         self.compile_seconds: float | None = None
         self.compile_requested = compile
         self._compile_thread: threading.Thread | None = None
         self.uncompiled_decode_steps = 0  # decode steps no compiled graph fitted (run eagerly)
         self._logits: torch.Tensor | None = None  # see _logits_buffer
-        self._kernel_build = kernels.build_in_background() if self.cache.k[0].device.type == "cpu" else None
+        self._kernel_build = (
+            kernels.build_in_background() if self.cache.k[0].device.type == "cpu" else None
+        )
         if compile and not defer_compile:
             self.start_compile()
 
@@ -76,15 +106,20 @@ class ModelRunner:
         """Start the requested compilation, once. Tracing holds the GIL for seconds at a time, and
         loading saved graphs too delays a server's start, so a server starts it once it listens."""
         if self.compile_requested and self._compile_thread is None:
-            self._compile_thread = threading.Thread(target=self._compile_decode, name="tokenmill-compile", daemon=True)
+            self._compile_thread = threading.Thread(
+                target=self._compile_decode, name="tokenmill-compile", daemon=True
+            )
             self._compile_thread.start()
 
     @property
     def decode_mode(self) -> str:
-        """'compiled', 'compiling' (eager until ready, or until the compilation starts) or 'eager'."""
+        """'compiled', 'compiling' (eager until ready, or until the compilation starts) or
+        'eager'."""
         if self._compiled_decode is not None:
             return "compiled"
-        pending = self.compile_requested and (self._compile_thread is None or self._compile_thread.is_alive())
+        pending = self.compile_requested and (
+            self._compile_thread is None or self._compile_thread.is_alive()
+        )
         return "compiling" if pending else "eager"
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
@@ -121,8 +156,11 @@ class ModelRunner:
         if self._compiled_decode is not None and self._is_decode(query_lens, context_lens):
             products = self._run_compiled(flat, batch)
             if products is not None:
-                return self.model.logits(products=products, out=self._logits_buffer(products.shape),
-                                         argmax_only=argmax_only)
+                return self.model.logits(
+                    products=products,
+                    out=self._logits_buffer(products.shape),
+                    argmax_only=argmax_only,
+                )
         hidden = self._forward(flat, batch)
         last = torch.tensor(query_lens).cumsum(0) - 1
         return self.model.logits(hidden[last])
@@ -145,10 +183,17 @@ class ModelRunner:
         """The flat token tensor and the attention batch of a step; sets this thread's OpenMP
         threads to what the compiled kernels were built for."""
         cache = self.cache.k[0]
-        kernel_prompts = kernel_attends_prompts(self.loaded.dtype, cache.dtype, cache.shape[-1],
-                                                cache.device)
-        batch = AttentionBatch.build(query_lens, context_lens, block_tables, self.block_size,
-                                     self.cache.pad_slot, kernel_prompts=kernel_prompts)
+        kernel_prompts = kernel_attends_prompts(
+            self.loaded.dtype, cache.dtype, cache.shape[-1], cache.device
+        )
+        batch = AttentionBatch.build(
+            query_lens,
+            context_lens,
+            block_tables,
+            self.block_size,
+            self.cache.pad_slot,
+            kernel_prompts=kernel_prompts,
+        )
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
         self._set_threads(self.max_threads)
         return flat, batch
@@ -163,7 +208,9 @@ class ModelRunner:
         glibc's heap serves, would be mapped and faulted in afresh every step."""
         rows, vocab = shape
         if self._logits is None or self._logits.shape[0] < rows:
-            self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.cache.k[0].device)
+            self._logits = torch.empty(
+                rows, vocab, dtype=torch.float32, device=self.cache.k[0].device
+            )
         return self._logits
 
     def _run_compiled(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
@@ -191,8 +238,11 @@ class ModelRunner:
                 raise
             self.uncompiled_decode_steps += 1
             if self.uncompiled_decode_steps == 1:
-                log.warning("a decode batch of %d runs eagerly: its compiled graph does not fit it (%s)",
-                            batch.num_seqs, exc)
+                log.warning(
+                    "a decode batch of %d runs eagerly: its compiled graph does not fit it (%s)",
+                    batch.num_seqs,
+                    exc,
+                )
             return None
         graph.disable_guard_check()
         self._checked_graphs.add(key)
@@ -203,7 +253,11 @@ class ModelRunner:
         # A 1-token context would hit shapes the graphs were not compiled for (size-1 dims are
         # specialized); such a step is a first token, which the eager path serves. Contexts past
         # COMPILED_CONTEXT_MAX run eagerly too: the graphs' softmax sums are specialized to it.
-        return max(query_lens) == 1 and 1 < min(context_lens) and max(context_lens) <= COMPILED_CONTEXT_MAX
+        return (
+            max(query_lens) == 1
+            and 1 < min(context_lens)
+            and max(context_lens) <= COMPILED_CONTEXT_MAX
+        )
 
     @staticmethod
     def _set_threads(threads: int) -> None:
@@ -217,13 +271,14 @@ class ModelRunner:
         `aot_compile`d graphs run without dynamo's per-call guards (see `_run_compiled`), but
         inductor's caches do not serve them (their key holds a random name), so they are saved
         whole, keyed by everything that shapes them: the sources they are traced from, torch,
-        the CPU, the threads, the model's structure and the KV cache's size. Their guards are checked on the
-        warm-up step after loading as after compiling.
+        the CPU, the threads, the model's structure and the KV cache's size. Their guards are
+        checked on the warm-up step after loading as after compiling.
         """
         start = time.perf_counter()
         if self._kernel_build is not None:
             self._kernel_build.join()  # graphs traced before the kernels load would not use them
-        self._set_threads(self.max_threads)  # inductor builds its kernels for the current thread count
+        # inductor builds its kernels for the current thread count
+        self._set_threads(self.max_threads)
         folder = cache_root() / "decode-graphs"
         paths = {size: folder / f"{self._graph_key()}-batch{size}.bin" for size in (1, 2)}
         try:
@@ -256,8 +311,11 @@ class ModelRunner:
         from torch.fx.experimental import _config as shape_config
 
         graphs = {}
-        with torch.inference_mode(), shape_config.patch(use_duck_shape=False), \
-                torch._dynamo.config.patch(specialize_float=True):
+        with (
+            torch.inference_mode(),
+            shape_config.patch(use_duck_shape=False),
+            torch._dynamo.config.patch(specialize_float=True),
+        ):
             for size in (1, 2):
                 args = (self.model, self.cache, *self._warmup_inputs(size))
                 graphs[size] = compiled.aot_compile((args, {}))
@@ -265,7 +323,8 @@ class ModelRunner:
         return graphs
 
     def _load_graphs(self, paths: dict[int, Path]) -> dict[int, AOTCompiledFunction] | None:
-        """The cached graphs, each run once with its guards checked; None if any is missing or unfit."""
+        """The cached graphs, each run once with its guards checked; None if any is missing or
+        unfit."""
         if not all(path.is_file() for path in paths.values()):
             return None
         graphs = {}
@@ -285,9 +344,19 @@ class ModelRunner:
         key = hashlib.sha256()
         for source in _traced_sources():
             key.update(source.read_bytes())
-        shapes = [f"{name}{tuple(t.shape)}{t.dtype}" for name, t in self.model.state_dict(keep_vars=True).items()]
-        for part in (torch.__version__, kernels.build_directory().name, str(self.max_threads), repr(self.loaded.config),
-                     repr(self.model), *shapes, f"{len(self.cache.k)}x{tuple(self.cache.k[0].shape)}{self.cache.k[0].dtype}"):
+        shapes = [
+            f"{name}{tuple(t.shape)}{t.dtype}"
+            for name, t in self.model.state_dict(keep_vars=True).items()
+        ]
+        for part in (
+            torch.__version__,
+            kernels.build_directory().name,
+            str(self.max_threads),
+            repr(self.loaded.config),
+            repr(self.model),
+            *shapes,
+            f"{len(self.cache.k)}x{tuple(self.cache.k[0].shape)}{self.cache.k[0].dtype}",
+        ):
             key.update(part.encode())
         return key.hexdigest()[:24]
 
@@ -296,8 +365,9 @@ class ModelRunner:
         warm-up touches no block the engine may be using meanwhile."""
         pad = self.cache.pad_slot
         context = batch_size + 2  # 1 would be specialized
-        batch = AttentionBatch.build([1] * batch_size, [context] * batch_size, [[0]] * batch_size, self.block_size,
-                                     pad)
+        batch = AttentionBatch.build(
+            [1] * batch_size, [context] * batch_size, [[0]] * batch_size, self.block_size, pad
+        )
         batch.slot_mapping.fill_(pad)
         batch.context_slots.fill_(pad)
         return torch.zeros(batch_size, dtype=torch.int64), batch
@@ -318,8 +388,9 @@ def _save_graph(graph: AOTCompiledFunction, path: Path) -> None:
         log.info("could not cache the decode graph at %s (%r)", path, exc)
 
 
-def decode_step(model: Transformer, cache: KVCache, flat: torch.Tensor,
-                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_step(
+    model: Transformer, cache: KVCache, flat: torch.Tensor, batch: AttentionBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of the model, the function the decode graphs are compiled from: the
     output head's products (`Transformer.head_products`, which `Transformer.logits` finishes),
     and the final hidden states as a second output: an output is stored once, where inductor

@@ -18,7 +18,8 @@ TokenLogprobs = dict[int, Logprob]
 
 @dataclass
 class CompletionOutput:
-    """One of the n sequences of a request. Cumulative fields plus this step's delta, for streaming."""
+    """One of the n sequences of a request. Cumulative fields plus this step's delta, for
+    streaming."""
 
     index: int
     text: str = ""

@@ -17,15 +17,14 @@ import torch.nn.functional as F
 
 from tokenmill.model import kernels
 
-
 # Compiled decode steps without tokenmill's kernel use `_fused_decode_attention` for heads up to
 # this size: inductor's fused reductions beat batched matmuls on narrow heads (SmolLM2's 64) and
 # lose on wide ones (Gemma 3's 256), which keep the batched matmuls.
 FUSED_DECODE_MAX_HEAD_DIM = 128
 
-# Prompts attend in blocks of this many query rows, each over only the keys its rows can see: PyTorch's
-# CPU flash kernel computes a causal mask's upper triangle anyway. Smaller blocks skip more of the
-# masked triangle but make more, smaller SDPA calls.
+# Prompts attend in blocks of this many query rows, each over only the keys its rows can see:
+# PyTorch's CPU flash kernel computes a causal mask's upper triangle anyway. Smaller blocks skip
+# more of the masked triangle but make more, smaller SDPA calls.
 QUERY_BLOCK = 128
 
 # A step with prompt tokens attends through the decode kernel where it serves
@@ -35,11 +34,12 @@ QUERY_BLOCK = 128
 KERNEL_PROMPT_MAX_PAIRS = 1 << 21
 
 
-def kernel_attends_prompts(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
-                           device: torch.device | str) -> bool:
-    """Whether steps with prompt tokens attend through the decode kernel (`KERNEL_PROMPT_MAX_PAIRS`):
-    where it takes the model's tensors (`kernel_fits`), but not on CPUs with AMX, where SDPA's flash
-    kernel multiplies bf16 on the matrix unit."""
+def kernel_attends_prompts(
+    dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, device: torch.device | str
+) -> bool:
+    """Whether steps with prompt tokens attend through the decode kernel
+    (`KERNEL_PROMPT_MAX_PAIRS`): where it takes the model's tensors (`kernel_fits`), but not on CPUs
+    with AMX, where SDPA's flash kernel multiplies bf16 on the matrix unit."""
     return kernel_fits(dtype, cache_dtype, head_dim, device) and not kernels.cpu_has_amx()
 
 
@@ -55,7 +55,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> 
     if name == "auto":
         return torch.float16 if model_dtype == torch.float32 and device == "cpu" else model_dtype
     if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown KV cache dtype {name!r} (choose auto, {', '.join(KV_CACHE_DTYPES)})")
+        raise ValueError(
+            f"unknown KV cache dtype {name!r} (choose auto, {', '.join(KV_CACHE_DTYPES)})"
+        )
     return KV_CACHE_DTYPES[name]
 
 
@@ -100,10 +102,12 @@ class KVCache:
 
     def zero_blocks(self, tensor: torch.Tensor, first_block: int, end_block: int) -> None:
         """Zero blocks [first_block, end_block) of one of the pool's tensors (`k[i]` or `v[i]`)."""
-        tensor[first_block * self.block_size:end_block * self.block_size].zero_()
+        tensor[first_block * self.block_size : end_block * self.block_size].zero_()
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
@@ -114,19 +118,21 @@ class AttentionBatch:
     positions: torch.Tensor  # (T,) position of each new token in its sequence
     slot_mapping: torch.Tensor  # (T,) cache slot receiving each new token's K/V
     token_index: torch.Tensor  # (T,) index of each new token in the padded (B * max_q) query grid
-    context_slots: torch.Tensor  # (B, max_kv) cache slot of every context position (pad slot where padding)
+    # (B, max_kv) cache slot of every context position (pad slot where padding)
+    context_slots: torch.Tensor
     key_positions: torch.Tensor  # (B, max_kv) position of each context slot, large where padding
     query_positions: torch.Tensor  # (B, max_q) position of each padded query, -1 where padding
     num_seqs: int
     max_q: int
     query_blocks: tuple[tuple[int, int, int], ...]  # (first row, end row, keys any of them sees)
-    fresh_prompts: bool = False  # prompts only, all of their context new in this step (no cached prefix)
-    # (T, max_kv) context slots of each new token's sequence where the whole step attends through the
-    # decode kernel (`build`'s kernel_prompts); None otherwise, and for decode steps
+    # prompts only, all of their context new in this step (no cached prefix)
+    fresh_prompts: bool = False
+    # (T, max_kv) context slots of each new token's sequence where the whole step attends through
+    # the decode kernel (`build`'s kernel_prompts); None otherwise, and for decode steps
     token_context_slots: torch.Tensor | None = None
     # Otherwise a step mixing decodes (one new token), fresh prompts and prompt chunks after cached
-    # context attends in parts, each a batch of its own with the indices of its tokens in this one: one
-    # padded grid would make every decode row as long as the longest chunk (see `_parts`).
+    # context attends in parts, each a batch of its own with the indices of its tokens in this one:
+    # one padded grid would make every decode row as long as the longest chunk (see `_parts`).
     parts: tuple[tuple[AttentionBatch, torch.Tensor], ...] | None = None
 
     @classmethod
@@ -140,7 +146,8 @@ class AttentionBatch:
         device: torch.device | str = "cpu",
         kernel_prompts: bool = False,
     ) -> AttentionBatch:
-        """Describe a step: sequence i adds query_lens[i] tokens ending at context length context_lens[i].
+        """Describe a step: sequence i adds query_lens[i] tokens ending at context length
+        context_lens[i].
 
         pad_slot is the cache's never-written zero slot (`KVCache.pad_slot`). kernel_prompts: a step
         with prompt tokens attends through the decode kernel, all of its tokens in one call, within
@@ -155,7 +162,7 @@ class AttentionBatch:
         width = max(len(t) for t in block_tables)
         tables = np.zeros((num_seqs, width), dtype=np.int64)
         for row, table in zip(tables, block_tables):
-            row[:len(table)] = table
+            row[: len(table)] = table
 
         kv_pos = np.arange(max_kv)
         kv_valid = kv_pos < kv_lens[:, None]
@@ -173,9 +180,13 @@ class AttentionBatch:
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        through_kernel = kernel_prompts and max_q > 1 and len(token_index) * max_kv <= KERNEL_PROMPT_MAX_PAIRS
+        through_kernel = (
+            kernel_prompts and max_q > 1 and len(token_index) * max_kv <= KERNEL_PROMPT_MAX_PAIRS
+        )
         return cls(
-            token_context_slots=tensor(context_slots[token_index // max_q]) if through_kernel else None,
+            token_context_slots=tensor(context_slots[token_index // max_q])
+            if through_kernel
+            else None,
             positions=tensor(positions),
             slot_mapping=tensor(slot_mapping),
             token_index=tensor(token_index),
@@ -186,17 +197,25 @@ class AttentionBatch:
             max_q=max_q,
             query_blocks=_query_blocks(query_lens, context_lens),
             fresh_prompts=max_q > 1 and bool((q_lens == kv_lens).all()),
-            parts=None if through_kernel else cls._parts(query_lens, context_lens, block_tables, block_size, pad_slot,
-                                                         device),
+            parts=None
+            if through_kernel
+            else cls._parts(query_lens, context_lens, block_tables, block_size, pad_slot, device),
         )
 
     @classmethod
-    def _parts(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-               pad_slot: int, device: torch.device | str) -> tuple[tuple[AttentionBatch, torch.Tensor], ...] | None:
+    def _parts(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        pad_slot: int,
+        device: torch.device | str,
+    ) -> tuple[tuple[AttentionBatch, torch.Tensor], ...] | None:
         """The step's sequences by how they attend, where it has more than one kind: decodes (one
         new token), fresh prompts (no cached context: causal attention to their own K/V) and prompt
-        chunks after cached context (a server's step often ends one prompt's chunk and starts others:
-        together they would all gather their context from the cache)."""
+        chunks after cached context (a server's step often ends one prompt's chunk and starts
+        others: together they would all gather their context from the cache)."""
         kinds = [0 if q == 1 else 1 if q == kv else 2 for q, kv in zip(query_lens, context_lens)]
         present = sorted(set(kinds))
         if len(present) == 1:
@@ -205,14 +224,21 @@ class AttentionBatch:
         parts = []
         for wanted in present:
             seqs = [i for i, kind in enumerate(kinds) if kind == wanted]
-            part = cls.build([query_lens[i] for i in seqs], [context_lens[i] for i in seqs],
-                             [block_tables[i] for i in seqs], block_size, pad_slot, device)
+            part = cls.build(
+                [query_lens[i] for i in seqs],
+                [context_lens[i] for i in seqs],
+                [block_tables[i] for i in seqs],
+                block_size,
+                pad_slot,
+                device,
+            )
             parts.append((part, torch.from_numpy(np.flatnonzero(token_kinds == wanted)).to(device)))
         return tuple(parts)
 
     def mask(self, window: int | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Boolean (B, 1, max_q, max_kv) mask: causal, within the sliding window when given; for a
-        batch in parts, one per part; for a step through the decode kernel, (T, max_kv), a row per token."""
+        batch in parts, one per part; for a step through the decode kernel, (T, max_kv), a row per
+        token."""
         if self.parts is not None:
             return tuple(part.mask(window) for part, _ in self.parts)
         q = self.query_positions[:, :, None]
@@ -227,7 +253,9 @@ class AttentionBatch:
         return allowed[:, None]
 
 
-def _query_blocks(query_lens: list[int], context_lens: list[int]) -> tuple[tuple[int, int, int], ...]:
+def _query_blocks(
+    query_lens: list[int], context_lens: list[int]
+) -> tuple[tuple[int, int, int], ...]:
     """Split the padded query rows into `QUERY_BLOCK`s, each with the number of leading keys that
     any of its rows may attend to (row j of sequence i is at position context - query + j)."""
     max_q, max_kv = max(query_lens), max(context_lens)
@@ -261,21 +289,43 @@ def paged_attention(
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
-    if batch.token_context_slots is not None:  # every token of the step as a query of the decode kernel
-        return torch.ops.tokenmill.decode_attention(q, k_cache, v_cache, batch.token_context_slots, mask, scale,
-                                                    softcap)
+    if batch.token_context_slots is not None:
+        # every token of the step as a query of the decode kernel
+        return torch.ops.tokenmill.decode_attention(
+            q, k_cache, v_cache, batch.token_context_slots, mask, scale, softcap
+        )
     if batch.parts is None:
         return _attend_cached(q, k, v, k_cache, v_cache, batch, mask, scale, softcap, window)
     out = torch.empty_like(q)
-    for (part, tokens), part_mask in zip(batch.parts, mask):  # each after the whole step's K/V are in the cache
-        out[tokens] = _attend_cached(q[tokens], k[tokens], v[tokens], k_cache, v_cache, part, part_mask, scale, softcap,
-                                     window)
+    for (part, tokens), part_mask in zip(batch.parts, mask):
+        # each after the whole step's K/V are in the cache
+        out[tokens] = _attend_cached(
+            q[tokens],
+            k[tokens],
+            v[tokens],
+            k_cache,
+            v_cache,
+            part,
+            part_mask,
+            scale,
+            softcap,
+            window,
+        )
     return out
 
 
-def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   batch: AttentionBatch, mask: torch.Tensor, scale: float, softcap: float | None,
-                   window: int | None) -> torch.Tensor:
+def _attend_cached(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
     """`paged_attention` once this step's K/V (k, v, in the cache's dtype) are in the cache, for a
     batch not in parts."""
     if batch.max_q == 1:  # pure decode: one token per sequence, tokens already in batch order
@@ -290,34 +340,54 @@ def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
         grids = []
         for t in (q, k.to(q.dtype), v.to(q.dtype)):
             if batch.num_seqs > 1:
-                t = t.new_zeros(batch.num_seqs * batch.max_q, *t.shape[1:]).index_copy_(0, batch.token_index, t)
+                t = t.new_zeros(batch.num_seqs * batch.max_q, *t.shape[1:]).index_copy_(
+                    0, batch.token_index, t
+                )
             grids.append(t.view(batch.num_seqs, batch.max_q, *t.shape[1:]).transpose(1, 2))
         out = F.scaled_dot_product_attention(*grids, is_causal=True, scale=scale, enable_gqa=True)
         out = out.transpose(1, 2).reshape(batch.num_seqs * batch.max_q, num_heads, head_dim)
         return out if batch.num_seqs == 1 else out.index_select(0, batch.token_index)
-    keys = k_cache[batch.context_slots].to(q.dtype).transpose(1, 2)  # (B, kv_heads, max_kv, head_dim)
+    # (B, kv_heads, max_kv, head_dim)
+    keys = k_cache[batch.context_slots].to(q.dtype).transpose(1, 2)
     values = v_cache[batch.context_slots].to(q.dtype).transpose(1, 2)
     padded = q.new_zeros(batch.num_seqs * batch.max_q, num_heads, head_dim)
     padded.index_copy_(0, batch.token_index, q)
     padded = padded.view(batch.num_seqs, batch.max_q, num_heads, head_dim).transpose(1, 2)
-    parts = [_attend(padded[:, :, first:end], keys[:, :, :seen], values[:, :, :seen], mask[:, :, first:end, :seen],
-                     scale, softcap) for first, end, seen in batch.query_blocks]
+    parts = [
+        _attend(
+            padded[:, :, first:end],
+            keys[:, :, :seen],
+            values[:, :, :seen],
+            mask[:, :, first:end, :seen],
+            scale,
+            softcap,
+        )
+        for first, end, seen in batch.query_blocks
+    ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     out = out.transpose(1, 2).reshape(batch.num_seqs * batch.max_q, num_heads, head_dim)
     return out.index_select(0, batch.token_index)
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-    scale: float, softcap: float | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     """One query per sequence, in the fastest form where it runs: tokenmill's kernel where
     it is built (`decode_attention_fits`), else `FUSED_DECODE_MAX_HEAD_DIM` decides.
 
-    q: (B, heads, head_dim); caches: (slots, kv_heads, head_dim); slots: (B, max_kv); mask: (B, 1, 1, max_kv).
+    q: (B, heads, head_dim); caches: (slots, kv_heads, head_dim); slots: (B, max_kv);
+    mask: (B, 1, 1, max_kv).
     """
     if decode_attention_fits(q, k_cache):
-        return torch.ops.tokenmill.decode_attention(q, k_cache, v_cache, slots, mask, scale, softcap)
+        return torch.ops.tokenmill.decode_attention(
+            q, k_cache, v_cache, slots, mask, scale, softcap
+        )
     fused = torch.compiler.is_compiling() and q.shape[-1] <= FUSED_DECODE_MAX_HEAD_DIM
     attend = _fused_decode_attention if fused else _matmul_decode_attention
     return attend(q, k_cache, v_cache, slots, mask, scale, softcap)
@@ -328,19 +398,33 @@ def decode_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return kernel_fits(q.dtype, k_cache.dtype, q.shape[-1], q.device)
 
 
-def kernel_fits(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, device: torch.device | str) -> bool:
-    """Whether `tokenmill::decode_attention` takes queries of this dtype and head size over this cache."""
-    return (kernels.loaded() and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and (cache_dtype == dtype or (dtype == torch.float32 and cache_dtype in HALF_CACHE_DTYPES))
-            and head_dim % 16 == 0 and head_dim <= 512)
+def kernel_fits(
+    dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, device: torch.device | str
+) -> bool:
+    """Whether `tokenmill::decode_attention` takes queries of this dtype and head size over this
+    cache."""
+    return (
+        kernels.loaded()
+        and torch.device(device).type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and (cache_dtype == dtype or (dtype == torch.float32 and cache_dtype in HALF_CACHE_DTYPES))
+        and head_dim % 16 == 0
+        and head_dim <= 512
+    )
 
 
 def _matmul_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-    scale: float, softcap: float | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     """Decode attention as two batched matmuls over the gathered context, grouping query heads by
-    their KV head. For a single query row, SDPA's flash kernel costs far more in setup than the arithmetic."""
+    their KV head. For a single query row, SDPA's flash kernel costs far more in setup than the
+    arithmetic."""
     b, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     k = k_cache[slots].transpose(1, 2)  # (B, kv_heads, max_kv, head_dim)
@@ -356,8 +440,13 @@ def _matmul_decode_attention(
 
 
 def _fused_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-    scale: float, softcap: float | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     """Decode attention written as broadcast products and sums, for a compiled graph.
 
@@ -375,19 +464,31 @@ def _fused_decode_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask.view(b, -1, 1, 1), float("-inf"))
-    out = (torch.softmax(scores, dim=1)[..., None] * values).sum(1)  # (B, kv_heads, group, head_dim)
+    # (B, kv_heads, group, head_dim)
+    out = (torch.softmax(scores, dim=1)[..., None] * values).sum(1)
     return out.to(q.dtype).view(b, num_heads, head_dim)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return _softcapped_attention(q, k, v, mask, scale, softcap)
 
 
 def _softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
 ) -> torch.Tensor:
     """Attention with tanh-capped scores (Gemma 2), which SDPA cannot express."""
     groups = q.shape[1] // k.shape[1]

@@ -37,7 +37,9 @@ class RopeSettings:
             return inv / float(self.scaling["factor"])
         if rope_type == "llama3":
             return _llama3_inv_freq(inv, self.scaling)
-        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)"
+        )
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -90,16 +92,22 @@ class ModelConfig:
             kind = SLIDING_ATTENTION if self.sliding_window else FULL_ATTENTION
             self.layer_types = [kind] * self.num_layers
         if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_heads} attention heads is not a multiple of {self.num_kv_heads} KV heads")
+            raise ValueError(
+                f"{self.num_heads} attention heads is not a multiple of "
+                f"{self.num_kv_heads} KV heads"
+            )
 
     @property
     def softmax_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     def layer_window(self, layer: int) -> int | None:
-        """Sliding window of a layer (keys at distance >= window are masked), None for full attention."""
+        """Sliding window of a layer (keys at distance >= window are masked), None for full
+        attention."""
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
 
     def layer_rope(self, layer: int) -> RopeSettings:

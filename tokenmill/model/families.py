@@ -30,7 +30,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
     "gemma": Family(hidden_act="gelu_tanh", scaled_embeddings=True, norm_plus_one=True),
-    "gemma2": Family(hidden_act="gelu_tanh", sandwich_norm=True, scaled_embeddings=True, norm_plus_one=True),
+    "gemma2": Family(
+        hidden_act="gelu_tanh", sandwich_norm=True, scaled_embeddings=True, norm_plus_one=True
+    ),
     "gemma3": Family(
         hidden_act="gelu_tanh",
         qk_norm=True,
@@ -59,18 +61,23 @@ def supported_list() -> str:
 
 def _family(name: str, source: str) -> Family:
     if name not in FAMILIES:
-        raise ValueError(f"unsupported architecture {name!r} in {source} (supported: {supported_list()})")
+        raise ValueError(
+            f"unsupported architecture {name!r} in {source} (supported: {supported_list()})"
+        )
     return FAMILIES[name]
 
 
 # ---------------------------------------------------------------- Hugging Face configs
+
 
 def config_from_hf(hf: Any) -> ModelConfig:
     """Map a transformers `PretrainedConfig` onto `ModelConfig`."""
     model_type = getattr(hf, "model_type", None)
     if model_type not in HF_MODEL_TYPES:
         known = ", ".join(sorted(HF_MODEL_TYPES))
-        raise ValueError(f"unsupported model_type {model_type!r} in config.json (supported: {known})")
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in config.json (supported: {known})"
+        )
     name = HF_MODEL_TYPES[model_type]
     fam = FAMILIES[name]
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -78,7 +85,9 @@ def config_from_hf(hf: Any) -> ModelConfig:
     attention_bias = bool(getattr(hf, "attention_bias", False)) or fam.qkv_bias
     sliding = getattr(hf, "sliding_window", None)
     layer_types = list(getattr(hf, "layer_types", None) or [])
-    if sliding is None or (name in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False)):
+    if sliding is None or (
+        name in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False)
+    ):
         sliding, layer_types = None, [FULL_ATTENTION] * hf.num_hidden_layers
     pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None)
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
@@ -120,7 +129,8 @@ def _activation(name: str) -> str:
 
 
 def _hf_rope(hf: Any) -> tuple[RopeSettings, RopeSettings | None]:
-    """Rope of full-attention layers and, when different, of sliding layers (transformers 4 and 5)."""
+    """Rope of full-attention layers and, when different, of sliding layers
+    (transformers 4 and 5)."""
     params = getattr(hf, "rope_parameters", None)
     if isinstance(params, dict) and FULL_ATTENTION in params:
         full, local = params[FULL_ATTENTION], params.get(SLIDING_ATTENTION)
@@ -182,6 +192,7 @@ def hf_norm_offset(cfg: ModelConfig) -> float:
 
 # ---------------------------------------------------------------- GGUF metadata
 
+
 def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) -> ModelConfig:
     """Map GGUF metadata (llama.cpp's keys) onto `ModelConfig`."""
     arch = md.get("general.architecture")
@@ -196,7 +207,8 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
     kv_heads = key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer lists are allowed by the format; we need them uniform
+    if isinstance(kv_heads, list):
+        # per-layer lists are allowed by the format; we need them uniform
         if len(set(kv_heads)) != 1:
             raise ValueError(f"{source}: per-layer KV head counts are not supported")
         kv_heads = kv_heads[0]
@@ -216,12 +228,19 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
         # llama.cpp: either a per-layer list of booleans or "every Nth layer is global"
         pattern = md.get(f"{arch}.attention.sliding_window_pattern", fam.sliding_pattern)
         if isinstance(pattern, list):
-            layer_types = [SLIDING_ATTENTION if is_swa else FULL_ATTENTION for is_swa in pattern[:num_layers]]
+            layer_types = [
+                SLIDING_ATTENTION if is_swa else FULL_ATTENTION for is_swa in pattern[:num_layers]
+            ]
         else:
-            layer_types = [SLIDING_ATTENTION if (i + 1) % int(pattern) else FULL_ATTENTION for i in range(num_layers)]
+            layer_types = [
+                SLIDING_ATTENTION if (i + 1) % int(pattern) else FULL_ATTENTION
+                for i in range(num_layers)
+            ]
         rope_local = RopeSettings(theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)))
     elif arch == "gemma2" and sliding:
-        layer_types = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)]
+        layer_types = [
+            SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
+        ]
     attn_scale = None
     if arch in ("gemma2", "gemma3"):
         attn_scale = head_dim**-0.5  # query_pre_attn_scalar equals head_dim for released sizes
@@ -273,7 +292,8 @@ _GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "l
 
 
 def gguf_tensor_name(name: str) -> str | None:
-    """Our parameter name for a GGUF tensor name, None for tensors we do not use (e.g. rope_freqs)."""
+    """Our parameter name for a GGUF tensor name, None for tensors we do not use
+    (e.g. rope_freqs)."""
     base, _, suffix = name.rpartition(".")
     if base in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"

@@ -89,7 +89,9 @@ class _HeaderReader:
         self.pos = 0
 
     def truncated(self, needed: int) -> ModelFileError:
-        return ModelFileError(self.path, f"truncated: header needs byte {needed} but the file has {self.size} bytes")
+        return ModelFileError(
+            self.path, f"truncated: header needs byte {needed} but the file has {self.size} bytes"
+        )
 
     def skip(self, n: int) -> int:
         """Advance ``n`` bytes and return where they start."""
@@ -133,7 +135,9 @@ class _HeaderReader:
         if item_type == GGUFValueType.STRING:
             return self.string_array(count, key)
         if item_type != GGUFValueType.ARRAY:
-            raise ModelFileError(self.path, f"metadata '{key}' has unknown array item type {item_type}")
+            raise ModelFileError(
+                self.path, f"metadata '{key}' has unknown array item type {item_type}"
+            )
         if count * 12 > self.size - self.pos:  # every nested array has at least a 12-byte header
             raise self.truncated(self.pos + count * 12)
         return [self.array(key) for _ in range(count)]
@@ -156,7 +160,9 @@ class _HeaderReader:
         except UnicodeDecodeError as exc:
             if pos + n > self.size:
                 raise self.truncated(pos + n) from None
-            raise ModelFileError(self.path, f"metadata '{key}'[{len(out)}]: invalid UTF-8 ({exc.reason})") from None
+            raise ModelFileError(
+                self.path, f"metadata '{key}'[{len(out)}]: invalid UTF-8 ({exc.reason})"
+            ) from None
         if pos > self.size:
             raise self.truncated(pos)
         self.pos = pos
@@ -179,7 +185,9 @@ class GGUFFile:
             raise ModelFileError(self.path, "big-endian GGUF files are not supported")
         if version not in SUPPORTED_VERSIONS:
             supported = ", ".join(map(str, SUPPORTED_VERSIONS))
-            raise ModelFileError(self.path, f"unsupported GGUF version {version} (supported: {supported})")
+            raise ModelFileError(
+                self.path, f"unsupported GGUF version {version} (supported: {supported})"
+            )
         n_tensors = reader.scalar(_U64)
         n_kv = reader.scalar(_U64)
 
@@ -197,14 +205,18 @@ class GGUFFile:
         for name, dims, raw_type, rel_offset in raw_infos:
             if name in self.tensors:
                 raise ModelFileError(self.path, "duplicate tensor name", tensor=name)
-            self.tensors[name] = self._check_tensor(name, dims, raw_type, rel_offset, data_start, alignment)
+            self.tensors[name] = self._check_tensor(
+                name, dims, raw_type, rel_offset, data_start, alignment
+            )
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def _read_tensor_info(self, reader: _HeaderReader) -> tuple[str, list[int], int, int]:
         name = reader.string("tensor name")
         n_dims = reader.scalar(_U32)
         if n_dims > MAX_DIMS:
-            raise ModelFileError(self.path, f"{n_dims} dimensions (ggml allows at most {MAX_DIMS})", tensor=name)
+            raise ModelFileError(
+                self.path, f"{n_dims} dimensions (ggml allows at most {MAX_DIMS})", tensor=name
+            )
         dims = list(struct.unpack_from(f"<{n_dims}Q", self._mm, reader.skip(8 * n_dims)))
         raw_type = reader.scalar(_U32)
         return name, dims, raw_type, reader.scalar(_U64)
@@ -212,11 +224,19 @@ class GGUFFile:
     def _alignment(self) -> int:
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
-            raise ModelFileError(self.path, f"general.alignment {alignment!r} is not a power of two")
+            raise ModelFileError(
+                self.path, f"general.alignment {alignment!r} is not a power of two"
+            )
         return alignment
 
     def _check_tensor(
-        self, name: str, dims: list[int], raw_type: int, rel_offset: int, data_start: int, alignment: int
+        self,
+        name: str,
+        dims: list[int],
+        raw_type: int,
+        rel_offset: int,
+        data_start: int,
+        alignment: int,
     ) -> GGUFTensorInfo:
         try:
             qtype = GGMLQuantizationType(raw_type)
@@ -232,20 +252,24 @@ class GGUFFile:
             )
         if rel_offset % alignment:
             raise ModelFileError(
-                self.path, f"data offset {rel_offset} is not a multiple of the alignment {alignment}", tensor=name
+                self.path,
+                f"data offset {rel_offset} is not a multiple of the alignment {alignment}",
+                tensor=name,
             )
         nbytes = math.prod(dims[1:]) * (cols // block_size) * type_size
         offset = data_start + rel_offset
         if offset + nbytes > len(self._mm):
             raise ModelFileError(
                 self.path,
-                f"truncated: tensor data ends at byte {offset + nbytes} but the file has {len(self._mm)} bytes",
+                f"truncated: tensor data ends at byte {offset + nbytes} "
+                f"but the file has {len(self._mm)} bytes",
                 tensor=name,
             )
         return GGUFTensorInfo(name, tuple(reversed(dims)), qtype, offset, nbytes)
 
     def load(self, name: str) -> torch.Tensor | GGMLWeight:
-        """A view of the tensor's bytes: dense types as torch tensors, quantized ones as GGMLWeight."""
+        """A view of the tensor's bytes: dense types as torch tensors, quantized ones as
+        GGMLWeight."""
         info = self.tensors.get(name)
         if info is None:
             raise ModelFileError(self.path, "no such tensor in the file", tensor=name)
@@ -258,8 +282,12 @@ class GGUFFile:
         if info.qtype not in SUPPORTED_QTYPES:
             raise ModelFileError(self.path, unsupported_qtype_message(info.qtype), tensor=name)
         block_size, type_size = GGML_QUANT_SIZES[info.qtype]
-        return GGMLWeight(raw.view(-1, info.shape[-1] // block_size * type_size), info.qtype, info.shape,
-                          release=lambda: self._release(info.offset, info.nbytes))
+        return GGMLWeight(
+            raw.view(-1, info.shape[-1] // block_size * type_size),
+            info.qtype,
+            info.shape,
+            release=lambda: self._release(info.offset, info.nbytes),
+        )
 
     def _release(self, offset: int, nbytes: int) -> None:
         """Drop the mapped pages that lie wholly inside these bytes from this process's memory."""

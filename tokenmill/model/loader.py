@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,8 +34,14 @@ from tokenmill.model.transformer import Transformer
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -42,7 +49,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 class LoadedModel:
     model: Transformer
     config: ModelConfig
-    tokenizer: "Tokenizer | None"  # None for an HF directory without tokenizer files
+    tokenizer: Tokenizer | None  # None for an HF directory without tokenizer files
     path: Path
     dtype: torch.dtype
 
@@ -52,7 +59,9 @@ def preferred_dtype() -> torch.dtype:
     instructions oneDNN emulates its bf16 matmul, several times slower than fp32, on AVX-512 CPUs
     without BF16 too, where `torch.ops.mkldnn._is_mkldnn_bf16_supported()` still says yes."""
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native and torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return (
+        torch.bfloat16 if native and torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    )
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -68,20 +77,29 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def dtype_name(dtype: str | torch.dtype) -> str:
     """The short name (fp32, bf16, fp16) of a dtype or dtype name, "auto" resolved."""
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[parse_dtype(dtype)]
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+        parse_dtype(dtype)
+    ]
 
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 # our fused projections and the checkpoint projections they are made of
-FUSED = {"attn.qkv_proj": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-         "attn.o_proj": ("attn.o_proj",),
-         "mlp.down_proj": ("mlp.down_proj",)}
+FUSED = {
+    "attn.qkv_proj": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "attn.o_proj": ("attn.o_proj",),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
 Weight = torch.Tensor | GGMLWeight
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True,
-               quantization: str = "auto", dense_min_tokens: int | None = None) -> LoadedModel:
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "fp32",
+    progress: bool = True,
+    quantization: str = "auto",
+    dense_min_tokens: int | None = None,
+) -> LoadedModel:
     """Load a model and its tokenizer from a GGUF file or an HF directory.
 
     quantization: "none" dequantizes everything to `dtype`; "gguf" keeps a GGUF file's quantized
@@ -97,12 +115,17 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bo
     path = Path(path)
     dtype = parse_dtype(dtype)
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})")
+        raise ValueError(
+            f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})"
+        )
     if path.is_dir():
         config, weights, tokenizer = _open_hf_dir(path)
     elif path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
-        raise ModelFileError(path, "pickle checkpoints are refused (they can run code when loaded); "
-                             "use a safetensors or GGUF version of this model")
+        raise ModelFileError(
+            path,
+            "pickle checkpoints are refused (they can run code when loaded); "
+            "use a safetensors or GGUF version of this model",
+        )
     elif path.is_file():
         config, weights, tokenizer = _open_gguf(path)
     else:
@@ -116,20 +139,41 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bo
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the loaders look for, by our name, with its shape in the checkpoint."""
-    h, q, kv, ffn = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    h, q, kv, ffn = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
-        layer = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "attn.q_proj.weight": (q, h),
-                 "attn.k_proj.weight": (kv, h), "attn.v_proj.weight": (kv, h), "attn.o_proj.weight": (h, q),
-                 "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn)}
+        layer = {
+            "attn_norm.weight": (h,),
+            "ffn_norm.weight": (h,),
+            "attn.q_proj.weight": (q, h),
+            "attn.k_proj.weight": (kv, h),
+            "attn.v_proj.weight": (kv, h),
+            "attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (ffn, h),
+            "mlp.up_proj.weight": (ffn, h),
+            "mlp.down_proj.weight": (h, ffn),
+        }
         if cfg.attention_bias:
-            layer |= {"attn.q_proj.bias": (q,), "attn.k_proj.bias": (kv,), "attn.v_proj.bias": (kv,)}
+            layer |= {
+                "attn.q_proj.bias": (q,),
+                "attn.k_proj.bias": (kv,),
+                "attn.v_proj.bias": (kv,),
+            }
         if cfg.output_bias:
             layer["attn.o_proj.bias"] = (h,)
         if cfg.mlp_bias:
-            layer |= {"mlp.gate_proj.bias": (ffn,), "mlp.up_proj.bias": (ffn,), "mlp.down_proj.bias": (h,)}
+            layer |= {
+                "mlp.gate_proj.bias": (ffn,),
+                "mlp.up_proj.bias": (ffn,),
+                "mlp.down_proj.bias": (h,),
+            }
         if cfg.qk_norm:
             layer |= {"attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,)}
         if cfg.sandwich_norm:
@@ -141,8 +185,14 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 class _Builder:
     """Turns checkpoint tensors into the model: fused projections, quantized or dense layers."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, path: Path, quantization: str,
-                 dense_min_tokens: int | None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        path: Path,
+        quantization: str,
+        dense_min_tokens: int | None,
+    ) -> None:
         self.config, self.dtype, self.path = config, dtype, path
         self.quantization = quantization
         self.dense_min_tokens = dense_min_tokens
@@ -150,13 +200,22 @@ class _Builder:
     def build(self, weights: Iterator[tuple[str, Weight]], progress: bool) -> Transformer:
         expected = checkpoint_shapes(self.config)
         state: dict[str, Weight] = {}
-        for name, tensor in tqdm(weights, desc=f"loading {self.path.name}", total=len(expected), unit="tensor",
-                                 disable=not progress, leave=False):
+        for name, tensor in tqdm(
+            weights,
+            desc=f"loading {self.path.name}",
+            total=len(expected),
+            unit="tensor",
+            disable=not progress,
+            leave=False,
+        ):
             if name not in expected:
                 continue
             if tuple(tensor.shape) != expected[name]:
-                raise ModelFileError(self.path, f"shape {tuple(tensor.shape)} does not match the config's "
-                                     f"{expected[name]}", tensor=name)
+                raise ModelFileError(
+                    self.path,
+                    f"shape {tuple(tensor.shape)} does not match the config's {expected[name]}",
+                    tensor=name,
+                )
             state[name] = tensor
         missing = sorted(set(expected) - set(state))
         if missing:
@@ -187,42 +246,69 @@ class _Builder:
         else:
             model.embed = nn.Embedding.from_pretrained(_dense(embed, self.dtype), freeze=True)
         _release([embed])
-        model.load_state_dict({k: _dense(v, self.dtype) for k, v in state.items()}, strict=False, assign=True)
-        left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+        model.load_state_dict(
+            {k: _dense(v, self.dtype) for k, v in state.items()}, strict=False, assign=True
+        )
+        left = [
+            n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta
+        ]
         if left:
             raise ModelFileError(self.path, f"no weights for {', '.join(left[:3])}")
         return model.eval().requires_grad_(False)
 
-    def linear(self, weights: list[Weight], biases: list[torch.Tensor | None], x_block: int) -> nn.Module:
+    def linear(
+        self, weights: list[Weight], biases: list[torch.Tensor | None], x_block: int
+    ) -> nn.Module:
         """One module computing the concatenated outputs of these checkpoint projections (x_block:
         see `QuantLinear`)."""
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
+            bias = torch.cat(
+                [b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)]
+            )
             bias = bias.to(self.dtype)
         rows = sum(w.shape[0] for w in weights)
         cols = weights[0].shape[1]
         q = self.quantization
-        quantize = q in ("int8", "int4") or (q == "gguf" and all(isinstance(w, GGMLWeight) for w in weights))
+        quantize = q in ("int8", "int4") or (
+            q == "gguf" and all(isinstance(w, GGMLWeight) for w in weights)
+        )
         if not quantize:
             layer = nn.Linear(cols, rows, bias=bias is not None, device="meta")
-            layer.weight = nn.Parameter(_cat_rows([_dense(w, self.dtype) for w in weights]), requires_grad=False)
+            layer.weight = nn.Parameter(
+                _cat_rows([_dense(w, self.dtype) for w in weights]), requires_grad=False
+            )
             if bias is not None:
                 layer.bias = nn.Parameter(bias, requires_grad=False)
             return layer
         if q == "gguf":
             kind, data = merge_packed([packed_form(w) for w in weights])
         else:
-            kind, data = merge_packed([dense_packed_form(_dense(w, torch.float32), q) for w in weights])
+            kind, data = merge_packed(
+                [dense_packed_form(_dense(w, torch.float32), q) for w in weights]
+            )
         tiles = takes_tiles(rows, cols)
-        threshold = (self.dense_min_tokens if self.dense_min_tokens is not None
-                     else dense_crossover(kind, self.dtype, tiles))
+        threshold = (
+            self.dense_min_tokens
+            if self.dense_min_tokens is not None
+            else dense_crossover(kind, self.dtype, tiles)
+        )
         if is_large_int8(kind, rows * cols):
-            threshold = 0  # an output head: tiles or dequantized chunks serve every batch (see QuantLinear)
+            # an output head: tiles or dequantized chunks serve every batch (see QuantLinear)
+            threshold = 0
         dense = _cat_rows([_dense(w, self.dtype) for w in weights]) if threshold > 0 else None
         _release(weights)
-        return QuantLinear(rows, cols, self.dtype, **{kind: data}, bias=bias, dense=dense,
-                           dense_min_tokens=threshold, tiles=tiles, x_block=x_block)
+        return QuantLinear(
+            rows,
+            cols,
+            self.dtype,
+            **{kind: data},
+            bias=bias,
+            dense=dense,
+            dense_min_tokens=threshold,
+            tiles=tiles,
+            x_block=x_block,
+        )
 
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -244,7 +330,10 @@ def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 # ---------------------------------------------------------------- HF directories
 
-def _open_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], "Tokenizer | None"]:
+
+def _open_hf_dir(
+    path: Path,
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer | None]:
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
@@ -253,8 +342,11 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Ten
     if not shards:
         pickles = [p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
         if pickles:
-            raise ModelFileError(path, f"only pickle checkpoints found ({', '.join(pickles[:3])}); they are "
-                                 "refused because loading them can run code: use a safetensors version")
+            raise ModelFileError(
+                path,
+                f"only pickle checkpoints found ({', '.join(pickles[:3])}); they are "
+                "refused because loading them can run code: use a safetensors version",
+            )
         raise ModelFileError(path, "no *.safetensors files found")
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -265,7 +357,9 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Ten
         shards = [path / name for name in shard_names]
         absent = [s.name for s in shards if not s.is_file()]
         if absent:
-            raise ModelFileError(path, f"shards listed in the index are missing: {', '.join(absent)}")
+            raise ModelFileError(
+                path, f"shards listed in the index are missing: {', '.join(absent)}"
+            )
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; report one line
@@ -303,7 +397,8 @@ def _hf_weights(shards: list[Path], config: ModelConfig) -> Iterator[tuple[str, 
 
 # ---------------------------------------------------------------- GGUF files
 
-def _open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], "Tokenizer"]:
+
+def _open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer]:
     from tokenmill.tokenizer import Tokenizer
     from tokenmill.tokenizer.chat_template import builtin_chat_template
 
@@ -314,7 +409,9 @@ def _open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tenso
         raise ModelFileError(path, str(exc)) from exc
     if "rope_freqs.weight" in gguf.tensors:  # Llama 3 rope scaling, precomputed by the converter
         factors = _dense(gguf.load("rope_freqs.weight"), torch.float32)
-        config.rope = type(config.rope)(theta=config.rope.theta, freq_factors=tuple(factors.tolist()))
+        config.rope = type(config.rope)(
+            theta=config.rope.theta, freq_factors=tuple(factors.tolist())
+        )
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = builtin_chat_template(config.architecture)
@@ -328,10 +425,14 @@ def _gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, We
         if name is None:
             continue
         tensor = gguf.load(gguf_name)
-        if permuted and name.endswith(("attn.q_proj.weight", "attn.k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        if permuted and name.endswith(
+            ("attn.q_proj.weight", "attn.k_proj.weight", "q_proj.bias", "k_proj.bias")
+        ):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             if isinstance(tensor, GGMLWeight):  # rows are independent blocks: permute the raw bytes
-                permuted = GGMLWeight(unpermute_rows(tensor.data, heads), tensor.qtype, tensor.shape)
+                permuted = GGMLWeight(
+                    unpermute_rows(tensor.data, heads), tensor.qtype, tensor.shape
+                )
                 _release([tensor])  # the permuted copy replaces the file's bytes
                 tensor = permuted
             else:
@@ -342,4 +443,8 @@ def _gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, We
 def unpermute_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order (interleaved rope pairs) back to HF's rotate-half order."""
     rows = tensor.shape[0]
-    return tensor.reshape(heads, rows // heads // 2, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+    return (
+        tensor.reshape(heads, rows // heads // 2, 2, *tensor.shape[1:])
+        .transpose(1, 2)
+        .reshape(tensor.shape)
+    )

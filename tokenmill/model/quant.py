@@ -8,8 +8,8 @@ chunks so intermediates stay cache-sized instead of several times the tensor siz
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -29,15 +29,20 @@ CHUNK_ELEMENTS = 1 << 18
 # Byte value -> its 8 bits spread over 8 bytes (bit i in byte i, shifted to 16), as one int64:
 # a table lookup expands Q5_0/Q5_1 high bits in element order far faster than shifts would.
 _Q5_HIGH_BITS = (
-    (((torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1) << 4).to(torch.uint8).view(torch.int64).view(-1)
+    (((torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1) << 4)
+    .to(torch.uint8)
+    .view(torch.int64)
+    .view(-1)
 )
 
 
 @dataclass
 class GGMLWeight:
-    """A tensor kept in ggml's quantized block format (weights can stay quantized in memory later)."""
+    """A tensor kept in ggml's quantized block format (weights can stay quantized in memory
+    later)."""
 
-    data: torch.Tensor  # uint8, (rows, bytes_per_row); rows are independent, so row slices work on raw bytes
+    # uint8, (rows, bytes_per_row); rows are independent, so row slices work on raw bytes
+    data: torch.Tensor
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # logical shape in torch order (rows, cols)
     # drops the file pages behind `data` from memory once the loader has converted it (the pages
@@ -87,7 +92,8 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q5(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
-    """5-bit values: low nibbles from ``qs``, bit j of the little-endian uint32 ``qh`` on top of element j."""
+    """5-bit values: low nibbles from ``qs``, bit j of the little-endian uint32 ``qh`` on top of
+    element j."""
     high = _Q5_HIGH_BITS.index_select(0, qh.reshape(-1).int()).view(torch.uint8).view(-1, 32)
     return _unpack(qs, 1, 4).view(-1, 32) | high
 
@@ -191,14 +197,17 @@ def dequantize(
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     cols = shape[-1] if shape else 1
     if cols % block_size or data.numel() != math.prod(shape) // block_size * type_size:
-        raise ValueError(f"{data.numel()} bytes of {qtype.name} do not encode a tensor of shape {tuple(shape)}")
+        raise ValueError(
+            f"{data.numel()} bytes of {qtype.name} do not encode a tensor of shape {tuple(shape)}"
+        )
     data = data.contiguous()
     if qtype in _DENSE_DTYPES:
         return data.view(-1).view(_DENSE_DTYPES[qtype]).to(dtype).view(shape)
     kernel = _KERNELS[qtype]
     blocks = data.view(-1, type_size)
     step = max(1, CHUNK_ELEMENTS // block_size)
-    if blocks.shape[0] <= step:  # one chunk, no loop: a loop over a size would freeze it in a compiled graph
+    if blocks.shape[0] <= step:
+        # one chunk, no loop: a loop over a size would freeze it in a compiled graph
         return kernel(blocks).to(dtype).view(shape)
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype)
     for start in range(0, blocks.shape[0], step):

@@ -101,8 +101,11 @@ def tiles_layout() -> bool:
     """Whether packed weights take the tile layout and kernel (`tokenmill::quant_tiles_linear`,
     AVX-512 with VNNI only) wherever those load: faster than the row GEMVs at every batch size,
     and as fast as a dense fp32 matmul on a prompt's hundreds of tokens."""
-    return (torch.backends.cpu.get_cpu_capability() == "AVX512" and kernels.load()
-            and torch.ops.tokenmill.tiles_built())
+    return (
+        torch.backends.cpu.get_cpu_capability() == "AVX512"
+        and kernels.load()
+        and torch.ops.tokenmill.tiles_built()
+    )
 
 
 def amx_tiles() -> bool:
@@ -114,8 +117,10 @@ def amx_tiles() -> bool:
 class Int4Rows(NamedTuple):
     """int4 or 5-bit weights in the row layout of `int4_rows_linear`: w = step x unit x q + low."""
 
-    nibbles: torch.Tensor  # (rows, cols / 2) uint8: per group of 32, byte j holds q of elements j and 16 + j
-    steps_lows: torch.Tensor  # (rows, cols / 32, 2) int16: each group's scale in units, its low's float16 bits
+    # (rows, cols / 2) uint8: per group of 32, byte j holds q of elements j and 16 + j
+    nibbles: torch.Tensor
+    # (rows, cols / 32, 2) int16: each group's scale in units, its low's float16 bits
+    steps_lows: torch.Tensor
     units: torch.Tensor  # (rows,) float32: the row's largest scale magnitude / MAX_STEP
 
     @property
@@ -140,15 +145,19 @@ def pack_int4_rows(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> I
     nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
     scale = scale.float()
     units = scale.abs().amax(dim=1) / MAX_STEP
-    units = torch.where(units > 0, units, torch.ones_like(units))  # a row of zero scales: any unit will do
+    # a row of zero scales: any unit will do
+    units = torch.where(units > 0, units, torch.ones_like(units))
     steps = torch.round(scale / units[:, None]).clamp(-MAX_STEP, MAX_STEP).to(torch.int16)
     steps_lows = torch.stack((steps, low.to(torch.float16).view(torch.int16)), dim=-1)
     return Int4Rows(nibbles.contiguous(), steps_lows.contiguous(), units.contiguous())
 
 
 # The bit of a block's byte b that holds group 2 p + l's element 16 h + b, indexed [p, l, h, 1]
-_FIFTH_BIT_SHIFTS = (4 * torch.arange(2).view(1, 2, 1) + 2 * torch.arange(2).view(2, 1, 1)
-                     + torch.arange(2).view(1, 1, 2)).to(torch.uint8)[..., None]
+_FIFTH_BIT_SHIFTS = (
+    4 * torch.arange(2).view(1, 2, 1)
+    + 2 * torch.arange(2).view(2, 1, 1)
+    + torch.arange(2).view(1, 1, 2)
+).to(torch.uint8)[..., None]
 
 
 def pack_fifth_bits(q: torch.Tensor) -> torch.Tensor:
@@ -161,19 +170,22 @@ def pack_fifth_bits(q: torch.Tensor) -> torch.Tensor:
     blocks = -(-groups // 4)
     bits = torch.zeros(rows, blocks * 4, INT4_GROUP, dtype=torch.uint8)
     bits[:, :groups] = (q.to(torch.uint8) >> 4).view(rows, groups, INT4_GROUP)
-    planes = (bits.view(rows, blocks, 2, 2, 2, INT4_GROUP // 2) << _FIFTH_BIT_SHIFTS).sum((2, 3, 4), dtype=torch.uint8)
+    planes = (bits.view(rows, blocks, 2, 2, 2, INT4_GROUP // 2) << _FIFTH_BIT_SHIFTS).sum(
+        (2, 3, 4), dtype=torch.uint8
+    )
     return planes.reshape(rows, blocks * 16).contiguous()
 
 
 def unpack_int4_rows(rows: Int4Rows, fifth_bits: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 weight of `pack_int4_rows`' output (and `pack_fifth_bits`', for 5-bit weights)."""
+    """The float32 weight of `pack_int4_rows`' output (and `pack_fifth_bits`', for 5-bit
+    weights)."""
     count = rows.nibbles.shape[0]
     groups = rows.nibbles.view(count, -1, 1, INT4_GROUP // 2)
     q = torch.cat((groups & 0xF, groups >> 4), dim=2).view(count, -1, INT4_GROUP).float()
     if fifth_bits is not None:
         planes = fifth_bits.view(count, -1, 1, 1, 1, INT4_GROUP // 2)
         bits = ((planes >> _FIFTH_BIT_SHIFTS) & 1).view(count, -1, INT4_GROUP)
-        q += 16 * bits[:, :q.shape[1]].float()
+        q += 16 * bits[:, : q.shape[1]].float()
     scale = rows.steps.float() * rows.units[:, None]
     return (q * scale[..., None] + rows.lows.float()[..., None]).view(count, -1)
 
@@ -185,8 +197,8 @@ TILE_ROWS = 16  # weight rows per tile of `quant_tiles_linear`
 # model's largest, so it keeps 8; the other layers and the output head take 32.
 FINE_X_BLOCK = 8
 COARSE_X_BLOCK = 32
-# A coarse output head (tiles of a large int8 matrix) takes 8 beyond these many tokens: the logits of
-# every prompt token (perplexity, prompt logprobs), where the coarse rounding's cost in quality
+# A coarse output head (tiles of a large int8 matrix) takes 8 beyond these many tokens: the logits
+# of every prompt token (perplexity, prompt logprobs), where the coarse rounding's cost in quality
 # shows; a decode batch (up to this many sequences) keeps 32, the faster.
 HEAD_COARSE_MAX_TOKENS = 64
 # Weights packed into tiles at a time: larger chunks make fewer, larger copies (faster loading),
@@ -195,14 +207,17 @@ PACK_CHUNK_WEIGHTS = 1 << 22
 
 
 class QuantTiles(NamedTuple):
-    """int4, 5-bit or int8 weights in the tile layout of `quant_tiles_linear`: w = scale x q + low."""
+    """int4, 5-bit or int8 weights in the tile layout of `quant_tiles_linear`:
+    w = scale x q + low."""
 
-    tiles: torch.Tensor  # uint8: per tile of 16 rows, group of 32 and sub-block j, the q of 16 rows x 8 elements
+    # uint8: per tile of 16 rows, group of 32 and sub-block j, the q of 16 rows x 8 elements
+    tiles: torch.Tensor
     # (rows / 16, cols / 32 or 1, 2, 16): each group's (or row's) scale and low, float16 where that
-    # holds every group's exactly (Q4_0, Q4_1, Q5_0: 4-bit tiles of 0.625 bytes per weight against 0.75),
-    # else float32
+    # holds every group's exactly (Q4_0, Q4_1, Q5_0: 4-bit tiles of 0.625 bytes per weight against
+    # 0.75), else float32
     tile_scales: torch.Tensor
-    fifth_masks: torch.Tensor | None  # 5-bit: (rows / 16, cols / 32, 64) uint8, the fifth bits as byte masks
+    # 5-bit: (rows / 16, cols / 32, 64) uint8, the fifth bits as byte masks
+    fifth_masks: torch.Tensor | None
     bits: int  # 4 (5 with fifth_masks) or 8
 
 
@@ -219,8 +234,12 @@ def pack_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: in
     groups, count = cols // INT4_GROUP, rows // TILE_ROWS
     tiles = torch.empty(count, groups, 4, 2 if bits == 8 else 1, TILE_ROWS, 4, dtype=torch.uint8)
     fifth = torch.empty(count, groups, 4, 2, 8, dtype=torch.uint8) if bits == 5 else None
-    exact_half = scale.shape[1] > 1 and all(torch.equal(v.half().float(), v.float()) for v in (scale, low))
-    tile_scales = torch.empty(count, scale.shape[1], 2, TILE_ROWS, dtype=torch.float16 if exact_half else torch.float32)
+    exact_half = scale.shape[1] > 1 and all(
+        torch.equal(v.half().float(), v.float()) for v in (scale, low)
+    )
+    tile_scales = torch.empty(
+        count, scale.shape[1], 2, TILE_ROWS, dtype=torch.float16 if exact_half else torch.float32
+    )
     signed = q.dtype == torch.int8
     step = max(1, PACK_CHUNK_WEIGHTS // (cols * TILE_ROWS))
     for t0 in range(0, count, step):
@@ -229,28 +248,46 @@ def pack_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: in
         # [tile, row c, group, half h, sub-block j, element e] -> [tile, group, j, h, c, e], moving
         # the 4 bytes of e as one int32 rather than byte by byte
         part = q[r0:r1]
-        part = (part.view(torch.uint8) if signed else part.to(torch.uint8)).view(t1 - t0, TILE_ROWS, groups, 2, 4, 4)
+        part = (part.view(torch.uint8) if signed else part.to(torch.uint8)).view(
+            t1 - t0, TILE_ROWS, groups, 2, 4, 4
+        )
         out = tiles[t0:t1].view(torch.int32).squeeze(-1)  # [tile, group, j, h, c]
         if bits == 8:
             out.copy_(part.contiguous().view(torch.int32).squeeze(-1).permute(0, 2, 4, 3, 1))
             if signed:
                 tiles[t0:t1].bitwise_xor_(0x80)  # two's complement q + 128
         else:
-            nibbles = (part[:, :, :, 0] & 0xF) | ((part[:, :, :, 1] & 0xF) << 4)  # [tile, c, group, j, e]
+            # [tile, c, group, j, e]
+            nibbles = (part[:, :, :, 0] & 0xF) | ((part[:, :, :, 1] & 0xF) << 4)
             out[:, :, :, 0].copy_(nibbles.view(torch.int32).squeeze(-1).permute(0, 2, 3, 1))
             if fifth is not None:
-                flags = ((part.permute(0, 2, 4, 3, 1, 5) >> 4) & 1).reshape(t1 - t0, groups, 4, 2, 8, 8)
-                torch.sum(flags << torch.arange(8, dtype=torch.uint8), -1, dtype=torch.uint8, out=fifth[t0:t1])
+                flags = ((part.permute(0, 2, 4, 3, 1, 5) >> 4) & 1).reshape(
+                    t1 - t0, groups, 4, 2, 8, 8
+                )
+                torch.sum(
+                    flags << torch.arange(8, dtype=torch.uint8),
+                    -1,
+                    dtype=torch.uint8,
+                    out=fifth[t0:t1],
+                )
         for k, values in enumerate((scale, low)):
-            tile_scales[t0:t1, :, k].copy_(values[r0:r1].view(t1 - t0, TILE_ROWS, -1).transpose(1, 2))
-    return QuantTiles(tiles.view(-1), tile_scales, None if fifth is None else fifth.view(count, groups, 64),
-                      8 if bits == 8 else 4)
+            tile_scales[t0:t1, :, k].copy_(
+                values[r0:r1].view(t1 - t0, TILE_ROWS, -1).transpose(1, 2)
+            )
+    return QuantTiles(
+        tiles.view(-1),
+        tile_scales,
+        None if fifth is None else fifth.view(count, groups, 64),
+        8 if bits == 8 else 4,
+    )
 
 
 def unpack_tiles(tiles: QuantTiles) -> torch.Tensor:
     """The float32 weight of `pack_tiles`' output."""
     count = tiles.tile_scales.shape[0]
-    groups = tiles.tiles.numel() // (count * TILE_ROWS * INT4_GROUP // (1 if tiles.bits == 8 else 2))
+    groups = tiles.tiles.numel() // (
+        count * TILE_ROWS * INT4_GROUP // (1 if tiles.bits == 8 else 2)
+    )
     if tiles.bits == 8:
         q = tiles.tiles.view(count, groups, 4, 2, TILE_ROWS, 4)
     else:
@@ -258,10 +295,15 @@ def unpack_tiles(tiles: QuantTiles) -> torch.Tensor:
         q = torch.cat((b & 0xF, b >> 4), dim=3)
         if tiles.fifth_masks is not None:
             masks = tiles.fifth_masks.view(count, groups, 4, 2, 8, 1)
-            bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).view(count, groups, 4, 2, TILE_ROWS, 4)
+            bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).view(
+                count, groups, 4, 2, TILE_ROWS, 4
+            )
             q = q + 16 * bits
     q = q.permute(0, 4, 1, 3, 2, 5).reshape(count * TILE_ROWS, groups, INT4_GROUP).float()
-    scale, low = (tiles.tile_scales[:, :, k].float().transpose(1, 2).reshape(count * TILE_ROWS, -1, 1) for k in (0, 1))
+    scale, low = (
+        tiles.tile_scales[:, :, k].float().transpose(1, 2).reshape(count * TILE_ROWS, -1, 1)
+        for k in (0, 1)
+    )
     return (q * scale + low).view(count * TILE_ROWS, groups * INT4_GROUP)
 
 
@@ -278,17 +320,25 @@ def is_large_int8(kind: str, weights: int) -> bool:
 
 def exact_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, low) of a Q4_0/Q4_1/Q4_K weight (q in 0..15) or a Q5_0/Q5_1/Q5_K one (q in 0..31):
-    q (rows, cols), scale and low (rows, cols / 32) float32, with w = scale * q + low exactly as ggml
-    dequantizes."""
+    q (rows, cols), scale and low (rows, cols / 32) float32, with w = scale * q + low exactly as
+    ggml dequantizes."""
     rows, cols = w.shape
     _, type_size = quant.GGML_QUANT_SIZES[w.qtype]
     b = w.data.contiguous().view(-1, type_size)
     if w.qtype in (Q.Q4_0, Q.Q5_0):
-        q = quant._unpack(b[:, 2:18], 1, 4).view(-1, 32) if w.qtype == Q.Q4_0 else quant._q5(b[:, 2:6], b[:, 6:22])
+        q = (
+            quant._unpack(b[:, 2:18], 1, 4).view(-1, 32)
+            if w.qtype == Q.Q4_0
+            else quant._q5(b[:, 2:6], b[:, 6:22])
+        )
         scale = quant._f16(b, 0)
         low = (-8 if w.qtype == Q.Q4_0 else -16) * scale
     elif w.qtype in (Q.Q4_1, Q.Q5_1):
-        q = quant._unpack(b[:, 4:20], 1, 4).view(-1, 32) if w.qtype == Q.Q4_1 else quant._q5(b[:, 4:8], b[:, 8:24])
+        q = (
+            quant._unpack(b[:, 4:20], 1, 4).view(-1, 32)
+            if w.qtype == Q.Q4_1
+            else quant._q5(b[:, 4:8], b[:, 8:24])
+        )
         scale, low = quant._f16(b, 0), quant._f16(b, 2)
     elif w.qtype in (Q.Q4_K, Q.Q5_K):
         n = b.shape[0]
@@ -306,7 +356,8 @@ def exact_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit quantization in groups of 32 (for `--quantization int4` of dense checkpoints)."""
+    """Asymmetric 4-bit quantization in groups of 32 (for `--quantization int4` of dense
+    checkpoints)."""
     rows, cols = weight.shape
     g = weight.float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
@@ -322,7 +373,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-Packed = tuple[str, tuple[torch.Tensor, ...]]  # ("int4" | "int5", (q, scale, low)) or ("int8", (q8, scale))
+# ("int4" | "int5", (q, scale, low)) or ("int8", (q8, scale))
+Packed = tuple[str, tuple[torch.Tensor, ...]]
 
 
 def packed_form(w: GGMLWeight) -> Packed:
@@ -342,8 +394,8 @@ def packed_form(w: GGMLWeight) -> Packed:
     scales = torch.empty(rows)
     step = max(1, quant.CHUNK_ELEMENTS // cols)
     for start in range(0, rows, step):
-        part = GGMLWeight(w.data[start:start + step], w.qtype, (min(step, rows - start), cols))
-        q8[start:start + step], scales[start:start + step] = quantize_int8(part.dequantize())
+        part = GGMLWeight(w.data[start : start + step], w.qtype, (min(step, rows - start), cols))
+        q8[start : start + step], scales[start : start + step] = quantize_int8(part.dequantize())
     return "int8", (q8, scales)
 
 
@@ -369,8 +421,10 @@ def merge_packed(parts: list[Packed]) -> Packed:
     if all(kind == parts[0][0] for kind, _ in parts):
         kind = parts[0][0]
         return kind, tuple(torch.cat(fields) for fields in zip(*(data for _, data in parts)))
-    as_int8 = [("int8", data) if kind == "int8" else ("int8", quantize_int8(_int4_weight(*data)))
-               for kind, data in parts]
+    as_int8 = [
+        ("int8", data) if kind == "int8" else ("int8", quantize_int8(_int4_weight(*data)))
+        for kind, data in parts
+    ]
     return merge_packed(as_int8)
 
 
@@ -398,10 +452,11 @@ class QuantLinear(nn.Module):
         tiles: bool | None = None,
         x_block: int = FINE_X_BLOCK,
     ) -> None:
-        """tiles: whether the weights take the tile layout of `quant_tiles_linear` (default: where it
-        serves, `tiles_layout()`, and the shape fits); else int4_rows: the layout of int4 weights
+        """tiles: whether the weights take the tile layout of `quant_tiles_linear` (default: where
+        it serves, `tiles_layout()`, and the shape fits); else int4_rows: the layout of int4 weights
         (default: `int4_rows_layout()`); 5-bit weights (int5: q in 0..31) have only those two.
-        x_block: activations per int8 scale in the tile kernel, 8 or 32 (`FINE_X_BLOCK`, `COARSE_X_BLOCK`)."""
+        x_block: activations per int8 scale in the tile kernel, 8 or 32 (`FINE_X_BLOCK`,
+        `COARSE_X_BLOCK`)."""
         super().__init__()
         if sum(data is not None for data in (int4, int5, int8)) != 1:
             raise ValueError("give exactly one of int4, int5 and int8")
@@ -432,11 +487,18 @@ class QuantLinear(nn.Module):
             self.register_buffer("fifth_bits", None if int5 is None else pack_fifth_bits(int5[0]))
         elif int4 is not None:
             q, scale, low = int4
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-            # kernel layout: (groups, out_features, 2) holding (scale, zero), w = scale * (q - 8) + zero
+            self.register_buffer(
+                "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            )
+            # kernel layout: (groups, out_features, 2) holding (scale, zero),
+            # w = scale * (q - 8) + zero
             zero = low + 8 * scale
-            self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1)
-                                 .to(int4_kernel_dtype(dtype)).contiguous())
+            self.register_buffer(
+                "scales_zeros",
+                torch.stack((scale.t(), zero.t()), dim=-1)
+                .to(int4_kernel_dtype(dtype))
+                .contiguous(),
+            )
         else:
             q8, scale = int8
             self.register_buffer("weight_int8", q8.contiguous())
@@ -446,8 +508,10 @@ class QuantLinear(nn.Module):
         self.dense_min_tokens = dense_min_tokens
         large = is_large_int8(self.kind, out_features * in_features)  # an output head
         self.large_int8 = large and not tiles  # int8 rows kept
-        self.max_coarse_tokens = HEAD_COARSE_MAX_TOKENS if large else -1  # the tile kernel's; -1: no limit
-        self.amx_min_tokens = AMX_MIN_TOKENS if tiles and amx_tiles() else -1  # the tile kernel's; -1: never
+        # the tile kernel's; -1: no limit
+        self.max_coarse_tokens = HEAD_COARSE_MAX_TOKENS if large else -1
+        # the tile kernel's; -1: never
+        self.amx_min_tokens = AMX_MIN_TOKENS if tiles and amx_tiles() else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel(x.shape[0], self._native_fits(x))
@@ -456,34 +520,57 @@ class QuantLinear(nn.Module):
         if kernel == "native":
             dense = self.dense if self.dense_min_tokens > 0 else None
             if self.tiles:
-                y = torch.ops.tokenmill.quant_tiles_linear(x, self.tile_q, self.tile_scales, self.fifth_masks,
-                                                           self.tile_bits, dense, self._gemv_max_tokens(x.dtype),
-                                                           self.x_block, self.max_coarse_tokens, self.amx_min_tokens)
+                y = torch.ops.tokenmill.quant_tiles_linear(
+                    x,
+                    self.tile_q,
+                    self.tile_scales,
+                    self.fifth_masks,
+                    self.tile_bits,
+                    dense,
+                    self._gemv_max_tokens(x.dtype),
+                    self.x_block,
+                    self.max_coarse_tokens,
+                    self.amx_min_tokens,
+                )
             elif self.int4_rows:
-                y = torch.ops.tokenmill.int4_rows_linear(x, *self._int4_rows(), self.fifth_bits, dense,
-                                                         self._gemv_max_tokens(x.dtype))
+                y = torch.ops.tokenmill.int4_rows_linear(
+                    x, *self._int4_rows(), self.fifth_bits, dense, self._gemv_max_tokens(x.dtype)
+                )
             elif self.kind == "int4":
-                y = torch.ops.tokenmill.int4_linear(x, self.packed, self.scales_zeros, INT4_GROUP, dense,
-                                                    self.dense_min_tokens - 1)
+                y = torch.ops.tokenmill.int4_linear(
+                    x, self.packed, self.scales_zeros, INT4_GROUP, dense, self.dense_min_tokens - 1
+                )
             else:
-                y = torch.ops.tokenmill.int8_linear(x, self.weight_int8, self.scales, dense,
-                                                    self._gemv_max_tokens(x.dtype),
-                                                    CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS))
+                y = torch.ops.tokenmill.int8_linear(
+                    x,
+                    self.weight_int8,
+                    self.scales,
+                    dense,
+                    self._gemv_max_tokens(x.dtype),
+                    CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS),
+                )
             return y if self.bias is None else y + self.bias
-        if kernel == "streamed":  # a plain reduction that inductor turns into one pass over the int8 bytes
-            y = ((self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()).to(x.dtype)[None]
-        elif kernel == "chunked":  # int8 values are exact in bf16; the row scales apply to the output
+        if kernel == "streamed":
+            # a plain reduction that inductor turns into one pass over the int8 bytes
+            y = ((self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()).to(x.dtype)[
+                None
+            ]
+        elif kernel == "chunked":
+            # int8 values are exact in bf16; the row scales apply to the output
             rows = CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS)
-            chunks = [F.linear(x, self.weight_int8[start:start + rows].to(x.dtype))
-                      for start in range(0, self.out_features, rows)]
+            chunks = [
+                F.linear(x, self.weight_int8[start : start + rows].to(x.dtype))
+                for start in range(0, self.out_features, rows)
+            ]
             y = torch.cat(chunks, dim=-1) * self.scales
         elif self.tiles:  # a dtype or device the kernel does not take
             y = F.linear(x, unpack_tiles(self._tiles()).to(x.dtype))
         elif self.int4_rows:  # a dtype or device the kernel does not take
             y = F.linear(x, unpack_int4_rows(self._int4_rows(), self.fifth_bits).to(x.dtype))
         elif self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.scales_zeros.dtype), self.packed, INT4_GROUP,
-                                                           self.scales_zeros).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(self.scales_zeros.dtype), self.packed, INT4_GROUP, self.scales_zeros
+            ).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
@@ -511,13 +598,16 @@ class QuantLinear(nn.Module):
             return x.dtype in (torch.bfloat16, torch.float32)
         if self.kind != "int8":
             return not self.int4_rows or x.dtype in (torch.bfloat16, torch.float32)
-        return (x.dtype in (torch.bfloat16, torch.float32) and self.scales.dtype == x.dtype
-                and self.in_features % 32 == 0)
+        return (
+            x.dtype in (torch.bfloat16, torch.float32)
+            and self.scales.dtype == x.dtype
+            and self.in_features % 32 == 0
+        )
 
     def _kernel(self, tokens: int, native_fits: bool = False) -> str:
-        """'native' (`tokenmill::int8_linear|int4_linear|int4_rows_linear`, which pick their means by
-        batch size), 'dense', 'streamed' (compiled batch-1 of a large int8 matrix), 'chunked' (more
-        tokens of a large int8 matrix) or 'packed'."""
+        """'native' (`tokenmill::int8_linear|int4_linear|int4_rows_linear`, which pick their means
+        by batch size), 'dense', 'streamed' (compiled batch-1 of a large int8 matrix), 'chunked'
+        (more tokens of a large int8 matrix) or 'packed'."""
         if native_fits:
             return "native"
         compiling = torch.compiler.is_compiling()
@@ -525,7 +615,9 @@ class QuantLinear(nn.Module):
             # One compiled graph serves every batch of 2+ tokens: a switch at each kernel's own
             # crossover would need a graph per range, each compiled anew. Between 2 tokens and the
             # crossover the two kernels are close, so the graph takes the dense copy.
-            if tokens >= (2 if compiling else min(self.dense_min_tokens, PACKED_DENSE_CROSSOVER[self.kind])):
+            if tokens >= (
+                2 if compiling else min(self.dense_min_tokens, PACKED_DENSE_CROSSOVER[self.kind])
+            ):
                 return "dense"
         if self.large_int8 and tokens > 1:
             return "chunked"
@@ -547,7 +639,8 @@ class QuantEmbedding(nn.Module):
         self.qtype = weight.qtype
         self.shape = weight.shape
         self.dtype = dtype
-        self.register_buffer("data", weight.data)  # a view of a GGUF file: rows are paged in as looked up
+        # a view of a GGUF file: rows are paged in as looked up
+        self.register_buffer("data", weight.data)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.data.index_select(0, ids)

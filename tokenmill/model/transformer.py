@@ -36,26 +36,39 @@ class RMSNorm(nn.Module):
 def _eager_kernel_fits(x: torch.Tensor) -> bool:
     """Whether tokenmill's one-pass elementwise kernels (norm, rotary, gated activation) may take x:
     eager CPU steps in float32 or bf16 (a compiled graph fuses these itself)."""
-    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and kernels.loaded()
-            and x.dtype in (torch.bfloat16, torch.float32))
+    return (
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and kernels.loaded()
+        and x.dtype in (torch.bfloat16, torch.float32)
+    )
 
 
 def _fused_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether tokenmill's one-pass RMSNorm applies: rows, or heads of rows, with a contiguous last
     dimension in whole vectors."""
-    return (_eager_kernel_fits(x) and weight.dtype in (torch.float32, torch.bfloat16)
-            and x.dim() in (2, 3) and x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == x.shape[2])
-            and x.shape[-1] % 16 == 0)
+    return (
+        _eager_kernel_fits(x)
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and x.dim() in (2, 3)
+        and x.stride(-1) == 1
+        and (x.dim() == 2 or x.stride(1) == x.shape[2])
+        and x.shape[-1] % 16 == 0
+    )
 
 
 class Rotary:
-    """Rotary embedding of one rope setting (rotate-half layout), evaluated for a step's positions."""
+    """Rotary embedding of one rope setting (rotate-half layout), evaluated for a step's
+    positions."""
 
     def __init__(self, settings: RopeSettings, head_dim: int) -> None:
         self.inv_freq = settings.inv_freq(head_dim)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape (T, 1, head_dim // 2), computed once per step and shared by layers."""
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape (T, 1, head_dim // 2), computed once per step and shared by
+        layers."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
 
@@ -71,27 +84,47 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def _fused_rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether tokenmill's one-pass rotary embedding applies: heads of rows with a contiguous last
     dimension, halves in whole vectors, tables of x's dtype."""
-    return (_eager_kernel_fits(x) and cos.dtype == sin.dtype == x.dtype and cos.is_contiguous()
-            and sin.is_contiguous() and x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]
-            and x.shape[-1] % 32 == 0)
+    return (
+        _eager_kernel_fits(x)
+        and cos.dtype == sin.dtype == x.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and x.dim() == 3
+        and x.stride(-1) == 1
+        and x.stride(1) == x.shape[2]
+        and x.shape[-1] % 32 == 0
+    )
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.scale = cfg.softmax_scale
         self.softcap = cfg.attn_logit_softcap
         self.window = cfg.layer_window(layer)
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul (the loader concatenates the checkpoint's three projections)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                batch: AttentionBatch, mask: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
@@ -100,7 +133,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap, self.window)
+        out = paged_attention(
+            q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap, self.window
+        )
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -139,11 +174,22 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.attn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
-        self.ffn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
+        self.attn_post_norm = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
+        )
+        self.ffn_post_norm = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
+        )
 
-    def forward(self, h: torch.Tensor, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                batch: AttentionBatch, mask: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
         a = self.attn(self.attn_norm(h), rope, k_cache, v_cache, batch, mask)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
@@ -160,21 +206,32 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        # the loader supplies the table: an explicit `_weight` skips the random init, whose normal_()
-        # on the meta device imports torch._dynamo, which takes seconds of the start
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                  _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # the loader supplies the table: an explicit `_weight` skips the random init, whose
+        # normal_() on the meta device imports torch._dynamo, which takes seconds of the start
+        self.embed = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotaries = {kind: Rotary(cfg.layer_rope(i), cfg.head_dim) for i, kind in enumerate(cfg.layer_types)}
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        self.rotaries = {
+            kind: Rotary(cfg.layer_rope(i), cfg.head_dim) for i, kind in enumerate(cfg.layer_types)
+        }
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: KVCache, batch: AttentionBatch
+    ) -> torch.Tensor:
         """Hidden states (T, hidden) after the final norm for the flat token list `input_ids`."""
         h = self.embed(input_ids)
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
-        masks = {window: batch.mask(window) for window in {layer.attn.window for layer in self.layers}}
+        masks = {
+            window: batch.mask(window) for window in {layer.attn.window for layer in self.layers}
+        }
         ropes = {kind: r.tables(batch.positions, h.dtype) for kind, r in self.rotaries.items()}
         for i, (kind, layer) in enumerate(zip(self.config.layer_types, self.layers)):
             h = layer(h, ropes[kind], cache.k[i], cache.v[i], batch, masks[layer.attn.window])

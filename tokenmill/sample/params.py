@@ -11,7 +11,8 @@ SAMPLING_EPS = 1e-5
 # OpenAI's cap on the number of alternatives returned per token.
 MAX_LOGPROBS = 20
 MIN_REPETITION_PENALTY = 1e-3
-MAX_SEED = 2**63 - 1  # seeds are signed 64-bit integers; children of n > 1 wrap around within that range
+# seeds are signed 64-bit integers; children of n > 1 wrap around within that range
+MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -56,29 +57,61 @@ class SamplingParams:
         _check(self.n >= 1, "n", self.n, "must be at least 1")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 or 0 (off) or a positive number of tokens")
+        _check(
+            self.top_k >= -1,
+            "top_k",
+            self.top_k,
+            "must be -1 or 0 (off) or a positive number of tokens",
+        )
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         # bounded away from 0 and infinity: logits are divided or multiplied by it in float32
-        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= 1 / MIN_REPETITION_PENALTY, "repetition_penalty",
-               self.repetition_penalty, f"must be in [{MIN_REPETITION_PENALTY}, {1 / MIN_REPETITION_PENALTY:g}]")
+        _check(
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= 1 / MIN_REPETITION_PENALTY,
+            "repetition_penalty",
+            self.repetition_penalty,
+            f"must be in [{MIN_REPETITION_PENALTY}, {1 / MIN_REPETITION_PENALTY:g}]",
+        )
         if self.seed is not None:
-            _check(-MAX_SEED - 1 <= self.seed <= MAX_SEED, "seed", self.seed, "must fit in a signed 64-bit integer")
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
-               "must be in [-2, 2]")
+            _check(
+                -MAX_SEED - 1 <= self.seed <= MAX_SEED,
+                "seed",
+                self.seed,
+                "must fit in a signed 64-bit integer",
+            )
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            self.presence_penalty,
+            "must be in [-2, 2]",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "must be in [-2, 2]",
+        )
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-                   f"must not exceed max_tokens ({self.max_tokens})")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"must not exceed max_tokens ({self.max_tokens})",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _check(0 <= value <= MAX_LOGPROBS, name, value, f"must be in [0, {MAX_LOGPROBS}]")
         for token, bias in (self.logit_bias or {}).items():
             _check_token(token, "logit_bias", vocab_size)
-            _check(-100 <= bias <= 100, "logit_bias", bias, f"value for token {token} must be in [-100, 100]")
+            _check(
+                -100 <= bias <= 100,
+                "logit_bias",
+                bias,
+                f"value for token {token} must be in [-100, 100]",
+            )
         for token in self.stop_token_ids:
             _check_token(token, "stop_token_ids", vocab_size)
 
@@ -90,5 +123,9 @@ def _check(ok: bool, name: str, value: object, why: str) -> None:
 
 def _check_token(token: int, name: str, vocab_size: int | None) -> None:
     in_range = isinstance(token, int) and token >= 0 and (vocab_size is None or token < vocab_size)
-    why = f"token ids must be in [0, {vocab_size})" if vocab_size is not None else "token ids must be >= 0"
+    why = (
+        f"token ids must be in [0, {vocab_size})"
+        if vocab_size is not None
+        else "token ids must be >= 0"
+    )
     _check(in_range, name, token, why)

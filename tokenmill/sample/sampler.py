@@ -3,7 +3,8 @@
 Order (as vLLM v1): min_tokens masking, logit bias and penalties change the raw logits
 ("processed logits"); logprobs and greedy picks come from those; random rows then divide by their
 temperature, apply top-k, top-p and min-p, and sample by inverse CDF (one uniform draw per row) so
-that rows with a seed draw from their own generator and give the same tokens whatever batch they are in.
+that rows with a seed draw from their own generator and give the same tokens whatever batch
+they are in.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None  # (B,) float32
     presence_penalty: torch.Tensor | None  # (B,) float32
     frequency_penalty: torch.Tensor | None  # (B,) float32
-    prompt_mask: torch.Tensor | None  # (B, V) bool: token occurs in the prompt (repetition penalty only)
+    # (B, V) bool: token occurs in the prompt (repetition penalty only)
+    prompt_mask: torch.Tensor | None
     output_counts: torch.Tensor | None  # (B, V) float32: occurrences in the output so far
     bias_index: Index | None  # (rows, token ids) of logit_bias entries
     bias_values: torch.Tensor | None  # float32 biases matching bias_index
-    min_tokens_index: Index | None  # (rows, token ids) to mask while the output is shorter than min_tokens
+    # (rows, token ids) to mask while the output is shorter than min_tokens
+    min_tokens_index: Index | None
     seeded_rows: list[int]  # random rows that draw from their own generator
     generators: list[torch.Generator]  # one per seeded row
     any_unseeded_random: bool  # whether the batched draw is needed
@@ -51,12 +54,16 @@ class SamplingBatch:
     @property
     def needs_processing(self) -> bool:
         """Whether `process_logits` changes any logit (min_tokens, logit bias, penalties)."""
-        return self.min_tokens_index is not None or self.bias_index is not None or self.output_counts is not None
+        return (
+            self.min_tokens_index is not None
+            or self.bias_index is not None
+            or self.output_counts is not None
+        )
 
     @property
     def argmax_only(self) -> bool:
-        """Whether the batch takes each row's highest logit as it is: the logits' dtype may then stay
-        the model's (an argmax needs no float32 copy)."""
+        """Whether the batch takes each row's highest logit as it is: the logits' dtype may then
+        stay the model's (an argmax needs no float32 copy)."""
         return self.all_greedy and self.max_num_logprobs is None and not self.needs_processing
 
     @classmethod
@@ -76,11 +83,19 @@ class SamplingBatch:
         stop_ids_for_min_tokens[i] are the ids (EOS, stop_token_ids) banned until row i has
         min_tokens output tokens.
         """
-        lengths = {len(params), len(prompt_ids), len(output_ids), len(generators), len(stop_ids_for_min_tokens)}
+        lengths = {
+            len(params),
+            len(prompt_ids),
+            len(output_ids),
+            len(generators),
+            len(stop_ids_for_min_tokens),
+        }
         if len(lengths) != 1:
             raise ValueError("SamplingBatch.build needs one entry per row in every list")
 
-        def column(values: list[float], neutral: float, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        def column(
+            values: list[float], neutral: float, dtype: torch.dtype = torch.float32
+        ) -> torch.Tensor | None:
             if all(v == neutral for v in values):
                 return None
             return torch.tensor(values, dtype=dtype, device=device)
@@ -92,27 +107,45 @@ class SamplingBatch:
         needs_counts = repetition is not None or presence is not None or frequency is not None
 
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
-        banned = [(i, t) for i, (p, out, stops) in enumerate(zip(params, output_ids, stop_ids_for_min_tokens))
-                  if len(out) < p.min_tokens for t in sorted(stops)]
-        random_rows = [(i, g) for i, (g, is_greedy) in enumerate(zip(generators, greedy)) if not is_greedy]
+        banned = [
+            (i, t)
+            for i, (p, out, stops) in enumerate(zip(params, output_ids, stop_ids_for_min_tokens))
+            if len(out) < p.min_tokens
+            for t in sorted(stops)
+        ]
+        random_rows = [
+            (i, g) for i, (g, is_greedy) in enumerate(zip(generators, greedy)) if not is_greedy
+        ]
         seeded = [(i, g) for i, g in random_rows if g is not None]
         requested = [p.logprobs for p in params if p.logprobs is not None]
 
         return cls(
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                     dtype=torch.float32, device=device),
-            top_k=column([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-                         vocab_size, torch.int64),
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                dtype=torch.float32,
+                device=device,
+            ),
+            top_k=column(
+                [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                vocab_size,
+                torch.int64,
+            ),
             top_p=column([p.top_p for p in params], 1.0),
             min_p=column([p.min_p for p in params], 0.0),
             repetition_penalty=repetition,
             presence_penalty=presence,
             frequency_penalty=frequency,
-            prompt_mask=_token_counts(prompt_ids, vocab_size, device) > 0 if repetition is not None else None,
-            output_counts=_token_counts(output_ids, vocab_size, device).float() if needs_counts else None,
+            prompt_mask=_token_counts(prompt_ids, vocab_size, device) > 0
+            if repetition is not None
+            else None,
+            output_counts=_token_counts(output_ids, vocab_size, device).float()
+            if needs_counts
+            else None,
             bias_index=_index([(i, t) for i, t, _ in bias], device) if bias else None,
-            bias_values=torch.tensor([b for *_, b in bias], dtype=torch.float32, device=device) if bias else None,
+            bias_values=torch.tensor([b for *_, b in bias], dtype=torch.float32, device=device)
+            if bias
+            else None,
             min_tokens_index=_index(banned, device) if banned else None,
             seeded_rows=[i for i, _ in seeded],
             generators=[g for _, g in seeded],
@@ -123,18 +156,25 @@ class SamplingBatch:
         )
 
 
-def request_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+def request_generator(
+    params: SamplingParams, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
     """The generator a seeded request keeps for its whole life (None when it has no seed)."""
     if params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)  # torch wants unsigned
+    # torch wants unsigned
+    return torch.Generator(device=device).manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
 
 
-def _token_counts(ids: list[list[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+def _token_counts(
+    ids: list[list[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
     """(B, V) int64 occurrence counts, from one bincount over row-offset flat ids."""
     lengths = torch.tensor([len(r) for r in ids], device=device)
     flat = torch.tensor(list(chain.from_iterable(ids)), dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(ids), device=device), lengths, output_size=len(flat))
+    rows = torch.repeat_interleave(
+        torch.arange(len(ids), device=device), lengths, output_size=len(flat)
+    )
     counts = torch.bincount(rows * vocab_size + flat, minlength=len(ids) * vocab_size)
     return counts.view(len(ids), vocab_size)
 
@@ -190,8 +230,12 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """The first highest logit of each row, as argmax gives it. On CPU tokenmill's vectorized kernel
     where it is built; else max's indices, faster than PyTorch's CPU argmax (scalar code for
     bf16)."""
-    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
-            and kernels.loaded()):
+    if (
+        logits.device.type == "cpu"
+        and logits.dim() == 2
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and kernels.loaded()
+    ):
         return torch.ops.tokenmill.greedy_ids(logits)
     return logits.max(dim=-1).indices
 
@@ -241,10 +285,12 @@ def sampling_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 FILTER_CANDIDATES = 1024
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Both filters, each row's on its highest FILTER_CANDIDATES logits where they decide it (exactly:
-    a top-k within them, or a top-p cut within their mass), else on one ascending sort of the whole
-    row; rows without an effective filter keep their logits."""
+def _top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Both filters, each row's on its highest FILTER_CANDIDATES logits where they decide it
+    (exactly: a top-k within them, or a top-p cut within their mass), else on one ascending sort of
+    the whole row; rows without an effective filter keep their logits."""
     rows, vocab = logits.shape
     no_rows = torch.zeros(rows, dtype=torch.bool, device=logits.device)
     limited = top_k < vocab if top_k is not None else no_rows
@@ -254,24 +300,36 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
         return _sorted_top_k_top_p(logits, top_k, top_p)
     values, order = logits.topk(count, dim=-1)  # descending
     if top_k is not None:
-        values = values.masked_fill(torch.arange(count, device=logits.device) >= top_k.unsqueeze(1), float("-inf"))
+        values = values.masked_fill(
+            torch.arange(count, device=logits.device) >= top_k.unsqueeze(1), float("-inf")
+        )
     covered = limited
     if top_p is not None:
         # mass above each candidate, over the top-k set where a row has one, else the whole row
-        total = torch.where(limited, values.logsumexp(dim=-1), logits.logsumexp(dim=-1)).unsqueeze(1)
+        total = torch.where(limited, values.logsumexp(dim=-1), logits.logsumexp(dim=-1)).unsqueeze(
+            1
+        )
         mass = (values - total).exp()
         above = mass.cumsum(dim=-1) - mass
         values = values.masked_fill(above >= top_p.unsqueeze(1), float("-inf"))
-        covered = limited | (nucleus & (above[:, -1] + mass[:, -1] >= top_p))  # the cut within the candidates
-    out = torch.where(covered.unsqueeze(1), torch.full_like(logits, float("-inf")).scatter_(1, order, values), logits)
+        # the cut within the candidates
+        covered = limited | (nucleus & (above[:, -1] + mass[:, -1] >= top_p))
+    out = torch.where(
+        covered.unsqueeze(1),
+        torch.full_like(logits, float("-inf")).scatter_(1, order, values),
+        logits,
+    )
     rest = (limited | nucleus) & ~covered
     if bool(rest.any()):
         out = torch.where(rest.unsqueeze(1), _sorted_top_k_top_p(logits, top_k, top_p), out)
     return out
 
 
-def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Both filters on one ascending sort of each whole row, then scattered back to vocabulary order."""
+def _sorted_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Both filters on one ascending sort of each whole row, then scattered back to vocabulary
+    order."""
     ordered, order = logits.sort(dim=-1)
     if top_k is not None:
         kth_largest = ordered.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
@@ -287,8 +345,8 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p:
 
 
 def _random_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Sample token i with probability p_i (the temperature-scaled, filtered softmax): the first token
-    whose cumulative mass exceeds u x the row's total, u ~ U[0, 1), one draw per row.
+    """Sample token i with probability p_i (the temperature-scaled, filtered softmax): the first
+    token whose cumulative mass exceeds u x the row's total, u ~ U[0, 1), one draw per row.
 
     One uniform per row, where an exponential race (argmax p_i / E_i) would draw one exponential
     per vocabulary entry. On CPU tokenmill's kernel (`sample_ids`) does it in three passes over each
@@ -298,12 +356,16 @@ def _random_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     generator state. Tokens of zero probability are never picked: the mass strictly exceeds u x
     total only past a positive one.
     """
-    u = torch.rand(logits.shape[0], device=logits.device) if batch.any_unseeded_random else \
-        torch.empty(logits.shape[0], device=logits.device)
+    u = (
+        torch.rand(logits.shape[0], device=logits.device)
+        if batch.any_unseeded_random
+        else torch.empty(logits.shape[0], device=logits.device)
+    )
     for row, generator in zip(batch.seeded_rows, batch.generators):
         u[row] = torch.rand(1, generator=generator, device=logits.device)
     if logits.device.type == "cpu" and logits.dim() == 2 and kernels.loaded():
-        if batch.top_k is None and batch.top_p is None and batch.min_p is None:  # the kernel divides
+        if batch.top_k is None and batch.top_p is None and batch.min_p is None:
+            # the kernel divides
             x, inverse_temperature = logits, batch.temperature.reciprocal()
         else:
             x, inverse_temperature = sampling_logits(logits, batch), torch.ones_like(u)

@@ -1,4 +1,5 @@
-"""Tokenizers: GGUF vocabularies tokenized as llama.cpp does, Hugging Face folders, chat templates, streaming."""
+"""Tokenizers: GGUF vocabularies tokenized as llama.cpp does, Hugging Face folders, chat templates,
+streaming."""
 
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.errors import TokenizerError

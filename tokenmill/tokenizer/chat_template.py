@@ -7,12 +7,11 @@ gives them: `trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `s
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -26,8 +25,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys=False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -47,7 +54,8 @@ class _TemplateDict:
 class _Namespace(jinja2.utils.Namespace):
     """`namespace()` that refuses underscore names, so a template cannot reach Python internals."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # no named self, as in Jinja, so namespace(self=...) works
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        # no named self, as in Jinja, so namespace(self=...) works
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
@@ -61,20 +69,29 @@ class _Namespace(jinja2.utils.Namespace):
     @staticmethod
     def _check(name: Any) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot set underscore attributes ({name!r})"
+            )
 
 
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals.update(
-        raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(), namespace=_Namespace
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        dict=_TemplateDict(),
+        namespace=_Namespace,
     )
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
-        raise TokenizerError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})") from exc
+        raise TokenizerError(
+            f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})"
+        ) from exc
 
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
@@ -82,7 +99,9 @@ _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 def _prepare(message: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(message, Mapping):
-        raise TokenizerError(f"chat messages must be dicts with 'role' and 'content', got {message!r}")
+        raise TokenizerError(
+            f"chat messages must be dicts with 'role' and 'content', got {message!r}"
+        )
     message = {key: value for key, value in message.items() if value is not None}
     reasoning = next((message[key] for key in _REASONING_KEYS if key in message), None)
     if reasoning is not None:
@@ -116,7 +135,8 @@ def render_chat_template(
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
-    except (jinja2.TemplateError, TypeError, ValueError) as exc:  # the template is the model's code, not ours
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        # the template is the model's code, not ours
         raise TokenizerError(f"the chat template rejected the conversation: {exc}") from exc
 
 

@@ -13,17 +13,22 @@ from collections.abc import Sequence
 
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
-# Prompt tokens decoded as context before the first generated one, enough to settle its leading space.
+# Prompt tokens decoded as context before the first generated one, enough to settle its leading
+# space.
 _PROMPT_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    """Turns generated token ids into text one token at a time; `push` per token, `flush` at the end."""
+    """Turns generated token ids into text one token at a time; `push` per token, `flush` at the
+    end."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids = list(prompt_ids[-_PROMPT_CONTEXT:])  # the prefix window, then the tokens not emitted yet
+        # the prefix window, then the tokens not emitted yet
+        self._ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._read_offset = len(self._ids)  # end of the prefix window
 
     def push(self, token_id: int) -> str:

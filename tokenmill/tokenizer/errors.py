@@ -6,4 +6,5 @@ from tokenmill.errors import TokenmillError
 
 
 class TokenizerError(TokenmillError):
-    """A vocabulary, tokenizer folder or chat template cannot be used; the message says what is wrong."""
+    """A vocabulary, tokenizer folder or chat template cannot be used; the message says what is
+    wrong."""

@@ -1,4 +1,5 @@
-"""Build a fast `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata, tokenizing as llama.cpp does.
+"""Build a fast `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata, tokenizing as
+llama.cpp does.
 
 Two vocabulary kinds are supported, the ones llama.cpp calls SPM and BPE:
 
@@ -36,11 +37,24 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
 
 KEEP_SPLITS = 8  # vocabularies whose cached merge splits (~4 MB each) outlive a new one's
 
-# llama.cpp treats a control token with one of these texts as end-of-generation, whatever the file's ids say.
+# llama.cpp treats a control token with one of these texts as end-of-generation, whatever the file's
+# ids say.
 EOG_TEXTS = frozenset(
     {
-        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
-        "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
     }
 )
 
@@ -49,7 +63,9 @@ def gguf_tokens(metadata: Mapping[str, Any]) -> list[str]:
     """The vocabulary; llama.cpp renames an empty token so every text stays unique."""
     tokens = metadata.get("tokenizer.ggml.tokens")
     if tokens is None or len(tokens) == 0:
-        raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens: the file carries no vocabulary")
+        raise TokenizerError(
+            "GGUF metadata has no tokenizer.ggml.tokens: the file carries no vocabulary"
+        )
     tokens = [token or f"[EMPTY_{i}]" for i, token in enumerate(tokens)]
     if len(set(tokens)) != len(tokens):
         duplicate = next(token for token, count in Counter(tokens).items() if count > 1)
@@ -66,14 +82,18 @@ def gguf_token_types(metadata: Mapping[str, Any], tokens: Sequence[str]) -> list
     if types is None:
         types = [TOKEN_NORMAL] * len(tokens)
     if len(types) < len(tokens):
-        raise TokenizerError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        raise TokenizerError(
+            f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+        )
     return [
-        TOKEN_CONTROL if kind == TOKEN_NORMAL and token in EOG_TEXTS else kind for token, kind in zip(tokens, types)
+        TOKEN_CONTROL if kind == TOKEN_NORMAL and token in EOG_TEXTS else kind
+        for token, kind in zip(tokens, types)
     ]
 
 
 def build_backend(metadata: Mapping[str, Any], tokens: list[str], types: Sequence[int]) -> Backend:
-    """The tokenizer for this GGUF vocabulary, with special tokens added; it adds no BOS/EOS itself."""
+    """The tokenizer for this GGUF vocabulary, with special tokens added; it adds no BOS/EOS
+    itself."""
     kind = metadata.get("tokenizer.ggml.model")
     if kind == "llama":
         backend = _sentencepiece_bpe(metadata, tokens)
@@ -81,8 +101,8 @@ def build_backend(metadata: Mapping[str, Any], tokens: list[str], types: Sequenc
         backend = _byte_level_bpe(metadata, tokens)
     else:
         raise TokenizerError(
-            f"unsupported GGUF tokenizer.ggml.model {kind!r}: tokenmill reads 'llama' (SentencePiece) "
-            "and 'gpt2' (byte-level BPE) vocabularies"
+            f"unsupported GGUF tokenizer.ggml.model {kind!r}: "
+            "tokenmill reads 'llama' (SentencePiece) and 'gpt2' (byte-level BPE) vocabularies"
         )
     special = [
         AddedToken(token, special=True, normalized=False)
@@ -104,13 +124,16 @@ def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backen
     if scores is None:
         scores = [0.0] * len(tokens)
     if len(scores) < len(tokens):
-        raise TokenizerError(f"GGUF tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        raise TokenizerError(
+            f"GGUF tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+        )
     vocab = {token: i for i, token in enumerate(tokens)}
     unk_id = special_token_ids(metadata, len(tokens)).get("unk_token")
     model = models.BPE(
         vocab=vocab,
         merges=_merges_by_score(tokens, scores, vocab),
-        byte_fallback=True,  # a character that is no token becomes <0xXX> tokens; <unk> only if those lack
+        # a character that is no token becomes <0xXX> tokens; <unk> only if those lack
+        byte_fallback=True,
         unk_token=tokens[unk_id] if unk_id is not None else None,
     )
     backend = Backend(model)
@@ -126,7 +149,9 @@ def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backen
     return backend
 
 
-def _merges_by_score(tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+def _merges_by_score(
+    tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]
+) -> list[tuple[str, str]]:
     """Every split of every token into two tokens, best-scoring result first (see `_ranked_splits`).
 
     Finding them takes seconds for a large vocabulary (millions of dictionary lookups for Gemma's
@@ -146,10 +171,14 @@ def _merges_by_score(tokens: Sequence[str], scores: Sequence[float], vocab: Mapp
         prune_cache(path.parent, "*.splits", KEEP_SPLITS)
     else:
         mark_used(path)
-    return [(tokens[index][:cut], tokens[index][cut:]) for index, cut in zip(splits[::2], splits[1::2])]
+    return [
+        (tokens[index][:cut], tokens[index][cut:]) for index, cut in zip(splits[::2], splits[1::2])
+    ]
 
 
-def _ranked_splits(tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]) -> array:
+def _ranked_splits(
+    tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]
+) -> array:
     """(token index, cut) pairs, flat, for every split of a token into two tokens, best-scoring
     token first.
 
@@ -191,7 +220,8 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backend:
     pre = PRE_TOKENIZERS.get(name)
     if pre is None:
         raise TokenizerError(
-            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={name!r}; known: {', '.join(sorted(PRE_TOKENIZERS))}"
+            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={name!r}; "
+            f"known: {', '.join(sorted(PRE_TOKENIZERS))}"
         )
     merges_text = metadata.get("tokenizer.ggml.merges")
     if merges_text is None or len(merges_text) == 0:
@@ -201,7 +231,8 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backend:
     for merge in merges_text:
         cut = merge.find(" ", 1)  # as llama.cpp splits it
         left, right = merge[:cut], merge[cut + 1 :]
-        # a merge whose parts or result are not tokens can never produce a token; the model rejects it
+        # a merge whose parts or result are not tokens can never produce a token; the model rejects
+        # it
         if cut > 0 and left in vocab and right in vocab and left + right in vocab:
             merges.append((left, right))
     backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
@@ -217,11 +248,13 @@ _SPECIAL_KEYS = {
     "bos_token": "bos_token_id", "eos_token": "eos_token_id",
     "unk_token": "unknown_token_id", "pad_token": "padding_token_id",
 }  # fmt: skip
-_SPM_DEFAULTS = {"bos_token": 1, "eos_token": 2, "unk_token": 0}  # llama.cpp's, for files that name none
+# llama.cpp's, for files that name none
+_SPM_DEFAULTS = {"bos_token": 1, "eos_token": 2, "unk_token": 0}
 
 
 def special_token_ids(metadata: Mapping[str, Any], n_tokens: int) -> dict[str, int]:
-    """The named special tokens ("bos_token", ...) the file gives; ids outside the vocabulary are dropped."""
+    """The named special tokens ("bos_token", ...) the file gives; ids outside the vocabulary are
+    dropped."""
     defaults = _SPM_DEFAULTS if metadata.get("tokenizer.ggml.model") == "llama" else {}
     ids = {}
     for name, key in _SPECIAL_KEYS.items():
@@ -232,7 +265,8 @@ def special_token_ids(metadata: Mapping[str, Any], n_tokens: int) -> dict[str, i
 
 
 def default_add_bos(metadata: Mapping[str, Any]) -> bool:
-    """llama.cpp's default when the file has no add_bos_token flag: on for SPM and a few BPE pre types."""
+    """llama.cpp's default when the file has no add_bos_token flag: on for SPM and a few BPE pre
+    types."""
     if "tokenizer.ggml.add_bos_token" in metadata:
         return bool(metadata["tokenizer.ggml.add_bos_token"])
     if metadata.get("tokenizer.ggml.model") == "llama":
@@ -249,5 +283,9 @@ def stop_token_ids(
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if isinstance(metadata.get(key), int) and 0 <= metadata[key] < len(tokens):
             ids.add(metadata[key])
-    ids.update(i for i, (token, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_CONTROL and token in EOG_TEXTS)
+    ids.update(
+        i
+        for i, (token, kind) in enumerate(zip(tokens, types))
+        if kind == TOKEN_CONTROL and token in EOG_TEXTS
+    )
     return frozenset(ids)

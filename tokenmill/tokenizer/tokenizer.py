@@ -1,7 +1,8 @@
 """The tokenizer a model is served with: text to ids and back, and its chat template.
 
 Tokenization runs in Hugging Face `tokenizers` (Rust). From a GGUF file it is rebuilt to tokenize as
-llama.cpp does (see `gguf_vocab`); from a Hugging Face folder it is the folder's own `tokenizer.json`.
+llama.cpp does (see `gguf_vocab`); from a Hugging Face folder it is the folder's own
+`tokenizer.json`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from tokenmill.tokenizer.gguf_vocab import (
     stop_token_ids,
 )
 
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_SPECIAL_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class Tokenizer:
@@ -44,9 +53,13 @@ class Tokenizer:
         special_tokens: Mapping[str, str],
     ) -> None:
         if add_bos and bos_token_id is None:
-            raise TokenizerError("the tokenizer asks for a BOS token to be added but names no BOS token")
+            raise TokenizerError(
+                "the tokenizer asks for a BOS token to be added but names no BOS token"
+            )
         if add_eos and eos_token_id is None:
-            raise TokenizerError("the tokenizer asks for an EOS token to be added but names no EOS token")
+            raise TokenizerError(
+                "the tokenizer asks for an EOS token to be added but names no EOS token"
+            )
         self._backend = backend
         self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared backend
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -56,7 +69,8 @@ class Tokenizer:
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.chat_template = chat_template
-        self.special_tokens = dict(special_tokens)  # e.g. {"bos_token": "<s>"}: what chat templates see
+        # e.g. {"bos_token": "<s>"}: what chat templates see
+        self.special_tokens = dict(special_tokens)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -81,17 +95,30 @@ class Tokenizer:
         """From a Hugging Face model folder: `tokenizer.json` plus the configs saved beside it."""
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
-            raise TokenizerError(f"{folder}: no tokenizer.json (tokenmill reads Hugging Face fast-tokenizer folders)")
+            raise TokenizerError(
+                f"{folder}: no tokenizer.json (tokenmill reads Hugging Face fast-tokenizer folders)"
+            )
         backend = Backend.from_file(str(folder / "tokenizer.json"))
-        backend.no_truncation()  # a saved truncation or padding setting would cut or pad every prompt
+        # a saved truncation or padding setting would cut or pad every prompt
+        backend.no_truncation()
         backend.no_padding()
         config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
         special_tokens = {
-            name: token for name in _SPECIAL_NAMES if (token := _token_text(config.get(name, special_map.get(name))))
+            name: token
+            for name in _SPECIAL_NAMES
+            if (token := _token_text(config.get(name, special_map.get(name))))
         }
-        bos_id = backend.token_to_id(special_tokens["bos_token"]) if "bos_token" in special_tokens else None
-        eos_id = backend.token_to_id(special_tokens["eos_token"]) if "eos_token" in special_tokens else None
+        bos_id = (
+            backend.token_to_id(special_tokens["bos_token"])
+            if "bos_token" in special_tokens
+            else None
+        )
+        eos_id = (
+            backend.token_to_id(special_tokens["eos_token"])
+            if "eos_token" in special_tokens
+            else None
+        )
         # Without flags in the config, BOS/EOS are whatever the tokenizer's post-processor adds.
         framing = backend.encode("", add_special_tokens=True).ids
         add_bos = config.get("add_bos_token", bos_id is not None and framing[:1] == [bos_id])
@@ -110,7 +137,9 @@ class Tokenizer:
             special_tokens=special_tokens,
         )
 
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_bos: bool | None = None, parse_special: bool = True
+    ) -> list[int]:
         """Token ids for `text`.
 
         `add_bos=None` applies the model's defaults (BOS, and EOS where the model asks for it);
@@ -133,13 +162,17 @@ class Tokenizer:
         ids = list(ids)
         if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
             bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-            raise TokenizerError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+            raise TokenizerError(
+                f"token id {bad} is outside the vocabulary (size {self.vocab_size})"
+            )
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_piece(self, id: int) -> str:
         """The vocabulary entry for `id` as stored (e.g. "▁Hello" or "ĠHello"), not decoded text."""
         if not 0 <= id < self.vocab_size:
-            raise TokenizerError(f"token id {id} is outside the vocabulary (size {self.vocab_size})")
+            raise TokenizerError(
+                f"token id {id} is outside the vocabulary (size {self.vocab_size})"
+            )
         return self._backend.id_to_token(id)
 
     def apply_chat_template(
@@ -151,7 +184,9 @@ class Tokenizer:
     ) -> str:
         """The prompt text for a conversation, as transformers renders it; encode it to get ids."""
         if self.chat_template is None:
-            raise TokenizerError("this model has no chat template; send a plain prompt instead of messages")
+            raise TokenizerError(
+                "this model has no chat template; send a plain prompt instead of messages"
+            )
         return render_chat_template(
             self.chat_template,
             messages,
@@ -183,8 +218,14 @@ def _hf_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
     """`chat_template.jinja`, else `chat_template.json`, else the config's (default) template."""
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    template = _read_json(folder / "chat_template.json").get("chat_template", config.get("chat_template"))
+    template = _read_json(folder / "chat_template.json").get(
+        "chat_template", config.get("chat_template")
+    )
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        named = {
+            entry.get("name"): entry.get("template")
+            for entry in template
+            if isinstance(entry, dict)
+        }
         template = named.get("default")
     return template

@@ -17,7 +17,6 @@ using PyTorch's kernels. simd.h holds their vector operations for AVX-512 and fo
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -31,8 +30,17 @@ import torch
 from tokenmill.catalog import cache_root
 
 log = logging.getLogger("tokenmill.kernels")
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("gemv.cpp", "activation.cpp", "norm.cpp", "rotary.cpp", "attention.cpp", "sample.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in (
+        "gemv.cpp",
+        "activation.cpp",
+        "norm.cpp",
+        "rotary.cpp",
+        "attention.cpp",
+        "sample.cpp",
+    )
+]
 HEADERS = [Path(__file__).with_name("simd.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
@@ -89,8 +97,11 @@ def load(build: bool = True) -> bool:
                 _compile(directory)
             except Exception as exc:  # noqa: BLE001 - no compiler or no AVX2: PyTorch's kernels serve
                 (directory / FAILED_MARKER).write_text(f"{exc}\n")
-                log.warning("building the CPU kernels failed, using PyTorch's instead (%s; details in %s)",
-                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__, directory)
+                log.warning(
+                    "building the CPU kernels failed, using PyTorch's instead (%s; details in %s)",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    directory,
+                )
                 return False
         torch.ops.load_library(str(library))
         torch.library.register_fake("tokenmill::int8_linear")(_int8_shape)
@@ -122,41 +133,82 @@ def build_in_background() -> threading.Thread | None:
 def _compile(directory: Path) -> None:
     from torch.utils import cpp_extension
 
-    if shutil.which("ninja") is None:  # torch drives the build with ninja: the pip package's will do
+    if shutil.which("ninja") is None:
+        # torch drives the build with ninja: the pip package's will do
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     directory.mkdir(parents=True, exist_ok=True)
     log.info("building the CPU kernels in %s (once, ~10 s)", directory)
-    cpp_extension.load(name="tokenmill_kernels", sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
-                       extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
-                       verbose=False)
+    cpp_extension.load(
+        name="tokenmill_kernels",
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
-def _int8_shape(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor | None,
-                max_gemv_rows: int, chunk_rows: int) -> torch.Tensor:
+def _int8_shape(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dense: torch.Tensor | None,
+    max_gemv_rows: int,
+    chunk_rows: int,
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _int4_shape(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                dense: torch.Tensor | None, max_packed_rows: int) -> torch.Tensor:
+def _int4_shape(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    dense: torch.Tensor | None,
+    max_packed_rows: int,
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], scales_zeros.shape[1])
 
 
-def _int4_rows_shape(x: torch.Tensor, nibbles: torch.Tensor, steps_lows: torch.Tensor, units: torch.Tensor,
-                     fifth_bits: torch.Tensor | None, dense: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
+def _int4_rows_shape(
+    x: torch.Tensor,
+    nibbles: torch.Tensor,
+    steps_lows: torch.Tensor,
+    units: torch.Tensor,
+    fifth_bits: torch.Tensor | None,
+    dense: torch.Tensor | None,
+    max_gemv_rows: int,
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], nibbles.shape[0])
 
 
-def _quant_tiles_shape(x: torch.Tensor, tiles: torch.Tensor, tile_scales: torch.Tensor,
-                       fifth_masks: torch.Tensor | None, bits: int, dense: torch.Tensor | None,
-                       max_tile_rows: int, x_block: int = 8, max_coarse_rows: int = -1,
-                       amx_min_rows: int = -1) -> torch.Tensor:
+def _quant_tiles_shape(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    tile_scales: torch.Tensor,
+    fifth_masks: torch.Tensor | None,
+    bits: int,
+    dense: torch.Tensor | None,
+    max_tile_rows: int,
+    x_block: int = 8,
+    max_coarse_rows: int = -1,
+    amx_min_rows: int = -1,
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], tile_scales.shape[0] * 16)
 
 
-def _decode_attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                            mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+def _decode_attention_shape(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
