@@ -68,6 +68,7 @@ def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
         progress=False,
         quantization=args.quantization,
         dense_min_tokens=args.dense_min_tokens,
+        batch_invariant=args.batch_invariant,
     )
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / MiB
@@ -345,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="keep dense copies of quantized layers for batches of at least this many tokens",
     )
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="tokenmill's default; --no-batch-invariant lets the batch size pick the kernels",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--compile", action="store_true", help="compile tokenmill's decode step (see ModelRunner)"
@@ -396,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nOffline benchmark: {path.name}, {args.threads} threads, tokenmill {args.dtype} "
         f"quantization={args.quantization} dense_min_tokens={args.dense_min_tokens} "
+        f"batch_invariant={args.batch_invariant} "
         f"decode={results.get('tokenmill', {}).get('decode_mode')}, {args.reps} reps"
     )
     print(format_table(data, args), flush=True)

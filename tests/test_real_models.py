@@ -33,15 +33,8 @@ PROMPTS = [t.format(s) for t in TEMPLATES for s in SUBJECTS]  # 64 prompts of di
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def real_llm(request, smollm2_gguf, gemma3_gguf) -> LLM:
-    # Dense fp32 weights and a float32 cache: the same kernels whatever the batch size, so batching
-    # cannot change a greedy result. (Packed weights switch between int4/int8 and dense kernels by
-    # batch size, which moves logits in their last bits; a float16 cache, the default on CPU, rounds
-    # those to 11 bits, and then a near-tie can go either way, as in llama.cpp.)
-    return LLM(
-        str(smollm2_gguf if request.param == "smollm2" else gemma3_gguf),
-        quantization="none",
-        kv_cache_dtype="float32",
-    )
+    # Default settings: batch invariance makes a greedy result independent of the batch
+    return LLM(str(smollm2_gguf if request.param == "smollm2" else gemma3_gguf))
 
 
 def test_generate_with_no_model_uses_smollm2_and_says_paris(smollm2_gguf, capsys) -> None:

@@ -19,7 +19,7 @@ class LLM:
     """Runs batches of prompts through one engine; outputs come back in the order given."""
 
     def __init__(
-        self, model: str | Path | None = None, dtype: str = "fp32", **engine_options
+        self, model: str | Path | None = None, dtype: str = "auto", **engine_options
     ) -> None:
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype), progress=True, **engine_options)
         self.tokenizer = self.engine.tokenizer

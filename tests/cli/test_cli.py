@@ -72,6 +72,7 @@ def test_perplexity_matches_a_reference_computation(
     assert (
         main(
             ["perplexity", "--model", str(tiny_model_dir), "--file", str(path), "--ctx", str(ctx)]
+            + ["--dtype", "fp32"]  # as the float32 reference below
             + ["--decode"] * decode
         )
         == 0

@@ -25,7 +25,13 @@ def runner(tiny_model_dir, tmp_path_factory):
     patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
     # no decode graphs cached yet
     patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-    loaded = load_model(tiny_model_dir, progress=False, quantization="int8", dense_min_tokens=2)
+    loaded = load_model(
+        tiny_model_dir,
+        progress=False,
+        quantization="int8",
+        dense_min_tokens=2,
+        batch_invariant=False,
+    )
     heads = {
         m.out_features
         for m in loaded.model.modules()
@@ -152,7 +158,12 @@ def bf16_runner(tiny_model_dir, tmp_path_factory, cpu_kernels):
     patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-bf16")))
     patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-bf16")))
     loaded = load_model(
-        tiny_model_dir, dtype="bf16", progress=False, quantization="int8", dense_min_tokens=2
+        tiny_model_dir,
+        dtype="bf16",
+        progress=False,
+        quantization="int8",
+        dense_min_tokens=2,
+        batch_invariant=False,
     )
     runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
     assert runner.wait_compiled(timeout=900), f"compilation failed: {runner.compile_error!r}"

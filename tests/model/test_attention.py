@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.model import kernels
+from tokenmill.model import attention, kernels
 from tokenmill.model.attention import (
     QUERY_BLOCK,
     AttentionBatch,
@@ -90,7 +90,7 @@ def test_prompt_attention_matches_per_sequence_attention(
         tables.append(order[used : used + count])
         used += count
     through_kernel = kernel_attends_prompts(torch.float32, cache_dtype, head_dim, "cpu")
-    assert through_kernel == (head_dim == 32 and kernels.loaded() and not kernels.cpu_has_amx())
+    assert through_kernel == (head_dim == 32 and kernels.loaded())
     batch = AttentionBatch.build(
         query_lens, context_lens, tables, block_size, cache.pad_slot, kernel_prompts=through_kernel
     )
@@ -204,15 +204,25 @@ def test_a_whole_prompt_attends_to_its_own_keys(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_prompts_keep_sdpa_on_cpus_with_amx(monkeypatch) -> None:
-    """The decode kernel takes prompt tokens only where it was measured faster than SDPA: not on
-    AMX."""
+def test_prompts_keep_sdpa_on_cpus_with_amx_unless_batch_invariant(monkeypatch) -> None:
+    """Batch invariance (the default) takes prompt tokens through the decode kernel wherever it
+    fits; without it, only where it was measured faster than SDPA: not on AMX."""
     monkeypatch.setattr(
         kernels, "cpu_flags", lambda: "flags\t: avx512f avx512_bf16 amx_bf16 amx_tile"
     )
-    assert not kernel_attends_prompts(torch.bfloat16, torch.bfloat16, 64, "cpu")
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t: avx512f avx512_bf16 avx512_vnni")
+    assert kernels.cpu_has_amx()
+    assert not kernel_attends_prompts(
+        torch.bfloat16, torch.bfloat16, 64, "cpu", batch_invariant=False
+    )
     assert kernel_attends_prompts(torch.bfloat16, torch.bfloat16, 64, "cpu") == kernels.loaded()
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t: avx512f avx512_bf16 avx512_vnni")
+    for invariant in (True, False):
+        assert (
+            kernel_attends_prompts(
+                torch.bfloat16, torch.bfloat16, 64, "cpu", batch_invariant=invariant
+            )
+            == kernels.loaded()
+        )
     # not whole vectors
     assert not kernel_attends_prompts(torch.bfloat16, torch.bfloat16, 72, "cpu")
 
@@ -237,3 +247,181 @@ def test_a_step_through_the_kernel_has_a_slot_table_and_a_mask_row_per_token() -
         ).token_context_slots
         is None
     )
+
+
+def _filled_cache(
+    block_size: int,
+    num_blocks: int,
+    cache_dtype: torch.dtype,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+) -> KVCache:
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=cache_dtype,
+    )
+    cache.k[0][:-1].normal_()  # every slot but the zero pad slot
+    cache.v[0][:-1].normal_()
+    return cache
+
+
+def _tables(context_lens: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
+    """Block tables for these contexts, blocks out of order."""
+    order, tables = torch.randperm(num_blocks).tolist(), []
+    for kv in context_lens:
+        tables.append(order[: -(-kv // block_size)])
+        order = order[len(tables[-1]) :]
+    return tables
+
+
+def _needs_kernel() -> None:
+    if not kernels.loaded():
+        pytest.skip("the decode kernel is not built")
+
+
+@pytest.mark.parametrize("bound", [5000, 100])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 20.0)])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
+)
+def test_a_step_past_the_pair_bound_attends_through_the_kernel_in_groups(
+    bound: int,
+    window: int | None,
+    softcap: float | None,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    monkeypatch,
+) -> None:
+    """A step whose slot table would pass `KERNEL_PROMPT_MAX_PAIRS` attends through the kernel in
+    groups of consecutive tokens, each group's table and mask rows within the bound (a lone token's
+    past it), and gives every token exactly the result of one call over the whole step."""
+    _needs_kernel()
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 32, 16, 64
+    # decodes, prompt chunks after cached context and a fresh prompt
+    query_lens, context_lens = [1, 150, 1, 60, 40], [300, 250, 90, 60, 200]
+    cache = _filled_cache(block_size, num_blocks, cache_dtype, kv_heads, head_dim)
+    tables = _tables(context_lens, block_size, num_blocks)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, head_dim).to(dtype)
+    k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    k, v = k.to(dtype), v.to(dtype)
+
+    def attend(batch: AttentionBatch) -> torch.Tensor:
+        mask = batch.mask(window)
+        return paged_attention(q, k, v, cache.k[0], cache.v[0], batch, mask, 0.3, softcap, window)
+
+    build_args = (query_lens, context_lens, tables, block_size, cache.pad_slot)
+    whole = AttentionBatch.build(*build_args, kernel_prompts=True)
+    assert whole.token_context_slots is not None and whole.kernel_groups is None
+    expected = attend(whole)
+    assert expected.dtype == dtype
+
+    monkeypatch.setattr(attention, "KERNEL_PROMPT_MAX_PAIRS", bound)
+    grouped = AttentionBatch.build(*build_args, kernel_prompts=True)
+    assert grouped.parts is None and grouped.token_context_slots is None
+    groups = grouped.kernel_groups
+    assert len(groups) > 1 and groups[0][0] == 0 and groups[-1][1] == tokens
+    assert all(end == after for (_, end, _), (after, _, _) in zip(groups, groups[1:]))
+    assert all((end - first) * width <= bound or end - first == 1 for first, end, width in groups)
+    if bound < max(context_lens):
+        assert any((end - first) * width > bound for first, end, width in groups)
+    assert grouped.mask(window) == ()
+    whole_mask = whole.mask(window)
+    for first, end, width in groups:
+        slots, mask = grouped.kernel_group(first, end, width, window)
+        assert torch.equal(slots, whole.token_context_slots[first:end, :width])
+        assert torch.equal(mask, whole_mask[first:end, :width])
+        assert not whole_mask[first:end, width:].any()  # past each token's sight
+    assert torch.equal(attend(grouped), expected)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (40, None), (None, 20.0)])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
+)
+def test_a_tokens_attention_does_not_depend_on_how_the_step_is_packed(
+    window: int | None,
+    softcap: float | None,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    monkeypatch,
+) -> None:
+    """Batch invariance: a prompt attended in one chunk or in several (earlier chunks' K/V in the
+    cache), alone or beside other sequences' decodes and prompts, within the pair bound or past it,
+    gives its tokens bit-identical results; so does its next token decoded alone or beside prompts.
+    Also on CPUs with AMX, where the kernel took no prompts before batch invariance."""
+    _needs_kernel()
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: True)
+    torch.manual_seed(3)
+    heads, kv_heads, head_dim, block_size, num_blocks, scale = 4, 2, 32, 16, 48, 0.3
+    length = 150  # the prompt; then one decoded token
+    # the prompt's sequence, and others: a decode, a fresh prompt, a chunk after cached context
+    others_query, others_context = [1, 30, 50], [80, 30, 120]
+    cache = _filled_cache(block_size, num_blocks, cache_dtype, kv_heads, head_dim)
+    table, *other_tables = _tables([length + 1, *others_context], block_size, num_blocks)
+    kernel_prompts = kernel_attends_prompts(dtype, cache_dtype, head_dim, "cpu")
+    assert kernel_prompts
+
+    def qkv(count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            torch.randn(count, heads, head_dim).to(dtype),
+            torch.randn(count, kv_heads, head_dim).to(dtype),
+            torch.randn(count, kv_heads, head_dim).to(dtype),
+        )
+
+    q, k, v = qkv(length + 1)
+    others = qkv(sum(others_query))
+
+    def attend(first: int, end: int, with_others: bool) -> torch.Tensor:
+        """Tokens [first, end) of the sequence in one step, their outputs."""
+        query_lens, context_lens, tables = [end - first], [end], [table]
+        parts = [(q[first:end], k[first:end], v[first:end])]
+        if with_others:
+            query_lens, context_lens = query_lens + others_query, context_lens + others_context
+            tables, parts = tables + other_tables, parts + [others]
+        batch = AttentionBatch.build(
+            query_lens,
+            context_lens,
+            tables,
+            block_size,
+            cache.pad_slot,
+            kernel_prompts=kernel_prompts,
+        )
+        step_q, step_k, step_v = (torch.cat(t) for t in zip(*parts))
+        out = paged_attention(
+            step_q,
+            step_k,
+            step_v,
+            cache.k[0],
+            cache.v[0],
+            batch,
+            batch.mask(window),
+            scale,
+            softcap,
+            window,
+        )
+        return out[: end - first]
+
+    def prompt(cuts: list[int], with_others: bool) -> torch.Tensor:
+        ends = [*cuts, length]
+        return torch.cat([attend(a, b, with_others) for a, b in zip([0, *cuts], ends)])
+
+    expected = prompt([], with_others=False)
+    assert expected.dtype == dtype
+    assert torch.equal(prompt([64, 100, 101], with_others=False), expected)
+    assert torch.equal(prompt([], with_others=True), expected)
+    assert torch.equal(prompt([37, 120], with_others=True), expected)
+    monkeypatch.setattr(attention, "KERNEL_PROMPT_MAX_PAIRS", 3000)  # in groups of tokens
+    assert torch.equal(prompt([], with_others=True), expected)
+    assert torch.equal(prompt([90], with_others=False), expected)
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: True)
+    decoded = attend(length, length + 1, with_others=False)  # a decode step
+    assert torch.equal(attend(length, length + 1, with_others=True), decoded)

@@ -97,7 +97,13 @@ def test_large_int8_matrix_goes_in_chunks_without_a_dense_copy(monkeypatch) -> N
 
 def test_loader_gives_a_large_int8_head_no_dense_copy(tiny_model_dir, monkeypatch) -> None:
     monkeypatch.setattr(quant_linear, "LARGE_INT8_WEIGHTS", 320 * 64)  # the tiny model's head only
-    loaded = load_model(tiny_model_dir, progress=False, quantization="int8", dense_min_tokens=2)
+    loaded = load_model(
+        tiny_model_dir,
+        progress=False,
+        quantization="int8",
+        dense_min_tokens=2,
+        batch_invariant=False,
+    )
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert [m.out_features for m in layers if m.dense is None] == [320]
     assert all(m.dense is not None for m in layers if m.out_features != 320)
@@ -121,7 +127,9 @@ def test_large_int8_matrix_in_whole_tiles_takes_the_tile_kernel_in_bf16(monkeypa
 def test_bf16_tile_layers_keep_dense_copies_only_where_the_copies_alone_have_amx(
     tiny_model_dir,
 ) -> None:
-    loaded = load_model(tiny_model_dir, dtype="bf16", progress=False, quantization="int4")
+    loaded = load_model(
+        tiny_model_dir, dtype="bf16", progress=False, quantization="int4", batch_invariant=False
+    )
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert layers
     for m in layers:
@@ -234,3 +242,18 @@ def test_gguf_formats_keep_their_values_in_tiles(qtype: Q) -> None:
     torch.testing.assert_close(
         unpack_tiles(pack_tiles(q, scale, low, bits)), weight.dequantize(), rtol=1e-6, atol=1e-6
     )
+
+
+def test_batch_invariant_layers_keep_no_kernel_switch(tiny_model_dir) -> None:
+    loaded = load_model(tiny_model_dir, dtype="bf16", progress=False, quantization="int8")
+    assert loaded.batch_invariant
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert layers
+    for m in layers:
+        assert m.batch_invariant and m.dense is None and m.dense_min_tokens == 0
+        assert m.amx_min_tokens == -1 and m.max_coarse_tokens == -1
+
+
+def test_dense_copies_need_batch_invariance_off(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="no-batch-invariant"):
+        load_model(tiny_model_dir, progress=False, quantization="int8", dense_min_tokens=16)

@@ -21,10 +21,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        default="fp32",
+        default="auto",
         choices=["auto", "fp32", "bf16", "fp16"],
-        help="compute dtype for the weights (default: fp32; auto: bf16 where the CPU "
-        "multiplies it natively, else fp32)",
+        help="compute dtype for the weights (default: auto, bf16 where the CPU multiplies it "
+        "natively, else fp32)",
     )
     add_quantization_args(parser)
     parser.add_argument(
@@ -46,7 +46,15 @@ def add_quantization_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="also keep dense copies of quantized layers for batches of at least this many "
-        "tokens (faster prefill, more memory)",
+        "tokens (faster prefill, more memory; needs --no-batch-invariant)",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compute every request's tokens alike whatever else shares its batch, so outputs do "
+        "not depend on load (default: on); --no-batch-invariant lets the batch size pick faster "
+        "or finer kernels",
     )
 
 
@@ -68,6 +76,7 @@ def load_from_args(args: argparse.Namespace, need_tokenizer: bool = True) -> Loa
         progress=sys.stderr.isatty(),
         quantization=args.quantization,
         dense_min_tokens=args.dense_min_tokens,
+        batch_invariant=args.batch_invariant,
     )
     if need_tokenizer and loaded.tokenizer is None:
         raise TokenmillError(f"{path}: no tokenizer found (tokenizer.json is missing)")

@@ -64,6 +64,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "quantization": args.quantization,
         "dense_min_tokens": args.dense_min_tokens,
+        "batch_invariant": args.batch_invariant,
         "models_dir": args.models_dir,
         "max_model_len": args.max_model_len,
         "kv_cache_memory": int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,

@@ -34,9 +34,12 @@ log = logging.getLogger("tokenmill.engine")
 
 @dataclass
 class EngineConfig:
-    dtype: str = "fp32"
+    dtype: str = "auto"  # bf16 where the CPU multiplies it natively, else fp32 (load_model)
     quantization: str = "auto"  # see load_model: GGUF weights stay packed by default
     dense_min_tokens: int | None = None
+    # a request's output does not depend on its batch (see load_model); off: faster kernels where
+    # the batch size decides them
+    batch_invariant: bool = True
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # see attention.resolve_kv_cache_dtype
     kv_cache_memory: int | None = None  # bytes for the KV pool; default: see default_kv_budget
@@ -84,6 +87,7 @@ def _load(model: str | Path | None, cfg: EngineConfig, progress: bool) -> Loaded
         progress=progress,
         quantization=cfg.quantization,
         dense_min_tokens=cfg.dense_min_tokens,
+        batch_invariant=cfg.batch_invariant,
     )
 
 

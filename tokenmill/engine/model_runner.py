@@ -46,8 +46,12 @@ KEEP_GRAPHS = 16
 # Inductor's C++ wrapper checks every input's and op output's sizes, strides and alignment on each
 # call (hundreds of checks a step): the graphs' inputs are the model's own fixed tensors and the
 # batch tensors built for them, so the checks are left out, which cuts the graph's own time
-# outside the ops it calls (see the tuning log).
+# outside the ops it calls (see the tuning log). Intermediates are rounded to the model's dtype
+# where eager PyTorch rounds them ("emulate_precision_casts"), and the graphs call the same
+# kernels as eager steps, so a decode token's result is the same bits whether it runs in a graph
+# (of either batch size) or eagerly beside a prompt chunk.
 GRAPH_OPTIONS = {
+    "emulate_precision_casts": True,
     "cpp_wrapper": True,
     "size_asserts": False,
     "alignment_asserts": False,
@@ -184,7 +188,11 @@ class ModelRunner:
         threads to what the compiled kernels were built for."""
         cache = self.cache.k[0]
         kernel_prompts = kernel_attends_prompts(
-            self.loaded.dtype, cache.dtype, cache.shape[-1], cache.device
+            self.loaded.dtype,
+            cache.dtype,
+            cache.shape[-1],
+            cache.device,
+            batch_invariant=self.loaded.batch_invariant,
         )
         batch = AttentionBatch.build(
             query_lens,

@@ -28,19 +28,31 @@ FUSED_DECODE_MAX_HEAD_DIM = 128
 QUERY_BLOCK = 128
 
 # A step with prompt tokens attends through the decode kernel where it serves
-# (`kernel_attends_prompts`), every token a query of its own over the keys it may see, up to this
-# many (token, context slot) pairs: the bound on their slot table (16 MB of int64). A larger step
-# attends as it would without the kernel (SDPA for its prompts, in parts).
+# (`kernel_attends_prompts`), every token a query of its own over the keys it may see, in one call
+# with one slot table of up to this many (token, context slot) pairs (16 MB of int64). A larger step
+# attends in groups of consecutive tokens, each group's table (at most this many pairs) made as it
+# attends: a higher bound makes fewer, larger calls and holds larger tables.
 KERNEL_PROMPT_MAX_PAIRS = 1 << 21
 
 
 def kernel_attends_prompts(
-    dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, device: torch.device | str
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    head_dim: int,
+    device: torch.device | str,
+    *,
+    batch_invariant: bool = True,
 ) -> bool:
     """Whether steps with prompt tokens attend through the decode kernel
-    (`KERNEL_PROMPT_MAX_PAIRS`): where it takes the model's tensors (`kernel_fits`), but not on CPUs
-    with AMX, where SDPA's flash kernel multiplies bf16 on the matrix unit."""
-    return kernel_fits(dtype, cache_dtype, head_dim, device) and not kernels.cpu_has_amx()
+    (`KERNEL_PROMPT_MAX_PAIRS`): where it takes the model's tensors (`kernel_fits`).
+
+    The kernel computes each token on its own, so a token's result does not depend on how the step
+    is packed (the other sequences in it, its size, where chunked prefill cut the prompt); SDPA's
+    results depend on its query and key blocks. Without batch_invariant, not on CPUs with AMX,
+    where SDPA's flash kernel multiplies bf16 on the matrix unit."""
+    return kernel_fits(dtype, cache_dtype, head_dim, device) and (
+        batch_invariant or not kernels.cpu_has_amx()
+    )
 
 
 HALF_CACHE_DTYPES = (torch.float16, torch.bfloat16)
@@ -128,8 +140,11 @@ class AttentionBatch:
     # prompts only, all of their context new in this step (no cached prefix)
     fresh_prompts: bool = False
     # (T, max_kv) context slots of each new token's sequence where the whole step attends through
-    # the decode kernel (`build`'s kernel_prompts); None otherwise, and for decode steps
+    # the decode kernel in one call (`build`'s kernel_prompts); None otherwise, and for decode steps
     token_context_slots: torch.Tensor | None = None
+    # A step through the kernel beyond `KERNEL_PROMPT_MAX_PAIRS` attends in groups of consecutive
+    # tokens instead: (first token, end token, context columns its tokens see) (see `kernel_group`)
+    kernel_groups: tuple[tuple[int, int, int], ...] | None = None
     # Otherwise a step mixing decodes (one new token), fresh prompts and prompt chunks after cached
     # context attends in parts, each a batch of its own with the indices of its tokens in this one:
     # one padded grid would make every decode row as long as the longest chunk (see `_parts`).
@@ -150,8 +165,8 @@ class AttentionBatch:
         context_lens[i].
 
         pad_slot is the cache's never-written zero slot (`KVCache.pad_slot`). kernel_prompts: a step
-        with prompt tokens attends through the decode kernel, all of its tokens in one call, within
-        `KERNEL_PROMPT_MAX_PAIRS` (the caller's `kernel_attends_prompts`).
+        with prompt tokens attends through the decode kernel (`kernel_attends_prompts`), all of its
+        tokens in one call within `KERNEL_PROMPT_MAX_PAIRS`, else in groups of tokens.
         """
         # numpy: a decode step builds these every step, and on tiny arrays a numpy op costs a
         # fraction of a torch op's dispatch
@@ -180,13 +195,11 @@ class AttentionBatch:
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        through_kernel = (
-            kernel_prompts and max_q > 1 and len(token_index) * max_kv <= KERNEL_PROMPT_MAX_PAIRS
-        )
+        through_kernel = kernel_prompts and max_q > 1
+        one_call = through_kernel and len(token_index) * max_kv <= KERNEL_PROMPT_MAX_PAIRS
         return cls(
-            token_context_slots=tensor(context_slots[token_index // max_q])
-            if through_kernel
-            else None,
+            token_context_slots=tensor(context_slots[token_index // max_q]) if one_call else None,
+            kernel_groups=_kernel_groups(positions) if through_kernel and not one_call else None,
             positions=tensor(positions),
             slot_mapping=tensor(slot_mapping),
             token_index=tensor(token_index),
@@ -238,9 +251,11 @@ class AttentionBatch:
     def mask(self, window: int | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Boolean (B, 1, max_q, max_kv) mask: causal, within the sliding window when given; for a
         batch in parts, one per part; for a step through the decode kernel, (T, max_kv), a row per
-        token."""
+        token; for one through the kernel in groups, none (`kernel_group` makes each group's)."""
         if self.parts is not None:
             return tuple(part.mask(window) for part, _ in self.parts)
+        if self.kernel_groups is not None:
+            return ()
         q = self.query_positions[:, :, None]
         k = self.key_positions[:, None, :]
         allowed = k <= q
@@ -251,6 +266,38 @@ class AttentionBatch:
         if self.token_context_slots is not None:
             return allowed.reshape(-1, allowed.shape[-1]).index_select(0, self.token_index)
         return allowed[:, None]
+
+    def kernel_group(
+        self, first: int, end: int, width: int, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot table and mask rows, (end - first, width) each, of tokens [first, end) of a step
+        through the kernel in groups (`kernel_groups`): their rows of a whole-step table and mask
+        cut to the first width columns, past which each of them is masked."""
+        seqs = self.token_index[first:end] // self.max_q
+        slots = self.context_slots[:, :width].index_select(0, seqs)
+        # Column j is key position j; a sequence's padded columns lie past all of its tokens.
+        query = self.positions[first:end, None]
+        key = torch.arange(width, device=query.device)
+        allowed = key <= query
+        if window is not None:
+            allowed &= query - key < window
+        return slots, allowed
+
+
+def _kernel_groups(positions: np.ndarray) -> tuple[tuple[int, int, int], ...]:
+    """Consecutive tokens (at positions `positions`) in groups of up to `KERNEL_PROMPT_MAX_PAIRS`
+    (token, context column) pairs (a group of one token past it), each with the columns its tokens
+    see: keys up to the group's last position. The decode kernel skips masked keys and splits the
+    context at the same columns in any table, so the narrower tables change no token's result."""
+    groups = []
+    first = 0
+    while first < len(positions):
+        widths = np.maximum.accumulate(positions[first:] + 1)
+        pairs = widths * np.arange(1, len(widths) + 1)  # increasing
+        count = max(1, int(np.searchsorted(pairs, KERNEL_PROMPT_MAX_PAIRS, side="right")))
+        groups.append((first, first + count, int(widths[count - 1])))
+        first += count
+    return tuple(groups)
 
 
 def _query_blocks(
@@ -294,6 +341,14 @@ def paged_attention(
         return torch.ops.tokenmill.decode_attention(
             q, k_cache, v_cache, batch.token_context_slots, mask, scale, softcap
         )
+    if batch.kernel_groups is not None:
+        out = torch.empty_like(q)
+        for first, end, width in batch.kernel_groups:
+            slots, group_mask = batch.kernel_group(first, end, width, window)
+            out[first:end] = torch.ops.tokenmill.decode_attention(
+                q[first:end], k_cache, v_cache, slots, group_mask, scale, softcap
+            )
+        return out
     if batch.parts is None:
         return _attend_cached(q, k, v, k_cache, v_cache, batch, mask, scale, softcap, window)
     out = torch.empty_like(q)

@@ -52,6 +52,8 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None for an HF directory without tokenizer files
     path: Path
     dtype: torch.dtype
+    # whether every row is computed alike whatever its batch (see `load_model`)
+    batch_invariant: bool = True
 
 
 def preferred_dtype() -> torch.dtype:
@@ -99,6 +101,7 @@ def load_model(
     progress: bool = True,
     quantization: str = "auto",
     dense_min_tokens: int | None = None,
+    batch_invariant: bool = True,
 ) -> LoadedModel:
     """Load a model and its tokenizer from a GGUF file or an HF directory.
 
@@ -111,7 +114,15 @@ def load_model(
     picks the measured crossover (`quant_linear.dense_crossover`: in fp32, no copy where tokenmill's
     row kernels serve, else 65 tokens; in bf16, none for the tile kernel where it has AMX, 48 for
     it elsewhere (AVX-512 with VNNI), else 16 for int4 and 8 for int8); 0 keeps no copies.
+    batch_invariant: quantized layers compute every row alike whatever the batch (`QuantLinear`),
+    so they keep no dense copies: a copy's float matmul rounds differently from the packed kernel.
     """
+    if batch_invariant and dense_min_tokens:
+        raise ValueError(
+            "dense copies of quantized layers (dense_min_tokens / --dense-min-tokens) switch a "
+            "layer's arithmetic by batch size, so a request's output would depend on its batch; "
+            "drop the option, or turn batch invariance off (--no-batch-invariant)"
+        )
     path = Path(path)
     dtype = parse_dtype(dtype)
     if quantization not in QUANTIZATIONS:
@@ -132,9 +143,23 @@ def load_model(
         raise ModelFileError(path, "no such file or directory")
     if quantization == "auto":
         quantization = "none" if path.is_dir() else "gguf"
-    builder = _Builder(config, dtype, path, quantization, dense_min_tokens)
+    builder = _Builder(
+        config,
+        dtype,
+        path,
+        quantization,
+        0 if batch_invariant else dense_min_tokens,
+        batch_invariant,
+    )
     model = builder.build(weights, progress)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=path, dtype=dtype)
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        path=path,
+        dtype=dtype,
+        batch_invariant=batch_invariant,
+    )
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -192,10 +217,12 @@ class _Builder:
         path: Path,
         quantization: str,
         dense_min_tokens: int | None,
+        batch_invariant: bool,
     ) -> None:
         self.config, self.dtype, self.path = config, dtype, path
         self.quantization = quantization
         self.dense_min_tokens = dense_min_tokens
+        self.batch_invariant = batch_invariant
 
     def build(self, weights: Iterator[tuple[str, Weight]], progress: bool) -> Transformer:
         expected = checkpoint_shapes(self.config)
@@ -308,6 +335,7 @@ class _Builder:
             dense_min_tokens=threshold,
             tiles=tiles,
             x_block=x_block,
+            batch_invariant=self.batch_invariant,
         )
 
 

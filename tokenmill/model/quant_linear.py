@@ -197,9 +197,12 @@ TILE_ROWS = 16  # weight rows per tile of `quant_tiles_linear`
 # model's largest, so it keeps 8; the other layers and the output head take 32.
 FINE_X_BLOCK = 8
 COARSE_X_BLOCK = 32
-# A coarse output head (tiles of a large int8 matrix) takes 8 beyond these many tokens: the logits
-# of every prompt token (perplexity, prompt logprobs), where the coarse rounding's cost in quality
-# shows; a decode batch (up to this many sequences) keeps 32, the faster.
+# Without batch invariance, a coarse output head (tiles of a large int8 matrix) takes 8 beyond these
+# many tokens: the logits of every prompt token (perplexity, prompt logprobs), where the coarse
+# rounding's cost in quality shows; a decode batch (up to this many sequences) keeps 32, the faster.
+# A single activation row (batch-1 decode) then also rounds per 8 in every tile layer, as fast as
+# per 32 there and closer to the dequantized weights. Batch-invariant layers keep their own x_block
+# whatever the row count.
 HEAD_COARSE_MAX_TOKENS = 64
 # Weights packed into tiles at a time: larger chunks make fewer, larger copies (faster loading),
 # while the packing's temporaries stay the size of a chunk, not of the matrix
@@ -451,12 +454,15 @@ class QuantLinear(nn.Module):
         int4_rows: bool | None = None,
         tiles: bool | None = None,
         x_block: int = FINE_X_BLOCK,
+        batch_invariant: bool = True,
     ) -> None:
         """tiles: whether the weights take the tile layout of `quant_tiles_linear` (default: where
         it serves, `tiles_layout()`, and the shape fits); else int4_rows: the layout of int4 weights
         (default: `int4_rows_layout()`); 5-bit weights (int5: q in 0..31) have only those two.
         x_block: activations per int8 scale in the tile kernel, 8 or 32 (`FINE_X_BLOCK`,
-        `COARSE_X_BLOCK`)."""
+        `COARSE_X_BLOCK`). batch_invariant: every row is computed alike whatever the batch (one
+        kernel, one activation rounding, no AMX or dense-copy switch by row count); off, the
+        kernel and rounding follow the batch size where that is faster or more exact."""
         super().__init__()
         if sum(data is not None for data in (int4, int5, int8)) != 1:
             raise ValueError("give exactly one of int4, int5 and int8")
@@ -466,6 +472,7 @@ class QuantLinear(nn.Module):
             tiles = takes_tiles(out_features, in_features)
         self.tiles = tiles
         self.x_block = x_block
+        self.batch_invariant = batch_invariant
         if int4 is not None and int4_rows is None:
             int4_rows = int4_rows_layout()
         self.int4_rows = not tiles and (int5 is not None or (int4 is not None and int4_rows))
@@ -508,10 +515,11 @@ class QuantLinear(nn.Module):
         self.dense_min_tokens = dense_min_tokens
         large = is_large_int8(self.kind, out_features * in_features)  # an output head
         self.large_int8 = large and not tiles  # int8 rows kept
+        switches = not batch_invariant
         # the tile kernel's; -1: no limit
-        self.max_coarse_tokens = HEAD_COARSE_MAX_TOKENS if large else -1
+        self.max_coarse_tokens = HEAD_COARSE_MAX_TOKENS if large and switches else -1
         # the tile kernel's; -1: never
-        self.amx_min_tokens = AMX_MIN_TOKENS if tiles and amx_tiles() else -1
+        self.amx_min_tokens = AMX_MIN_TOKENS if tiles and switches and amx_tiles() else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel(x.shape[0], self._native_fits(x))
@@ -528,7 +536,7 @@ class QuantLinear(nn.Module):
                     self.tile_bits,
                     dense,
                     self._gemv_max_tokens(x.dtype),
-                    self.x_block,
+                    self._x_block(x.shape[0]),
                     self.max_coarse_tokens,
                     self.amx_min_tokens,
                 )
@@ -581,11 +589,18 @@ class QuantLinear(nn.Module):
     def _int4_rows(self) -> Int4Rows:
         return Int4Rows(self.nibbles, self.steps_lows, self.units)
 
+    def _x_block(self, tokens: int) -> int:
+        """The tile kernel's activations per int8 scale for this many rows (`HEAD_COARSE_MAX_TOKENS`
+        says when they follow the row count)."""
+        return FINE_X_BLOCK if tokens == 1 and not self.batch_invariant else self.x_block
+
     def _gemv_max_tokens(self, dtype: torch.dtype) -> int:
         """The most tokens `int8_linear` and `int4_rows_linear` multiply by their GEMV; beyond, the
-        dense copy or, for a layer without one, the GEMV still (int4 and 5-bit; every kind on fp32)
-        or chunks dequantized on the fly (int8 on bf16)."""
+        dense copy or, for a layer without one, the GEMV still (int4 and 5-bit; every kind on fp32;
+        every kind when batch invariant) or chunks dequantized on the fly (int8 on bf16)."""
         has_dense = self.dense is not None and self.dense_min_tokens > 0
+        if self.batch_invariant and not has_dense:
+            return 1 << 30
         if self.kind == "int8" and dtype != torch.float32 and not self.tiles:
             return GEMV_MAX_TOKENS if has_dense else GEMV_MAX_TOKENS_NO_COPY
         return self.dense_min_tokens - 1 if has_dense else 1 << 30

@@ -33,14 +33,12 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def _eager_kernel_fits(x: torch.Tensor) -> bool:
+def _kernel_fits(x: torch.Tensor) -> bool:
     """Whether tokenmill's one-pass elementwise kernels (norm, rotary, gated activation) may take x:
-    eager CPU steps in float32 or bf16 (a compiled graph fuses these itself)."""
+    CPU tensors in float32 or bf16. Compiled graphs call them too, rather than fusing their own
+    versions, so that eager and compiled steps round alike."""
     return (
-        not torch.compiler.is_compiling()
-        and x.device.type == "cpu"
-        and kernels.loaded()
-        and x.dtype in (torch.bfloat16, torch.float32)
+        x.device.type == "cpu" and kernels.loaded() and x.dtype in (torch.bfloat16, torch.float32)
     )
 
 
@@ -48,7 +46,7 @@ def _fused_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether tokenmill's one-pass RMSNorm applies: rows, or heads of rows, with a contiguous last
     dimension in whole vectors."""
     return (
-        _eager_kernel_fits(x)
+        _kernel_fits(x)
         and weight.dtype in (torch.float32, torch.bfloat16)
         and x.dim() in (2, 3)
         and x.stride(-1) == 1
@@ -85,7 +83,7 @@ def _fused_rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     """Whether tokenmill's one-pass rotary embedding applies: heads of rows with a contiguous last
     dimension, halves in whole vectors, tables of x's dtype."""
     return (
-        _eager_kernel_fits(x)
+        _kernel_fits(x)
         and cos.dtype == sin.dtype == x.dtype
         and cos.is_contiguous()
         and sin.is_contiguous()
@@ -164,7 +162,7 @@ class MLP(nn.Module):
 
 def _fused_activation_fits(gate_up: torch.Tensor) -> bool:
     """Whether the C++ act(gate) * up applies: a contiguous (tokens, 2 x width) tensor."""
-    return _eager_kernel_fits(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous()
+    return _kernel_fits(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous()
 
 
 class DecoderLayer(nn.Module):

@@ -157,46 +157,58 @@ inline __m256i products(__m256i q, const int8_t* x) {
   return _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
 
+// Partial sums per activation row in int8_rows: block (or AVX-512 pair of blocks) g goes into
+// partial sum g % kInt8Partials, in order, and the partials add up in index order. The same split
+// for every row count keeps a row's result independent of its batch; with one row the partials are
+// independent FMA chains (one chain would wait on each FMA's latency), with more rows each row's
+// chain is one of several in flight and the partials are summed one after another.
+constexpr int kInt8Partials = 4;
+
 // y = x W^T * scale for int8 W (N, K), one scale per row, and x quantized by quantize_blocks
 // (not interleaved): per block of 32, the products of the weights' magnitudes and the activations with
-// the weights' signs (maddubs multiplies unsigned by signed bytes), scaled by its lanes' scales. Each
-// activation row sums into C independent accumulators: with one row, a single chain of FMAs (4
-// cycles each) would bound the kernel; with 8, one each keeps the registers from spilling. Each
-// weight row is done on its own: two sharing each activation load would need 8 accumulators and
-// the vectors they feed, more than AVX2's 16 registers hold.
+// the weights' signs (maddubs multiplies unsigned by signed bytes), scaled by its lanes' scales, summed
+// into kInt8Partials partials. Each weight row is done on its own: two sharing each activation load
+// would need twice the accumulators, more than AVX2's 16 registers hold.
 #ifndef SIMD_AVX512
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
                int64_t N, int64_t row0, int64_t row1) {
-  constexpr int C = M == 1 ? 4 : M > 4 ? 1 : 2;
+  constexpr int C = kInt8Partials;
   const int64_t blocks = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t o = row0; o < row1; ++o) {
     const int8_t* row = weight + o * K;
-    __m256 acc[M][C];
-    for (int i = 0; i < M; ++i)
-      for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
-    // block g into accumulator c, a constant once unrolled (with an index known only at run time,
-    // g % C, the compiler keeps the accumulators in memory)
-    const auto block = [&](int64_t g, int c) {
+    // block g into acc (one per activation row)
+    const auto block = [&](int64_t g, __m256* acc) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32));
       const __m256i magnitudes = _mm256_sign_epi8(w, w);
       for (int i = 0; i < M; ++i) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + g * 32));
         const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(xv, w)), ones);
-        acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lane_scales(scales + (i * blocks + g) * 4), acc[i][c]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lane_scales(scales + (i * blocks + g) * 4), acc[i]);
       }
     };
-    int64_t g = 0;
-    for (; g + C <= blocks; g += C)
-      for (int c = 0; c < C; ++c) block(g + c, c);
-    for (; g < blocks; ++g) block(g, 0);
-    const float s = static_cast<float>(scale[o]);
-    for (int i = 0; i < M; ++i) {
-      __m256 total = acc[i][0];
-      for (int c = 1; c < C; ++c) total = _mm256_add_ps(total, acc[i][c]);
-      y[i * N + o] = T(simd::sum8(total) * s);
+    __m256 total[M];
+    if constexpr (M == 1) {  // the C partials' chains interleaved
+      __m256 acc[C][1];
+      for (int c = 0; c < C; ++c) acc[c][0] = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + C <= blocks; g += C)
+        for (int c = 0; c < C; ++c) block(g + c, acc[c]);
+      for (int c = 0; c < C; ++c)  // c a constant once unrolled: the partials stay in registers
+        if (g + c < blocks) block(g + c, acc[c]);
+      total[0] = acc[0][0];
+      for (int c = 1; c < C; ++c) total[0] = _mm256_add_ps(total[0], acc[c][0]);
+    } else {  // one partial at a time, the rows' chains interleaved
+      for (int c = 0; c < C; ++c) {
+        __m256 acc[M];
+        for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = c; g < blocks; g += C) block(g, acc);
+        for (int i = 0; i < M; ++i) total[i] = c == 0 ? acc[i] : _mm256_add_ps(total[i], acc[i]);
+      }
     }
+    const float s = static_cast<float>(scale[o]);
+    for (int i = 0; i < M; ++i) y[i * N + o] = T(simd::sum8(total[i]) * s);
   }
 }
 #else
@@ -218,8 +230,8 @@ inline __m512i dot4(__m512i acc, __m512i unsigned_q, __m512i signed_x) {
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
                int64_t N, int64_t row0, int64_t row1) {
-  constexpr int C = M == 1 ? 4 : M > 4 ? 1 : 2;
-  const int64_t blocks = K / 32;
+  constexpr int C = kInt8Partials;
+  const int64_t blocks = K / 32, pairs = (blocks + 1) / 2;
   // each lane's scale from a pair's 8 (quantize_blocks: lanes j and j + 4 hold a block's sub-block j)
   const __m512i scale_lanes = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
   const auto load_bytes = [](const int8_t* p, bool single) {
@@ -228,11 +240,10 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
   };
   for (int64_t o = row0; o < row1; ++o) {
     const int8_t* row = weight + o * K;
-    __m512 acc[M][C];
-    for (int i = 0; i < M; ++i)
-      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
-    // blocks g and g + 1 (or g alone) into accumulator c, a constant once unrolled
-    const auto pair = [&](int64_t g, int c, bool single) {
+    // pair p, blocks 2p and 2p + 1 (or 2p alone, the last of an odd count), into acc (one per row)
+    const auto pair = [&](int64_t p, __m512* acc) {
+      const int64_t g = 2 * p;
+      const bool single = g + 1 == blocks;
       const __m512i w = load_bytes(row + g * 32, single);
       const __m512i magnitudes = _mm512_abs_epi8(w);
       const __mmask64 negative = _mm512_movepi8_mask(w);
@@ -242,20 +253,30 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
             dot4(_mm512_setzero_si512(), magnitudes, _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv));
         const float* s = scales + (i * blocks + g) * 4;
         const __m512 pair_scales = single ? _mm512_zextps128_ps512(_mm_loadu_ps(s)) : _mm512_castps256_ps512(_mm256_loadu_ps(s));
-        acc[i][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(scale_lanes, pair_scales), acc[i][c]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(scale_lanes, pair_scales), acc[i]);
       }
     };
-    int64_t g = 0;
-    for (; g + 2 * C <= blocks; g += 2 * C)
-      for (int c = 0; c < C; ++c) pair(g + 2 * c, c, false);
-    for (; g + 2 <= blocks; g += 2) pair(g, 0, false);
-    if (g < blocks) pair(g, 0, true);
-    const float s = static_cast<float>(scale[o]);
-    for (int i = 0; i < M; ++i) {
-      __m512 total = acc[i][0];
-      for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, acc[i][c]);
-      y[i * N + o] = T(_mm512_reduce_add_ps(total) * s);
+    __m512 total[M];
+    if constexpr (M == 1) {  // the C partials' chains interleaved
+      __m512 acc[C][1];
+      for (int c = 0; c < C; ++c) acc[c][0] = _mm512_setzero_ps();
+      int64_t p = 0;
+      for (; p + C <= pairs; p += C)
+        for (int c = 0; c < C; ++c) pair(p + c, acc[c]);
+      for (int c = 0; c < C; ++c)  // c a constant once unrolled: the partials stay in registers
+        if (p + c < pairs) pair(p + c, acc[c]);
+      total[0] = acc[0][0];
+      for (int c = 1; c < C; ++c) total[0] = _mm512_add_ps(total[0], acc[c][0]);
+    } else {  // one partial at a time, the rows' chains interleaved
+      for (int c = 0; c < C; ++c) {
+        __m512 acc[M];
+        for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t p = c; p < pairs; p += C) pair(p, acc);
+        for (int i = 0; i < M; ++i) total[i] = c == 0 ? acc[i] : _mm512_add_ps(total[i], acc[i]);
+      }
     }
+    const float s = static_cast<float>(scale[o]);
+    for (int i = 0; i < M; ++i) y[i * N + o] = T(_mm512_reduce_add_ps(total[i]) * s);
   }
 }
 #endif
@@ -743,11 +764,6 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
   }
 }
 
-// Up to these many activation rows (batch-1 decode steps, bound by the bytes of weight they read)
-// every tile layer rounds its activations per 8: there it is as fast as per 32 and closer to the
-// dequantized weights' results; with a few rows more, per 8 already costs speed.
-constexpr int64_t kFineMaxRows = 1;
-
 // Tiles per task, and per chunk of tiles that each block of activation rows passes through while
 // the chunk's weights stay in cache
 constexpr int64_t kTilesPerTask = 2;
@@ -1093,14 +1109,16 @@ at::Tensor amx_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint
 
 // y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5) or 8; beyond max_tile_rows rows,
 // with the layer's dense copy where it has one. bf16 x of amx_min_rows rows or more (never if
-// negative) goes to AMX where this build and the process have it; else x_block 32 serves up to
-// max_coarse_rows rows (all if negative), 8 beyond them.
+// negative) goes to AMX where this build and the process have it; else x activations share an
+// int8 scale per x_block (8 or 32), except that x_block 32 serves only up to max_coarse_rows rows
+// (all if negative) and 8 beyond them. Every row is rounded and summed alike whatever the row
+// count, so a row's result depends on its batch only through these two thresholds.
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
                               const c10::optional<at::Tensor>& fifth_masks, int64_t bits,
                               const c10::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
                               int64_t max_coarse_rows, int64_t amx_min_rows) {
   if (x.size(0) > max_tile_rows && dense.has_value()) return at::linear(x, *dense);
-  if ((max_coarse_rows >= 0 && x.size(0) > max_coarse_rows) || x.size(0) <= kFineMaxRows) x_block = 8;
+  if (max_coarse_rows >= 0 && x.size(0) > max_coarse_rows) x_block = 8;
 #ifdef TILES_BUILT
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),

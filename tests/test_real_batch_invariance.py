@@ -1,0 +1,168 @@
+"""Batch invariance on the real models with default settings: a request's tokens do not depend on
+what else the engine runs (neighbours, arrival step, chunk boundaries, eager or compiled decode).
+
+The references are each prompt run alone on an engine as `LLM()` builds it. Greedy requests are
+then run 64 at a time, arriving over several steps, under a small token budget that cuts the long
+prompts into chunks; seeded sampled requests in batches of 7 and 32; and both again with the
+compiled decode graphs; and through `tokenmill serve` with no flags, concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.sample import SamplingParams
+
+SUBJECTS = [
+    "France",
+    "the ocean",
+    "music",
+    "a small town",
+    "computers",
+    "the moon",
+    "winter",
+    "tea",
+]
+TEMPLATES = [
+    "The capital of {} is",
+    "Here is a short story about {}:",
+    "Three facts about {}:",
+    "Q: What do you know about {}?\nA:",
+]
+SENTENCE = "Write down everything you know about {}, with dates, places and names. "
+# 64 prompts from 5 to ~200 tokens; the long ones take several chunks of BUDGET tokens
+PROMPTS = [t.format(s) for t in TEMPLATES for s in SUBJECTS]
+PROMPTS += [
+    SENTENCE.format(s) * (4 + i % 9) + t.format(s)
+    for t in TEMPLATES
+    for i, s in enumerate(SUBJECTS)
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SAMPLED = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=16) for i in range(32)]
+BUDGET = 64  # tokens per step for the batched runs
+ARRIVALS_PER_STEP = 8
+
+pytestmark = pytest.mark.timeout(1500)
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def model(request, smollm2_gguf, gemma3_gguf) -> Path:
+    return smollm2_gguf if request.param == "smollm2" else gemma3_gguf
+
+
+@pytest.fixture(scope="module")
+def alone(model) -> dict[str, list[list[int]]]:
+    """Each request run by itself on a default engine; its token ids and its text."""
+    engine = LLMEngine(model)
+    greedy = [_run(engine, [(p, GREEDY)], text=True)[0] for p in PROMPTS]
+    sampled = [_run(engine, [(p, s)], text=True)[0] for p, s in zip(PROMPTS, SAMPLED)]
+    return {
+        "greedy": [ids for ids, _ in greedy],
+        "sampled": [ids for ids, _ in sampled],
+        "texts": [text for _, text in (*sampled, *greedy[:32])],
+    }
+
+
+def _run(
+    engine: LLMEngine,
+    requests: list[tuple[str, SamplingParams]],
+    per_step: int = 0,
+    text: bool = False,
+) -> list:
+    """Token ids of each request (with text: (token ids, text)); per_step > 0 adds that many
+    requests before each step."""
+    ids, pending, finals = [], list(requests), {}
+    while pending or engine.has_unfinished_requests():
+        take = len(pending) if per_step == 0 else per_step
+        for prompt, params in pending[:take]:
+            ids.append(engine.add_request(None, prompt, params))
+        pending = pending[take:]
+        for out in engine.step():
+            if out.finished:
+                done = out.outputs[0]
+                finals[out.request_id] = (done.token_ids, done.text) if text else done.token_ids
+    return [finals[i] for i in ids]
+
+
+def _check_batches(engine: LLMEngine, alone: dict[str, list[list[int]]]) -> None:
+    greedy = _run(engine, [(p, GREEDY) for p in PROMPTS], per_step=ARRIVALS_PER_STEP)
+    differ = [i for i, (a, b) in enumerate(zip(greedy, alone["greedy"])) if a != b]
+    assert not differ, f"greedy prompts {differ} differ from their runs alone"
+    for size in (7, 32):
+        sampled = _run(engine, list(zip(PROMPTS[:size], SAMPLED[:size])))
+        differ = [i for i, (a, b) in enumerate(zip(sampled, alone["sampled"])) if a != b]
+        assert not differ, f"seeded requests {differ} differ inside a batch of {size}"
+
+
+def test_eager_batches_equal_requests_alone(model, alone) -> None:
+    _check_batches(LLMEngine(model, max_num_batched_tokens=BUDGET), alone)
+
+
+def test_compiled_batches_equal_requests_alone(model, alone, tmp_path) -> None:
+    engine = LLMEngine(model, max_num_batched_tokens=BUDGET, compile=True)
+    assert engine.runner.wait_compiled(timeout=1200), repr(engine.runner.compile_error)
+    _check_batches(engine, alone)
+    assert engine.runner.uncompiled_decode_steps == 0
+
+
+def test_served_requests_equal_requests_alone(model, alone, tmp_path) -> None:
+    """`tokenmill serve MODEL` with no flags: 32 seeded and 32 greedy requests at once."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
+    log = (tmp_path / "serve.log").open("w")
+    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", str(model), "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc)
+        texts = asyncio.run(_served(url))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    differ = [i for i, (a, b) in enumerate(zip(texts, alone["texts"])) if a != b]
+    assert not differ, f"served requests {differ} differ from their runs alone"
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "tokenmill serve exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("tokenmill serve did not come up in 120 s")
+
+
+async def _served(url: str) -> list[str]:
+    """The texts of 32 seeded and 32 greedy completions sent at once."""
+
+    async def complete(client: httpx.AsyncClient, prompt: str, params: SamplingParams) -> str:
+        body = {
+            "prompt": prompt,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": params.seed,
+            "ignore_eos": params.ignore_eos,
+        }
+        response = await client.post(f"{url}/v1/completions", json=body, timeout=600)
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+
+    async with httpx.AsyncClient() as client:
+        requests = [*zip(PROMPTS[:32], SAMPLED), *((p, GREEDY) for p in PROMPTS[:32])]
+        return list(await asyncio.gather(*(complete(client, p, s) for p, s in requests)))
