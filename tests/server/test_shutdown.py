@@ -65,6 +65,7 @@ class ServeProcess:
                 "1024",
                 "--kv-cache-memory",
                 "0.01",
+                "--no-compile",  # no background compilation skewing the grace-period timings
                 "--log-level",
                 "info",
             ],

@@ -137,11 +137,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="compile the decode step on a background thread while eager steps serve (minutes "
-        "of every core the first time, seconds once cached; /health tells which runs). Faster "
-        "decode at every batch size; off by default because the first compile slows a small "
-        "machine for minutes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode through compiled graphs, built on a background thread once the server "
+        "listens while eager steps serve (minutes of every core the first time, seconds once "
+        "cached; outputs are the same either way; /health tells which runs). Default: on; "
+        "--no-compile stays eager",
     )
     add_engine_args(p)
     p.set_defaults(run=run)
