@@ -22,7 +22,7 @@ from tokenmill.model.quant_linear import (
 )
 
 BATCHES = [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33, 48, 64, 65, 100]
-OUT, IN = 96, 128
+OUT, IN = 96, 224  # 7 groups of 32: the row kernels' blocks of 4 groups, a pair and a single one
 
 
 def _weights(kind: str) -> dict[str, tuple[torch.Tensor, ...]]:

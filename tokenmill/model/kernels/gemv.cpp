@@ -457,8 +457,9 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
     const int16_t* step_low = steps_lows + o * groups * 2;
     const float unit = units[o];
     const __m128 per_unit = _mm_set1_ps(1.0f / unit);
-    // low_terms: for up to 4 rows (their own FMA chains); for more, in acc (8 more accumulators would
-    // not fit the 16 vector registers). In units of `unit`, as acc; tail in plain ones.
+    // low_terms: their own FMA chains for any row count, so that a row's sums are added in the same
+    // order whatever its batch (with more than 4 rows on AVX2 they no longer fit the 16 vector
+    // registers beside acc). In units of `unit`, as acc; tail in plain ones.
     __m256 acc[M], low_terms[M];
     float tail[M];
     for (int i = 0; i < M; ++i) acc[i] = low_terms[i] = _mm256_setzero_ps(), tail[i] = 0.0f;
@@ -471,9 +472,9 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
       const __m128i quad = _mm_loadu_si128(reinterpret_cast<const __m128i*>(step_low + 2 * g));
       const __m128 quad_lows = _mm_mul_ps(_mm_cvtph_ps(_mm_shuffle_epi8(quad, quad_lows_bits)), per_unit);
       for (int i = 0; i < M; ++i) {
-        __m256& into = M > 4 ? acc[i] : low_terms[i];
         const __m128 quad_sums = _mm_loadu_ps(sums + i * groups + g);  // 4 lanes; the other 4 are 0 x 0
-        into = _mm256_fmadd_ps(_mm256_zextps128_ps256(quad_lows), _mm256_zextps128_ps256(quad_sums), into);
+        low_terms[i] = _mm256_fmadd_ps(_mm256_zextps128_ps256(quad_lows), _mm256_zextps128_ps256(quad_sums),
+                                       low_terms[i]);
       }
 #ifdef SIMD_AVX512
       // the quad's 4 groups in one vector: 128-bit lane L holds group g + L's elements 0-15 in
