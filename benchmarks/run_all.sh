@@ -2,7 +2,7 @@
 # Run the whole tokenmill vs llama.cpp suite for both models, then write the suite's summary.md.
 #
 # Run it on a quiet machine: every figure is a CPU timing on a few threads, and anything else
-# running (a test suite, a profiler, a build) changes the numbers. About 15-60 minutes in all.
+# running (a test suite, a profiler, a build) changes the numbers (how long it takes: README.md).
 #
 # Knobs (environment variables):
 #   MACHINE         machine kind naming the results folder, e.g. zen5-avx512 (default: local,

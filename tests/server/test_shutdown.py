@@ -25,7 +25,8 @@ from tests.server.conftest import free_port
 
 API_KEY = "shutdown-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-# max_tokens: well within uvicorn's 10 s grace period / about a second of work
+# max_tokens of the short requests (they end well within the server's 10 s grace period) and the
+# long ones (they may not)
 SHORT, LONG = 60, 950
 EXIT_WITHIN = 20.0
 CLIENT_TIMEOUT = 40.0  # a request still open this long has hung

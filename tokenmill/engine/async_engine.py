@@ -130,7 +130,7 @@ class AsyncLLMEngine:
                     if outputs:
                         # Hand the GIL to the event loop now, while it has tokens to send: most
                         # torch ops keep the GIL, so otherwise the loop waits out a whole switch
-                        # interval (5 ms) per step, as long as a small model's whole step.
+                        # interval (`sys.getswitchinterval()`) before it can send them.
                         time.sleep(0)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter and to /health
             log.exception("engine loop crashed")
