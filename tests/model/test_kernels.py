@@ -741,6 +741,7 @@ def test_fp32_batches_take_the_gemv_below_the_dense_copy(kind: str) -> None:
         dense_min_tokens=crossover,
         int4_rows=True,
         tiles=False,
+        batch_invariant=False,
     )
     packed = (
         unpack_int4_rows(layer._int4_rows())

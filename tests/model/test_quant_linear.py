@@ -70,7 +70,13 @@ def test_kernel_choice_by_batch_size_gives_the_same_numbers() -> None:
     weight = torch.randn(96, 64)
     kind, data = dense_packed_form(weight, "int4")
     layer = QuantLinear(
-        96, 64, torch.float32, **{kind: data}, dense=_int4_dense(*data), dense_min_tokens=4
+        96,
+        64,
+        torch.float32,
+        **{kind: data},
+        dense=_int4_dense(*data),
+        dense_min_tokens=4,
+        batch_invariant=False,
     )
     x = torch.randn(6, 64)
     packed_rows = torch.cat([layer(x[i : i + 1]) for i in range(6)])  # one token: the int4 kernel
@@ -257,3 +263,6 @@ def test_batch_invariant_layers_keep_no_kernel_switch(tiny_model_dir) -> None:
 def test_dense_copies_need_batch_invariance_off(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="no-batch-invariant"):
         load_model(tiny_model_dir, progress=False, quantization="int8", dense_min_tokens=16)
+    kind, data = dense_packed_form(torch.randn(32, 64), "int8")
+    with pytest.raises(ValueError, match="batch_invariant=False"):
+        QuantLinear(32, 64, torch.float32, **{kind: data}, dense=torch.randn(32, 64))

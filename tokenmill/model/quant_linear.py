@@ -466,6 +466,11 @@ class QuantLinear(nn.Module):
         super().__init__()
         if sum(data is not None for data in (int4, int5, int8)) != 1:
             raise ValueError("give exactly one of int4, int5 and int8")
+        if batch_invariant and dense is not None:
+            raise ValueError(
+                "a dense copy switches the layer's arithmetic by batch size; give it "
+                "only with batch_invariant=False"
+            )
         self.out_features, self.in_features = out_features, in_features
         self.kind = "int4" if int4 is not None else "int5" if int5 is not None else "int8"
         if tiles is None:
@@ -598,9 +603,9 @@ class QuantLinear(nn.Module):
         """The most tokens `int8_linear` and `int4_rows_linear` multiply by their GEMV; beyond, the
         dense copy or, for a layer without one, the GEMV still (int4 and 5-bit; every kind on fp32;
         every kind when batch invariant) or chunks dequantized on the fly (int8 on bf16)."""
-        has_dense = self.dense is not None and self.dense_min_tokens > 0
-        if self.batch_invariant and not has_dense:
+        if self.batch_invariant:  # never leaves the GEMV (no dense copy: see __init__)
             return 1 << 30
+        has_dense = self.dense is not None and self.dense_min_tokens > 0
         if self.kind == "int8" and dtype != torch.float32 and not self.tiles:
             return GEMV_MAX_TOKENS if has_dense else GEMV_MAX_TOKENS_NO_COPY
         return self.dense_min_tokens - 1 if has_dense else 1 << 30
