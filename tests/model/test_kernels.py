@@ -316,6 +316,61 @@ def test_quant_tiles_keep_group_scales_in_float16_only_where_exact(exact_in_half
     torch.testing.assert_close(out, int8_activations(x) @ weight.t(), atol=1e-4, rtol=1e-4)
 
 
+def _k_quant_scales(rows: int, groups: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group scales and lows as llama.cpp writes the K-quants: 6-bit multiples of a float16 unit
+    per row and block of 8 groups, the block's largest multiple 63; a row of zeros."""
+    generator = torch.Generator().manual_seed(seed)
+    units = torch.rand(2, rows, groups // 8, 1, generator=generator).half().float() / 100
+    multiples = torch.randint(0, 64, (2, rows, groups // 8, 8), generator=generator).float()
+    multiples[..., 3] = 63
+    values = (units * multiples).view(2, rows, groups)
+    values[:, 1] = 0
+    return values[0], -values[1]
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("x_block", [8, 32])
+def test_compact_tile_scales_give_the_products_of_float32_ones(
+    tokens: int, dtype: torch.dtype, bits: int, x_block: int
+) -> None:
+    rows, cols = 16 * 37, 512
+    torch.manual_seed(tokens)
+    q = torch.randint(0, 1 << bits, (rows, cols))
+    scale, low = _k_quant_scales(rows, cols // 32, tokens)
+    compact = pack_tiles(q, scale, low, bits)
+    full = pack_tiles(q, scale, low, bits, compact=False)
+    assert compact.tile_scales.dtype == torch.uint8 and full.tile_scales.dtype == torch.float32
+    assert compact.tile_scales.nbytes * 128 == full.tile_scales.nbytes * 48  # bytes per group
+    assert torch.equal(unpack_tiles(compact), unpack_tiles(full))
+    x = torch.randn(tokens, cols).to(dtype)
+    products = [
+        torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, x_block)
+        for packed in (compact, full)
+    ]
+    assert torch.equal(*products)
+
+
+@pytest.mark.parametrize("case", ["not multiples", "peak not 63", "groups not in blocks"])
+def test_tile_scales_stay_float_where_the_compact_form_would_change_them(case: str) -> None:
+    rows, groups = 32, 16
+    scale, low = _k_quant_scales(rows, groups, 0)
+    if case == "not multiples":
+        scale[5, 3] += 1e-4
+    elif case == "peak not 63":  # the unit is taken as the largest / 63
+        unit = scale[7, 3] / 63
+        scale[7, :8] = (scale[7, :8] / unit).round().clamp(max=62) * unit
+    else:
+        scale, low = scale[:, :12], low[:, :12]
+    q = torch.randint(0, 16, (rows, scale.shape[1] * 32))
+    packed = pack_tiles(q, scale, low, 4)
+    assert packed.tile_scales.dtype == torch.float32
+    weight = (q.view(rows, -1, 32) * scale[..., None] + low[..., None]).view(rows, -1)
+    assert torch.equal(unpack_tiles(packed), weight)
+
+
 @needs_avx512
 @pytest.mark.parametrize("tokens", [4, 5])
 def test_quant_tiles_linear_takes_fine_activation_scales_beyond_max_coarse_rows(

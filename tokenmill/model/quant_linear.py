@@ -209,39 +209,112 @@ HEAD_COARSE_MAX_TOKENS = 64
 PACK_CHUNK_WEIGHTS = 1 << 22
 
 
+# Groups per block of compact tile scales (`compact_tile_scales`), and the bytes of a block per tile
+COMPACT_GROUPS = 8
+COMPACT_BLOCK_BYTES = COMPACT_GROUPS * 32 + 128
+# The multiple of its block's unit that a block's largest scale (or low) is: llama.cpp writes the
+# K-quants' 6-bit scales as multiples of the block's largest / 63, so that one is 63
+COMPACT_PEAK_MULTIPLE = 63
+
+
 class QuantTiles(NamedTuple):
     """int4, 5-bit or int8 weights in the tile layout of `quant_tiles_linear`:
     w = scale x q + low."""
 
     # uint8: per tile of 16 rows, group of 32 and sub-block j, the q of 16 rows x 8 elements
     tiles: torch.Tensor
-    # (rows / 16, cols / 32 or 1, 2, 16): each group's (or row's) scale and low, float16 where that
-    # holds every group's exactly (Q4_0, Q4_1, Q5_0: 4-bit tiles of 0.625 bytes per weight against
-    # 0.75), else float32
+    # each group's (or row's) scale and low. Compact, (rows / 16, cols / 256, COMPACT_BLOCK_BYTES)
+    # uint8, where every block of 8 groups of a row has its scales and lows as whole multiples
+    # (0-63) of a float32 unit each (the K-quants: 4.75 bits a 4-bit weight); else
+    # (rows / 16, cols / 32 or 1, 2, 16), float16 where that holds every group's exactly (Q4_0,
+    # Q4_1, Q5_0: 5 bits), else float32 (6 bits)
     tile_scales: torch.Tensor
     # 5-bit: (rows / 16, cols / 32, 64) uint8, the fifth bits as byte masks
     fifth_masks: torch.Tensor | None
     bits: int  # 4 (5 with fifth_masks) or 8
 
 
-def pack_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int) -> QuantTiles:
+def _unit_multiples(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """values (rows, groups) as multiples (uint8) of one float32 unit per row and block of
+    COMPACT_GROUPS groups, its largest magnitude / COMPACT_PEAK_MULTIPLE, multiple x unit equal
+    to the value exactly; None where some block's values are no such multiples."""
+    rows, groups = values.shape
+    blocks = values.float().view(rows, groups // COMPACT_GROUPS, COMPACT_GROUPS)
+    units = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)) / COMPACT_PEAK_MULTIPLE
+    multiples = torch.where(units == 0, 0.0, blocks / units).round()
+    if not bool(((multiples * units == blocks) & (multiples >= 0)).all()):
+        return None
+    return multiples.to(torch.uint8).view(rows, groups), units.view(rows, -1)
+
+
+def compact_tile_scales(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor | None:
+    """Per-group scale and low (rows, groups) as compact tile scales (see `QuantTiles`), or None
+    where the rows or groups do not come in whole tiles and blocks or a value is no multiple of
+    its block's unit."""
+    rows, groups = scale.shape
+    if rows % TILE_ROWS or groups % COMPACT_GROUPS:
+        return None
+    parts = [_unit_multiples(values) for values in (scale, low)]
+    if parts[0] is None or parts[1] is None:
+        return None
+    count, blocks = rows // TILE_ROWS, groups // COMPACT_GROUPS
+    # multiples [tile, row c, block, group] -> [tile, block, group, scale/low, c]
+    multiples = torch.stack(
+        [m.view(count, TILE_ROWS, blocks, COMPACT_GROUPS).permute(0, 2, 3, 1) for m, _ in parts],
+        dim=3,
+    )
+    # units [tile, row c, block] -> [tile, block, scale/low, c]
+    units = torch.stack([u.view(count, TILE_ROWS, blocks).transpose(1, 2) for _, u in parts], 2)
+    return torch.cat(
+        (
+            multiples.reshape(count, blocks, -1),
+            units.contiguous().view(torch.uint8).view(count, blocks, -1),
+        ),
+        dim=2,
+    )
+
+
+def _expand_compact(tile_scales: torch.Tensor) -> torch.Tensor:
+    """Compact tile scales as float32 (rows / 16, cols / 32, 2, 16)."""
+    count, blocks, _ = tile_scales.shape
+    multiples = tile_scales[:, :, : COMPACT_GROUPS * 32].reshape(
+        count, blocks, COMPACT_GROUPS, 2, TILE_ROWS
+    )
+    units = tile_scales[:, :, COMPACT_GROUPS * 32 :].contiguous().view(torch.float32)
+    units = units.view(count, blocks, 1, 2, TILE_ROWS)
+    return (multiples.float() * units).view(count, blocks * COMPACT_GROUPS, 2, TILE_ROWS)
+
+
+def pack_tiles(
+    q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int, compact: bool = True
+) -> QuantTiles:
     """(q, scale, low) (q unsigned, in 0..2^bits - 1, or for 8 bits int8, stored as q + 128; scale
     and low per group of 32) in the tile layout of `quant_tiles_linear`: per tile of 16 rows, group
     and sub-block j (its elements 4j..4j+3, then 16+4j..16+4j+3), byte 4c + e of each of the
     sub-block's two vectors holding row c's q at element 4j + e, then 16 + 4j + e. For 4 and 5 bits
     the two vectors share bytes (low and high nibbles), the fifth bits going to masks: bit 4c + e of
     one 64-bit word per vector. scale and low of shape (rows, 1) apply to every group: one pair per
-    row is kept. Packed over chunks of tiles into the outputs: a 262k-row output head never has a
-    copy in memory whole."""
+    row is kept. compact: per-group scales take the compact form where they fit it (the integer
+    kernel reads it; AMX does not). Packed over chunks of tiles into the outputs: a 262k-row
+    output head never has a copy in memory whole."""
     rows, cols = q.shape
     groups, count = cols // INT4_GROUP, rows // TILE_ROWS
     tiles = torch.empty(count, groups, 4, 2 if bits == 8 else 1, TILE_ROWS, 4, dtype=torch.uint8)
     fifth = torch.empty(count, groups, 4, 2, 8, dtype=torch.uint8) if bits == 5 else None
+    compact_scales = compact_tile_scales(scale, low) if compact and scale.shape[1] > 1 else None
     exact_half = scale.shape[1] > 1 and all(
         torch.equal(v.half().float(), v.float()) for v in (scale, low)
     )
-    tile_scales = torch.empty(
-        count, scale.shape[1], 2, TILE_ROWS, dtype=torch.float16 if exact_half else torch.float32
+    tile_scales = (
+        compact_scales
+        if compact_scales is not None
+        else torch.empty(
+            count,
+            scale.shape[1],
+            2,
+            TILE_ROWS,
+            dtype=torch.float16 if exact_half else torch.float32,
+        )
     )
     signed = q.dtype == torch.int8
     step = max(1, PACK_CHUNK_WEIGHTS // (cols * TILE_ROWS))
@@ -273,6 +346,8 @@ def pack_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: in
                     dtype=torch.uint8,
                     out=fifth[t0:t1],
                 )
+        if compact_scales is not None:
+            continue
         for k, values in enumerate((scale, low)):
             tile_scales[t0:t1, :, k].copy_(
                 values[r0:r1].view(t1 - t0, TILE_ROWS, -1).transpose(1, 2)
@@ -288,6 +363,11 @@ def pack_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: in
 def unpack_tiles(tiles: QuantTiles) -> torch.Tensor:
     """The float32 weight of `pack_tiles`' output."""
     count = tiles.tile_scales.shape[0]
+    tile_scales = (
+        _expand_compact(tiles.tile_scales)
+        if tiles.tile_scales.dtype == torch.uint8
+        else tiles.tile_scales
+    )
     groups = tiles.tiles.numel() // (
         count * TILE_ROWS * INT4_GROUP // (1 if tiles.bits == 8 else 2)
     )
@@ -304,7 +384,7 @@ def unpack_tiles(tiles: QuantTiles) -> torch.Tensor:
             q = q + 16 * bits
     q = q.permute(0, 4, 1, 3, 2, 5).reshape(count * TILE_ROWS, groups, INT4_GROUP).float()
     scale, low = (
-        tiles.tile_scales[:, :, k].float().transpose(1, 2).reshape(count * TILE_ROWS, -1, 1)
+        tile_scales[:, :, k].float().transpose(1, 2).reshape(count * TILE_ROWS, -1, 1)
         for k in (0, 1)
     )
     return (q * scale + low).view(count * TILE_ROWS, groups * INT4_GROUP)
@@ -488,7 +568,8 @@ class QuantLinear(nn.Module):
                 scale = scale.float()[:, None]
             else:
                 (q, scale, low), bits = int4 or int5, 4 if int5 is None else 5
-            packed = pack_tiles(q, scale, low, bits)
+            # AMX (which only switching layers take) reads float scales only
+            packed = pack_tiles(q, scale, low, bits, compact=batch_invariant or not amx_tiles())
             self.register_buffer("tile_q", packed.tiles)
             self.register_buffer("tile_scales", packed.tile_scales)
             self.register_buffer("fifth_masks", packed.fifth_masks)

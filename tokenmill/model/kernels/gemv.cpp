@@ -682,6 +682,39 @@ inline __m512 load_scales(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Compact tile scales (S = uint8_t), for the K-quants' two levels: per tile and block of 8 groups,
+// kCompactBlockBytes bytes holding each group's 16 scale multiples and 16 low multiples (uint8),
+// then the block's 16 scale units and 16 low units (float32). A group's scale is multiple x unit,
+// exact in float32 as the packer checks, so the products equal those with float32 scales; 48 bytes
+// a group where float32 takes 128 (4.75 bits a 4-bit weight against 6).
+constexpr int64_t kCompactGroups = 8;
+constexpr int64_t kCompactBlockBytes = kCompactGroups * 32 + 128;
+
+// Group g's 16 scales and 16 lows of the tile whose scales start at ts
+template <typename S>
+inline void group_scales(const S* ts, int64_t g, __m512& scale, __m512& low) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    const uint8_t* block = ts + (g / kCompactGroups) * kCompactBlockBytes;
+    const uint8_t* multiples = block + (g % kCompactGroups) * 32;
+    const float* units = reinterpret_cast<const float*>(block + kCompactGroups * 32);
+    const auto widen = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    scale = _mm512_mul_ps(widen(multiples), _mm512_loadu_ps(units));
+    low = _mm512_mul_ps(widen(multiples + 16), _mm512_loadu_ps(units + 16));
+  } else {
+    scale = load_scales(ts + g * 32);
+    low = load_scales(ts + g * 32 + 16);
+  }
+}
+
+// Elements of S per tile of a layer's tile scales with this many groups (per group, or per row)
+template <typename S>
+constexpr int64_t tile_scales_size(int64_t groups, bool row_scales) {
+  if constexpr (std::is_same_v<S, uint8_t>) return groups / kCompactGroups * kCompactBlockBytes;
+  return (row_scales ? 1 : groups) * 32;
+}
+
 // row_totals: with one scale and low per weight row (tile_scales (N / 16, 1, 2, 16)), each activation
 // row's sum of x, whose product with the low is added once after the last group; else nullptr.
 template <int M, int Bits, bool Fifth, bool Fine, typename T, typename S>
@@ -693,7 +726,7 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
   const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   for (int64_t t = tile0; t < tile1; ++t) {
     const uint8_t* q = tiles + t * groups * tile_group_bytes(Bits);
-    const S* ts = tile_scales + t * (row_scales ? 1 : groups) * 32;
+    const S* ts = tile_scales + t * tile_scales_size<S>(groups, row_scales);
     __m512 acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -701,7 +734,10 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
         const int64_t ahead = g + kTilePrefetchGroups;
         const char* bytes = reinterpret_cast<const char*>(q + ahead * tile_group_bytes(Bits));
         for (int64_t line = 0; line < tile_group_bytes(Bits); line += 64) _mm_prefetch(bytes + line, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(ts + ahead * scale_stride), _MM_HINT_T0);
+        if constexpr (std::is_same_v<S, uint8_t>)
+          _mm_prefetch(reinterpret_cast<const char*>(ts + ahead * kCompactBlockBytes / kCompactGroups), _MM_HINT_T0);
+        else
+          _mm_prefetch(reinterpret_cast<const char*>(ts + ahead * scale_stride), _MM_HINT_T0);
         if constexpr (Fifth)
           _mm_prefetch(reinterpret_cast<const char*>(fifth + (t * groups + ahead) * kTileFifthGroupBytes), _MM_HINT_T0);
       }
@@ -747,15 +783,16 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
         for (int i = 0; i < M; ++i) acc[i] = fine[i];
         continue;
       }
-      const __m512 group_scale = load_scales(ts + g * scale_stride);
-      const __m512 group_low = load_scales(ts + g * scale_stride + 16);
+      __m512 group_scale, group_low;
+      group_scales(ts, g, group_scale, group_low);
       for (int i = 0; i < M; ++i) {
         acc[i] = _mm512_fmadd_ps(fine[i], group_scale, acc[i]);
         acc[i] = _mm512_fmadd_ps(group_low, _mm512_set1_ps(sums[i * groups + g]), acc[i]);
       }
     }
     if (row_scales) {
-      const __m512 row_scale = load_scales(ts), row_low = load_scales(ts + 16);
+      __m512 row_scale, row_low;
+      group_scales(ts, 0, row_scale, row_low);
       for (int i = 0; i < M; ++i)
         acc[i] = _mm512_fmadd_ps(row_low, _mm512_set1_ps(row_totals[i]), _mm512_mul_ps(acc[i], row_scale));
     }
@@ -778,7 +815,7 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
   if (M == 0) return y;
   const QuantizedRows xq = quantize_rows<T>(x, true, false, !Fine);
   std::vector<float> totals;  // per activation row, for weights with one scale per row (quant_tiles)
-  if (tile_scales.size(1) == 1) {
+  if (!std::is_same_v<S, uint8_t> && tile_scales.size(1) == 1) {
     totals.assign(M, 0.0f);
     for (int64_t i = 0; i < M; ++i)
       for (int64_t g = 0; g < groups; ++g) totals[i] += xq.sums[i * groups + g];
@@ -1126,13 +1163,17 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
               "quant_tiles_linear: x must be a 2-D bfloat16 or float32 tensor");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_tiles_linear: bits must be 4 or 8");
   const bool half_scales = tile_scales.scalar_type() == at::kHalf;
-  TORCH_CHECK(tile_scales.dim() == 4 && tile_scales.size(2) == 2 && tile_scales.size(3) == 16 &&
-                  (tile_scales.scalar_type() == at::kFloat || (half_scales && tile_scales.size(1) > 1)) &&
-                  tile_scales.is_contiguous(),
-              "quant_tiles_linear: tile_scales must be contiguous float32 (N / 16, K / 32 or 1, 2, 16), or float16 "
-              "(N / 16, K / 32, 2, 16)");
+  const bool compact_scales = tile_scales.scalar_type() == at::kByte;
+  TORCH_CHECK(tile_scales.is_contiguous() &&
+                  (compact_scales ? tile_scales.dim() == 3 && tile_scales.size(2) == kCompactBlockBytes
+                                  : tile_scales.dim() == 4 && tile_scales.size(2) == 2 && tile_scales.size(3) == 16 &&
+                                        (tile_scales.scalar_type() == at::kFloat ||
+                                         (half_scales && tile_scales.size(1) > 1))),
+              "quant_tiles_linear: tile_scales must be contiguous float32 (N / 16, K / 32 or 1, 2, 16), float16 "
+              "(N / 16, K / 32, 2, 16) or compact uint8 (N / 16, K / 256, 384)");
   const int64_t tiles_count = tile_scales.size(0), groups = x.size(1) / 32;
-  TORCH_CHECK(x.size(1) % 32 == 0 && (tile_scales.size(1) == groups || tile_scales.size(1) == 1),
+  const int64_t scale_groups = tile_scales.size(1) * (compact_scales ? kCompactGroups : 1);
+  TORCH_CHECK(x.size(1) % 32 == 0 && (scale_groups == groups || (!compact_scales && scale_groups == 1)),
               "quant_tiles_linear: x's width must be the weight's");
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
                   tiles.numel() == tiles_count * groups * tile_group_bytes(static_cast<int>(bits)),
@@ -1146,23 +1187,29 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
   }
   TORCH_CHECK(x_block == 8 || x_block == 32, "quant_tiles_linear: x_block must be 8 or 32");
   // run(kind, scale) with kind 4, 5 (4-bit q with fifth bits) or 8 as an integral_constant and scale
-  // a value of the tile scales' type: the template arguments of either kernel
-  const auto with_weights = [&](const auto& run) {
-    const auto with_kind = [&](auto kind) { return half_scales ? run(kind, c10::Half{}) : run(kind, float{}); };
+  // a value of the tile scales' type (uint8_t: compact, which only the integer kernel takes where
+  // Compact is true): the template arguments of either kernel
+  const auto with_weights = [&](auto compact, const auto& run) {
+    const auto with_kind = [&](auto kind) {
+      if constexpr (decltype(compact)::value)
+        if (compact_scales) return run(kind, uint8_t{});
+      return half_scales ? run(kind, c10::Half{}) : run(kind, float{});
+    };
     if (bits == 8) return with_kind(std::integral_constant<int, 8>{});
     if (fifth != nullptr) return with_kind(std::integral_constant<int, 5>{});
     return with_kind(std::integral_constant<int, 4>{});
   };
 #ifdef AMX_BUILT
   if (dtype == at::kBFloat16 && amx_min_rows >= 0 && x.size(0) >= amx_min_rows && amx_permitted()) {
-    return with_weights([&](auto kind, auto scale) {
+    TORCH_CHECK(!compact_scales, "quant_tiles_linear: AMX takes float32 or float16 tile scales, not compact ones");
+    return with_weights(std::false_type{}, [&](auto kind, auto scale) {
       constexpr int kKind = decltype(kind)::value;
       return amx_tiles_as<kKind == 8 ? 8 : 4, kKind == 5, decltype(scale)>(x, tiles, fifth, tile_scales);
     });
   }
 #endif
   const auto products = [&](auto fine) {
-    return with_weights([&](auto kind, auto scale) {
+    return with_weights(std::true_type{}, [&](auto kind, auto scale) {
       constexpr int kKind = decltype(kind)::value, kBits = kKind == 8 ? 8 : 4;
       constexpr bool kFifth = kKind == 5, kFine = decltype(fine)::value;
       using S = decltype(scale);
