@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from tokenmill.engine import model_runner
+from tokenmill.engine import llm_engine, model_runner
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model import quant_linear
 from tokenmill.model.loader import load_model
+from tokenmill.sample import SamplingParams
 
 PROMPTS = [[5, 9, 30, 71, 12, 44, 8], list(range(40, 60)), [3, 4, 5]]
 TABLES = [[0, 1], [2, 3], [4, 5]]
@@ -127,6 +131,9 @@ def test_a_second_runner_loads_the_graphs_and_a_damaged_entry_is_compiled_again(
     # the module's runner compiled the graphs and cached them (XDG_CACHE_HOME is still its folder)
     entries = sorted((model_runner.cache_root() / "decode-graphs").glob("*.bin"))
     assert [p.name.split("-")[-1] for p in entries] == ["batch1.bin", "batch2.bin"]
+    # graphs fit a runner of the same model and KV pool only
+    assert ModelRunner(runner.loaded, num_blocks=8, block_size=16).graphs_cached()
+    assert not ModelRunner(runner.loaded, num_blocks=9, block_size=16).graphs_cached()
 
     def no_tracing(self):
         raise AssertionError("traced again instead of loading the cached graphs")
@@ -207,3 +214,39 @@ def test_deferred_compile_starts_on_request(tiny_loaded, monkeypatch) -> None:
     assert not runner.wait_compiled(timeout=30)
     assert calls == [True] and runner.decode_mode == "eager"  # the stand-in compiled nothing
     assert ModelRunner(tiny_loaded, num_blocks=8, block_size=16).decode_mode == "eager"
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_engine_left_to_itself_compiles_at_once_only_where_graphs_are_cached(
+    tiny_loaded, monkeypatch, cached: bool
+) -> None:
+    # LLM() and `generate` (compile None): cached graphs load at once; else a job compiles once it
+    # has been busy COMPILE_AFTER_BUSY_S, so that a short one never pays for a compile
+    calls: list[int] = []
+    monkeypatch.setattr(ModelRunner, "graphs_cached", lambda self: cached)
+    monkeypatch.setattr(ModelRunner, "compile_in_background", lambda self: calls.append(1))
+    monkeypatch.setattr(llm_engine, "COMPILE_AFTER_BUSY_S", 0.05)
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=64)
+    assert calls == ([1] if cached else [])
+    engine.add_request(None, [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.2:  # idle time does not count
+        pass
+    assert calls == ([1] if cached else [])
+    steps = 0
+    while engine.has_unfinished_requests() and not (steps and calls):
+        engine.step()
+        steps += 1
+    assert calls == [1] and (cached or steps > 1)
+
+
+def test_engine_told_to_compile_or_not_never_waits_for_a_job(tiny_loaded, monkeypatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(ModelRunner, "graphs_cached", lambda self: True)
+    monkeypatch.setattr(ModelRunner, "compile_in_background", lambda self: calls.append(1))
+    monkeypatch.setattr(llm_engine, "COMPILE_AFTER_BUSY_S", 0.0)
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=64, compile=False)
+    engine.add_request(None, [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert calls == [] and engine.runner.decode_mode == "eager"

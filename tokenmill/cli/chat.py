@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from tokenmill.catalog import DEFAULT_MODEL
-from tokenmill.cli.common import add_model_args, load_from_args
+from tokenmill.cli.common import add_compile_arg, add_model_args, load_from_args
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import TokenmillError
 from tokenmill.sample import SamplingParams
@@ -51,6 +51,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "as they are generated. Type /help at the prompt for the commands.",
     )
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument(
         "--temperature",
@@ -291,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
             f"{loaded.path.name} has no chat template, so it cannot chat; "
             "use `tokenmill generate` to complete plain text"
         )
-    engine = LLMEngine(loaded, max_num_seqs=1, max_model_len=args.ctx)
+    engine = LLMEngine(loaded, max_num_seqs=1, max_model_len=args.ctx, compile=args.compile)
     session = ChatSession(engine, params, args.system)
     if sys.stdin.isatty():
         try:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
+from tokenmill.engine.llm_engine import COMPILE_AFTER_BUSY_S
 from tokenmill.errors import TokenmillError
 from tokenmill.model.attention import KV_CACHE_DTYPES
 from tokenmill.model.loader import LoadedModel, load_model
@@ -65,6 +66,20 @@ def add_kv_cache_dtype_arg(parser: argparse.ArgumentParser) -> None:
         choices=["auto", *KV_CACHE_DTYPES],
         help="dtype of the KV cache (default: auto, float16 for a float32 model on CPU, as "
         "llama.cpp keeps it, else the model's dtype)",
+    )
+
+
+def add_compile_arg(parser: argparse.ArgumentParser) -> None:
+    """--compile / --no-compile for the offline commands, which leave it to the engine by default
+    (`EngineConfig.compile` None)."""
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode through compiled graphs, built or loaded on a background thread while eager "
+        "steps run (outputs are the same either way). Default: at once where an earlier run "
+        f"(such as `serve`) cached them, else after {COMPILE_AFTER_BUSY_S:.0f} s of work; "
+        "--compile builds them now, --no-compile stays eager",
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokenmill.cli.common import add_model_args, load_from_args
+from tokenmill.cli.common import add_compile_arg, add_model_args, load_from_args
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sample import SamplingParams
 
@@ -18,6 +18,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     )
     p.add_argument("prompt", help="text to continue")
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument(
         "--max-tokens", "-n", type=int, default=64, help="most tokens to generate (default: 64)"
     )
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     params.validate()
-    engine = LLMEngine(load_from_args(args), max_num_seqs=1)
+    engine = LLMEngine(load_from_args(args), max_num_seqs=1, compile=args.compile)
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = engine.tokenize(messages=[{"role": "user", "content": args.prompt}])

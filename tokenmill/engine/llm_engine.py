@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
 
 log = logging.getLogger("tokenmill.engine")
 
+# With compile left to the engine (EngineConfig.compile None) and no decode graphs cached, the
+# seconds of steps after which it starts compiling them in the background: a job this long is
+# likely to run long enough to repay the compile, a shorter one never pays for it.
+COMPILE_AFTER_BUSY_S = 60.0
+
 
 @dataclass
 class EngineConfig:
@@ -51,7 +57,10 @@ class EngineConfig:
     policy: str = "fcfs"
     models_dir: str | None = None
     max_queue_len: int | None = None  # waiting sequences beyond this are refused (QueueFullError)
-    compile: bool = False  # compile the decode step in the background (see ModelRunner)
+    # decode through compiled graphs (see ModelRunner), built or loaded in the background: True
+    # from the start, False never; None: at once where an earlier run cached them, else once
+    # the engine has been busy COMPILE_AFTER_BUSY_S
+    compile: bool | None = None
     defer_compile: bool = False  # ... from `runner.start_compile()` on, when the caller is ready
 
 
@@ -116,10 +125,17 @@ class LLMEngine:
             self.loaded,
             num_blocks=num_blocks,
             block_size=cfg.block_size,
-            compile=cfg.compile,
+            compile=bool(cfg.compile),
             defer_compile=cfg.defer_compile,
             kv_cache_dtype=cfg.kv_cache_dtype,
         )
+        # busy seconds left before compiling (compile None, no graphs cached), else None
+        self._busy_before_compile: float | None = None
+        if cfg.compile is None:
+            if self.runner.graphs_cached():
+                self.runner.compile_in_background()
+            else:
+                self._busy_before_compile = COMPILE_AFTER_BUSY_S
         limit = min(mc.max_position_embeddings, num_blocks * cfg.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -213,6 +229,7 @@ class LLMEngine:
         self._aborted.clear()
         sched = self.scheduler.schedule()
         if sched.sequences:
+            start = time.perf_counter()
             try:
                 self._run(sched, touched)
             except Exception as exc:  # noqa: BLE001 - fail this batch only, keep the engine serving
@@ -220,12 +237,24 @@ class LLMEngine:
                     "step failed; failing the %d sequences of its batch", len(sched.sequences)
                 )
                 self._fail_batch(sched.sequences, exc, touched)
+            self._count_busy(time.perf_counter() - start)
         outputs = [self.output_processor.make_output(r) for r in touched.values()]
         for request in touched.values():
             if request.finished:
                 del self._requests[request.request_id]
         self._update_stats()
         return outputs
+
+    def _count_busy(self, seconds: float) -> None:
+        """Start compiling the decode graphs once the engine has been busy long enough (see
+        COMPILE_AFTER_BUSY_S)."""
+        if self._busy_before_compile is None:
+            return
+        self._busy_before_compile -= seconds
+        if self._busy_before_compile <= 0:
+            self._busy_before_compile = None
+            log.info("compiling the decode graphs in the background for this long job")
+            self.runner.compile_in_background()
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         batch = StepBatch.build(sched, self.kv)

@@ -106,6 +106,15 @@ class ModelRunner:
         if compile and not defer_compile:
             self.start_compile()
 
+    def compile_in_background(self) -> None:
+        """Request the compiled decode graphs and start building (or loading) them now."""
+        self.compile_requested = True
+        self.start_compile()
+
+    def graphs_cached(self) -> bool:
+        """Whether an earlier run left decode graphs for this runner in the cache."""
+        return all(path.is_file() for path in self._graph_paths().values())
+
     def start_compile(self) -> None:
         """Start the requested compilation, once. Tracing holds the GIL for seconds at a time, and
         loading saved graphs too delays a server's start, so a server starts it once it listens."""
@@ -287,8 +296,8 @@ class ModelRunner:
             self._kernel_build.join()  # graphs traced before the kernels load would not use them
         # inductor builds its kernels for the current thread count
         self._set_threads(self.max_threads)
-        folder = cache_root() / "decode-graphs"
-        paths = {size: folder / f"{self._graph_key()}-batch{size}.bin" for size in (1, 2)}
+        paths = self._graph_paths()
+        folder = paths[1].parent
         try:
             graphs = self._load_graphs(paths)
             if graphs is None:
@@ -347,6 +356,11 @@ class ModelRunner:
             log.info("cached decode graphs unusable (%r); compiling them again", exc)
             return None
         return graphs
+
+    def _graph_paths(self) -> dict[int, Path]:
+        """Where the decode graphs for batch 1 and for larger batches are cached."""
+        folder = cache_root() / "decode-graphs"
+        return {size: folder / f"{self._graph_key()}-batch{size}.bin" for size in (1, 2)}
 
     def _graph_key(self) -> str:
         key = hashlib.sha256()
