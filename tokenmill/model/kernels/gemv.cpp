@@ -715,8 +715,9 @@ constexpr int64_t tile_scales_size(int64_t groups, bool row_scales) {
   return (row_scales ? 1 : groups) * 32;
 }
 
-// row_totals: with one scale and low per weight row (tile_scales (N / 16, 1, 2, 16)), each activation
-// row's sum of x, whose product with the low is added once after the last group; else nullptr.
+// xq, scales and sums: a block of M activation rows as `interleave_row_blocks` leaves them. row_totals:
+// with one scale and low per weight row (tile_scales (N / 16, 1, 2, 16)), each activation row's sum
+// of x, whose product with the low is added once after the last group; else nullptr.
 template <int M, int Bits, bool Fifth, bool Fine, typename T, typename S>
 void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const float* row_totals, int64_t K,
                  const uint8_t* tiles, const uint8_t* fifth, const S* tile_scales, T* y, int64_t N, int64_t tile0,
@@ -745,6 +746,7 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
       __m512 fine[M];    // the group's sums scaled by the activations' scales
       if constexpr (!Fine)
         for (int i = 0; i < M; ++i) whole[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         __m512i first, second;
         if constexpr (Bits == 8) {
@@ -764,10 +766,10 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
           }
         }
         for (int i = 0; i < M; ++i) {
-          const int8_t* x = xq + i * K + g * 32 + 4 * j;
+          const int8_t* x = xq + (g * M + i) * 32 + 4 * j;
           if constexpr (Fine) {  // a scale per quarter j: its sums converted and scaled apart
             const __m512i d = dot4(dot4(_mm512_setzero_si512(), first, broadcast4(x)), second, broadcast4(x + 16));
-            fine[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(scales[(i * groups + g) * 4 + j]),
+            fine[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(scales[(g * M + i) * 4 + j]),
                                       j != 0 ? fine[i] : row_scales ? acc[i] : _mm512_setzero_ps());
           } else {
             whole[i] = dot4(dot4(whole[i], first, broadcast4(x)), second, broadcast4(x + 16));
@@ -776,7 +778,7 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
       }
       if constexpr (!Fine)
         for (int i = 0; i < M; ++i) {
-          const __m512 sums_x = _mm512_cvtepi32_ps(whole[i]), scale_x = _mm512_set1_ps(scales[(i * groups + g) * 4]);
+          const __m512 sums_x = _mm512_cvtepi32_ps(whole[i]), scale_x = _mm512_set1_ps(scales[(g * M + i) * 4]);
           fine[i] = row_scales ? _mm512_fmadd_ps(sums_x, scale_x, acc[i]) : _mm512_mul_ps(sums_x, scale_x);
         }
       if (row_scales) {  // fine already holds acc: the rows' scale and low apply once, after the last group
@@ -787,7 +789,7 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
       group_scales(ts, g, group_scale, group_low);
       for (int i = 0; i < M; ++i) {
         acc[i] = _mm512_fmadd_ps(fine[i], group_scale, acc[i]);
-        acc[i] = _mm512_fmadd_ps(group_low, _mm512_set1_ps(sums[i * groups + g]), acc[i]);
+        acc[i] = _mm512_fmadd_ps(group_low, _mm512_set1_ps(sums[g * M + i]), acc[i]);
       }
     }
     if (row_scales) {
@@ -807,19 +809,43 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
 constexpr int64_t kTilesPerTask = 2;
 constexpr int64_t kTilesPerChunk = 4;
 
+// Quantized rows (with sums) regrouped into the blocks of rows that over_row_blocks hands the tile
+// kernel (8 at a time, then 4, then the 1-3 left), each block in the rows' place: group by group,
+// its rows' 32 values, 4 scales and sum side by side. The kernel then reaches every row of its block
+// from one pointer at offsets fixed when it is compiled, where a pointer per row would take more
+// registers than the loop has and spill.
+void interleave_row_blocks(QuantizedRows& xq, int64_t M, int64_t K) {
+  const int64_t groups = K / 32;
+  QuantizedRows out{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * groups * 4]),
+                    std::unique_ptr<float[]>(new float[M * groups])};
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t rows = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t from = (m0 + i) * groups + g, to = m0 * groups + g * rows + i;
+        std::memcpy(out.q.get() + to * 32, xq.q.get() + from * 32, 32);
+        std::memcpy(out.scales.get() + to * 4, xq.scales.get() + from * 4, 4 * sizeof(float));
+        out.sums[to] = xq.sums[from];
+      }
+    m0 += rows;
+  }
+  xq = std::move(out);
+}
+
 template <int Bits, bool Fifth, bool Fine, typename T, typename S>
 at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint8_t* fifth,
                           const at::Tensor& tile_scales) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const QuantizedRows xq = quantize_rows<T>(x, true, false, !Fine);
+  QuantizedRows xq = quantize_rows<T>(x, true, false, !Fine);
   std::vector<float> totals;  // per activation row, for weights with one scale per row (quant_tiles)
   if (!std::is_same_v<S, uint8_t> && tile_scales.size(1) == 1) {
     totals.assign(M, 0.0f);
     for (int64_t i = 0; i < M; ++i)
       for (int64_t g = 0; g < groups; ++g) totals[i] += xq.sums[i * groups + g];
   }
+  interleave_row_blocks(xq, M, K);
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const S* ts = tile_scales.data_ptr<S>();
   T* out = y.data_ptr<T>();
