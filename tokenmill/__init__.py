@@ -38,7 +38,7 @@ from tokenmill.catalog import cache_root  # noqa: E402
 # asks inductor for its cache directory: loading a model already does, and its answer then holds.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
-from tokenmill.sample import SamplingParams  # noqa: E402
+from tokenmill.sample import SamplingParams, StructuredOutputs  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -50,4 +50,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from tokenmill.engine.request import Request, Sequence
+from tokenmill.engine.structured_output import GrammarCompiler
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.sample import SamplingParams
 from tokenmill.sample.params import MAX_SEED
@@ -30,6 +31,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     def tokenize(
         self,
@@ -94,8 +96,14 @@ class InputProcessor:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        # compiled here, on the caller's thread: a slow grammar never holds up the engine's steps
+        spec = params.structured_outputs
+        matcher = self.grammars.matcher(spec) if spec is not None else None
         for index in range(params.n):
-            request.sequences.append(self._sequence(request, index, arrival, priority, extra_key))
+            seq = self._sequence(request, index, arrival, priority, extra_key)
+            if matcher is not None:  # each sequence advances its own
+                seq.matcher = matcher if index == 0 else matcher.deep_copy()
+            request.sequences.append(seq)
         return request
 
     def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:

@@ -276,7 +276,7 @@ class LLMEngine:
             self._sample(logits, seqs, sampling, touched)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch.build(
+        batch = SamplingBatch.build(
             [s.params for s in seqs],
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
@@ -284,6 +284,15 @@ class LLMEngine:
             self.loaded.config.vocab_size,
             [s.request.stop_token_ids for s in seqs],
         )
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if rows:
+            matchers = [seqs[i].matcher for i in rows]
+            batch.allowed_bits, errors = self.input_processor.grammars.allowed_tokens(matchers)
+            batch.allowed_rows = torch.tensor(rows, dtype=torch.int64)
+            for row, error in zip(rows, errors):
+                if error is not None:  # its row allows nothing: the sampler fails it
+                    log.warning("structured output of %s stopped: %s", seqs[row].seq_id, error)
+        return batch
 
     def _sample(
         self,
@@ -294,7 +303,12 @@ class LLMEngine:
     ) -> None:
         for seq in seqs:
             touched[seq.request.request_id] = seq.request
-        self.output_processor.process_sampled(seqs, self.sampler(logits, batch), logits)
+        sampled = self.sampler(logits, batch)
+        if batch.allowed_rows is not None:  # each constrained sequence's matcher takes its token
+            token_ids = sampled.token_ids.tolist()
+            for row in batch.allowed_rows.tolist():
+                seqs[row].matcher.consume_token(token_ids[row])
+        self.output_processor.process_sampled(seqs, sampled, logits)
         self._free_finished()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, start: int, seq: Sequence) -> None:

@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass, field
 
 import torch
+from llguidance import LLMatcher
 
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.sample import SamplingParams
@@ -111,6 +112,8 @@ class Sequence:
     index: int = 0  # its place among the request's sequences
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     generator: torch.Generator | None = field(default=None, repr=False)  # for a seeded request
+    # llguidance's matcher of a constrained request (structured outputs), fed every output token
+    matcher: LLMatcher | None = field(default=None, repr=False)
     text: str = ""
     num_emitted_chars: int = 0  # characters of `text` already handed out in outputs
     new_token_ids: list[int] = field(default_factory=list)  # tokens not yet handed out

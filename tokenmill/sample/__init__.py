@@ -1,6 +1,6 @@
 """Sampling: per-request parameters and the batched tensor sampler."""
 
-from tokenmill.sample.params import SamplingParams
+from tokenmill.sample.params import SamplingParams, StructuredOutputs
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingBatch
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "SamplingParams"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "SamplingParams", "StructuredOutputs"]

@@ -16,6 +16,55 @@ MAX_SEED = 2**63 - 1
 
 
 @dataclass
+class StructuredOutputs:
+    """A constraint on a request's output, as vLLM's `structured_outputs`: exactly one of a JSON
+    schema (a dict or its text; `{}` admits any JSON value), any JSON object (`json_object`), a
+    regular expression (the whole output matches it), a choice among strings, or a grammar (Lark,
+    or GBNF as llama.cpp writes it, told apart by its `::=` rules). The engine compiles it with
+    llguidance and masks every token that would leave it."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError unless exactly one constraint is given, of the right type."""
+        given = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice and "
+                f"grammar; got {', '.join(given) if given else 'none'}",
+                param="structured_outputs",
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise InvalidRequestError(
+                "structured_outputs.choice must be a list of non-empty strings",
+                param="structured_outputs.choice",
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} must be a non-empty string",
+                    param=f"structured_outputs.{name}",
+                )
+
+
+@dataclass
 class SamplingParams:
     """How to pick tokens for one request.
 
@@ -45,6 +94,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def greedy(self) -> bool:
@@ -114,6 +164,8 @@ class SamplingParams:
             )
         for token in self.stop_token_ids:
             _check_token(token, "stop_token_ids", vocab_size)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
 
 def _check(ok: bool, name: str, value: object, why: str) -> None:

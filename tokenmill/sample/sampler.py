@@ -50,12 +50,18 @@ class SamplingBatch:
     all_greedy: bool  # plain Python flags, so branching on them needs no device sync
     all_random: bool
     max_num_logprobs: int | None  # largest `logprobs` requested in the batch, None if none
+    # rows whose tokens are constrained (int64) and, per row, the tokens they may take as a bitmask
+    # (int32 words, bit b of word w allowing token 32 w + b; tokens past its words are banned)
+    allowed_rows: torch.Tensor | None = None
+    allowed_bits: torch.Tensor | None = None
 
     @property
     def needs_processing(self) -> bool:
-        """Whether `process_logits` changes any logit (min_tokens, logit bias, penalties)."""
+        """Whether `process_logits` changes any logit (allowed tokens, min_tokens, logit bias,
+        penalties)."""
         return (
-            self.min_tokens_index is not None
+            self.allowed_rows is not None
+            or self.min_tokens_index is not None
             or self.bias_index is not None
             or self.output_counts is not None
         )
@@ -247,6 +253,8 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return logits
     needs_work = batch.needs_processing
     logits = logits.to(torch.float32, copy=needs_work)  # one copy, then edit it in place
+    if batch.allowed_rows is not None:
+        _ban_disallowed(logits, batch.allowed_rows, batch.allowed_bits)
     if batch.min_tokens_index is not None:
         logits[batch.min_tokens_index] = float("-inf")
     if batch.bias_index is not None:
@@ -260,6 +268,18 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.presence_penalty is not None:
         logits -= batch.presence_penalty.unsqueeze(1) * (batch.output_counts > 0)
     return logits
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _ban_disallowed(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:
+    """Set to -inf, in place, each constrained row's logits of tokens its bitmask leaves out."""
+    vocab = logits.shape[1]
+    allowed = ((bits.unsqueeze(-1) >> _BITS.to(bits.device)) & 1).view(bits.shape[0], -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill(allowed[:, :vocab] == 0, float("-inf"))
 
 
 def sampling_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

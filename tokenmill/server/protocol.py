@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sample import SamplingParams
+from tokenmill.sample import SamplingParams, StructuredOutputs
 
 MAX_N = 16  # most choices per request: each is a sequence of its own in the running batch
 MAX_STOP = 16  # most stop strings per request: each is searched for in every new piece of text
@@ -25,6 +25,50 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's `structured_outputs` (see `tokenmill.sample.StructuredOutputs`)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def spec(self) -> StructuredOutputs:
+        return StructuredOutputs(
+            json=self.json_,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+        )
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def spec(self) -> StructuredOutputs | None:
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidRequestError(
+                    'response_format of type "json_schema" needs a json_schema',
+                    param="response_format.json_schema",
+                )
+            # a missing schema admits any JSON value, as `{}` does
+            return StructuredOutputs(json=self.json_schema.schema_ or {})
+        return StructuredOutputs(json_object=True) if self.type == "json_object" else None
 
 
 class SamplingFields(_Strict):
@@ -54,6 +98,35 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     priority: int = 0
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # vLLM's older names for structured_outputs' fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_spec(self) -> StructuredOutputs | None:
+        """The one output constraint the request sets, from whichever of its fields sets it."""
+        guided = StructuredOutputs(
+            json=self.guided_json,
+            regex=self.guided_regex,
+            choice=self.guided_choice,
+            grammar=self.guided_grammar,
+        )
+        outputs, response = self.structured_outputs, self.response_format
+        sources = {
+            "structured_outputs": outputs.spec() if outputs else None,
+            "response_format": response.spec() if response else None,
+            "guided_*": guided if guided != StructuredOutputs() else None,
+        }
+        given = [name for name, spec in sources.items() if spec is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"constrain the output through one of {', '.join(given)}, not several",
+                param=given[1],
+            )
+        return sources[given[0]] if given else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Engine parameters, after the limits OpenAI's API sets beyond the engine's own."""
@@ -100,6 +173,7 @@ class SamplingFields(_Strict):
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_spec(),
         )
 
 
@@ -129,10 +203,6 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -140,7 +210,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None

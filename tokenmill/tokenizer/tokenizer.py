@@ -167,6 +167,10 @@ class Tokenizer:
             )
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The tokenizer as Hugging Face `tokenizers` serializes it (for llguidance)."""
+        return self._backend.to_str()
+
     def id_to_piece(self, id: int) -> str:
         """The vocabulary entry for `id` as stored (e.g. "▁Hello" or "ĠHello"), not decoded text."""
         if not 0 <= id < self.vocab_size:
