@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -59,6 +61,28 @@ def test_generate_prints_the_greedy_continuation(tiny_model_dir, capsys) -> None
 def test_generate_rejects_bad_options(tiny_model_dir, capsys) -> None:
     assert main(["generate", "--model", str(tiny_model_dir), "--max-tokens", "0", "hi"]) == 1
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_generate_follows_a_choice_a_regex_or_a_json_schema(
+    tiny_model_dir, tmp_path, capsys
+) -> None:
+    base = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "40", "Hello"]
+    assert main([*base, "--choice", "red", "--choice", "blue"]) == 0
+    assert capsys.readouterr().out in ("red\n", "blue\n")
+    assert main([*base, "--regex", "[0-9]{2}-[a-c]"]) == 0
+    assert re.fullmatch(r"[0-9]{2}-[a-c]\n", capsys.readouterr().out)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema), encoding="utf-8")
+    assert main([*base, "--json-schema", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["a"] in range(10)
+    assert main([*base, "--regex", "[a-"]) == 1
+    assert "structured_outputs.regex" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("decode", [False, True])

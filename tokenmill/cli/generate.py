@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokenmill.cli.common import add_compile_arg, add_model_args, load_from_args
+from tokenmill.cli.common import add_compile_arg, add_model_args, load_from_args, read_text_arg
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.sample import SamplingParams
+from tokenmill.sample import SamplingParams, StructuredOutputs
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -39,7 +39,29 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument(
         "--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens"
     )
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="FILE", help="output JSON following the JSON schema in FILE"
+    )
+    constraint.add_argument("--regex", help="output text the regular expression matches whole")
+    constraint.add_argument(
+        "--choice", action="append", help="output exactly one of these strings (repeatable)"
+    )
+    constraint.add_argument(
+        "--grammar", metavar="FILE", help="output text of the Lark or GBNF grammar in FILE"
+    )
     p.set_defaults(run=run)
+
+
+def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:
+    """The output constraint the command line asks for, if any."""
+    if args.json_schema:
+        return StructuredOutputs(json=read_text_arg(None, args.json_schema))
+    if args.grammar:
+        return StructuredOutputs(grammar=read_text_arg(None, args.grammar))
+    if args.regex is not None or args.choice:
+        return StructuredOutputs(regex=args.regex, choice=args.choice)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        structured_outputs=structured_outputs(args),
     )
     params.validate()
     engine = LLMEngine(load_from_args(args), max_num_seqs=1, compile=args.compile)
