@@ -13,17 +13,26 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams, StructuredOutputs
 
+# Every string and number bounded: sampled at temperature 1, an unbounded one may outlast max_tokens
 SCHEMAS = [
     {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
         "additionalProperties": False,
     },
     {
         "type": "object",
         "properties": {
-            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 12},
+                "minItems": 1,
+                "maxItems": 3,
+            },
             "level": {"enum": ["low", "mid", "high"]},
             "score": {"type": "integer", "minimum": 1, "maximum": 5},
         },
@@ -40,7 +49,10 @@ SCHEMAS = [
             }
         },
         "type": "object",
-        "properties": {"a": {"$ref": "#/$defs/point"}, "note": {"type": ["string", "null"]}},
+        "properties": {
+            "a": {"$ref": "#/$defs/point"},
+            "note": {"type": ["string", "null"], "maxLength": 20},
+        },
         "required": ["a", "note"],
         "additionalProperties": False,
     },
