@@ -185,6 +185,34 @@ def test_stop_string_across_two_tokens_is_trimmed(tiny_loaded) -> None:
     assert stop not in out.text
 
 
+def test_stop_string_in_text_held_back_at_the_length_limit_stops(tiny_loaded) -> None:
+    # a token whose text ends in an incomplete character ("a" then a lone UTF-8 lead byte) is
+    # held back by the detokenizer until the end, where the stop string in it must still count
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=64)
+    tok = engine.tokenizer
+    held = next(
+        i
+        for i in range(tok.vocab_size)
+        if (text := tok.decode([i])).endswith("\ufffd") and len(text) > 1 and text[-2] != "\ufffd"
+    )
+    stop = tok.decode([held])[-2]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=1, ignore_eos=True, stop=[stop], logit_bias={held: 100.0}
+    )
+    out = _run_outputs(engine, [5, 6, 7], params)
+    assert out.token_ids == [held]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text
+
+
+def _run_outputs(engine: LLMEngine, prompt: list[int], params: SamplingParams):
+    rid = engine.add_request(None, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.request_id == rid and o.finished), final)
+    return final.outputs[0]
+
+
 def test_streamed_deltas_add_up_to_the_text(tiny_loaded) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=256)
     engine.add_request(

@@ -100,18 +100,29 @@ class OutputProcessor:
             return
         before = len(seq.text)
         seq.text += seq.detokenizer.push(token)
-        if params.stop and seq.num_output_tokens >= params.min_tokens:
-            longest = max(len(s) for s in params.stop)
-            start = max(0, before - longest + 1)
-            found = [(i, s) for s in params.stop if (i := seq.text.find(s, start)) >= 0]
-            if found:
-                at, stop = min(found)
-                seq.text = seq.text[: at + len(stop) if params.include_stop_str_in_output else at]
-                self.finish(seq, "stop", stop)
-                return
+        if self._stopped_by_string(seq, before):
+            return
         if seq.num_output_tokens >= request.max_tokens or seq.num_tokens >= self.max_model_len:
+            # the text held back (an incomplete character) may complete a stop string too
+            before = len(seq.text)
             seq.text += seq.detokenizer.flush()
-            self.finish(seq, "length")
+            if not self._stopped_by_string(seq, before):
+                self.finish(seq, "length")
+
+    def _stopped_by_string(self, seq: Sequence, before: int) -> bool:
+        """Finish the sequence at the first stop string in its text that ends past `before`
+        (where its new text starts), if there is one; whether it did."""
+        params = seq.params
+        if not params.stop or seq.num_output_tokens < params.min_tokens:
+            return False
+        start = max(0, before - max(len(s) for s in params.stop) + 1)
+        found = [(i, s) for s in params.stop if (i := seq.text.find(s, start)) >= 0]
+        if not found:
+            return False
+        at, stop = min(found)
+        seq.text = seq.text[: at + len(stop) if params.include_stop_str_in_output else at]
+        self.finish(seq, "stop", stop)
+        return True
 
     @staticmethod
     def prompt_logprob_positions(seq: Sequence, start: int, num_tokens: int) -> range:
