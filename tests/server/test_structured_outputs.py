@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import API_KEY, RunningServer
 from tokenmill.engine.llm_engine import LLMEngine
@@ -28,13 +30,43 @@ MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_gguf):
+def server(smollm2_gguf):
     running = RunningServer(
         LLMEngine(smollm2_gguf, compile=False, num_kv_blocks=512),
         ServerConfig("smol", api_key=API_KEY, max_body_bytes=1 << 20),
     )
-    yield openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_metrics_count_constrained_requests_and_compiles(client, server) -> None:
+    def values() -> dict[str, float]:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"]}
+    before = values()
+    for _ in range(2):  # the second finds the schema compiled
+        client.chat.completions.create(
+            model="smol", messages=MESSAGES, max_tokens=20, response_format=_schema_format(schema)
+        )
+    after = values()
+
+    def moved(name: str) -> float:
+        return after[f"tokenmill:{name}_total"] - before[f"tokenmill:{name}_total"]
+
+    assert moved("structured_output_requests") == 2
+    assert moved("grammar_compiles") == 1
+    assert moved("grammar_compile_seconds") > 0
 
 
 def _schema_format(schema: dict) -> dict:

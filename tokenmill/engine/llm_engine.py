@@ -77,6 +77,9 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of all requests added
     generation_tokens: int = 0
     tokens_computed: int = 0  # tokens run through the model (prefill chunks and decodes)
+    structured_requests: int = 0  # requests with an output constraint (structured outputs)
+    grammar_compiles: int = 0  # distinct grammars converted and checked (the cache's misses)
+    grammar_compile_seconds: float = 0.0  # time those took, on the requests' threads
 
 
 def _with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
@@ -345,3 +348,7 @@ class LLMEngine:
         s.kv_usage = self.kv.usage
         s.num_free_blocks = self.kv.num_free_blocks
         s.generation_tokens = self.output_processor.num_generation_tokens
+        grammars = self.input_processor.grammars
+        s.structured_requests = grammars.num_matchers
+        s.grammar_compiles = grammars.num_compiles
+        s.grammar_compile_seconds = grammars.compile_seconds

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence as Rows
 
@@ -42,12 +43,18 @@ class GrammarCompiler:
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()  # requests come in on several threads
         self._executor = llguidance.LLExecutor()
+        self.num_matchers = 0  # matchers made: constrained requests
+        self.num_compiles = 0  # grammars converted and checked (cache misses)
+        self.compile_seconds = 0.0
 
     def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         """A fresh matcher for the constraint; InvalidRequestError naming what llguidance cannot
         compile."""
         grammar = self._grammar(*_source(spec))
-        return llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+        with self._lock:
+            self.num_matchers += 1
+        return matcher
 
     def allowed_tokens(
         self, matchers: Rows[llguidance.LLMatcher]
@@ -80,8 +87,12 @@ class GrammarCompiler:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
+        start = time.perf_counter()
         grammar = _convert(kind, text)
         problem = llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        with self._lock:
+            self.num_compiles += 1
+            self.compile_seconds += time.perf_counter() - start
         if problem:
             raise InvalidRequestError(
                 f"structured_outputs.{kind} cannot be compiled: {problem}",

@@ -57,6 +57,21 @@ class _EngineCollector:
                 "Prompt tokens found in the prefix cache.",
                 s.prefix_cache_hits,
             ),
+            (
+                "tokenmill:structured_output_requests",
+                "Requests whose output a schema or grammar constrains.",
+                s.structured_requests,
+            ),
+            (
+                "tokenmill:grammar_compiles",
+                "Distinct schemas and grammars compiled (the rest came from the cache).",
+                s.grammar_compiles,
+            ),
+            (
+                "tokenmill:grammar_compile_seconds",
+                "Time spent compiling schemas and grammars, off the engine's thread.",
+                s.grammar_compile_seconds,
+            ),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
