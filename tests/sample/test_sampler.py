@@ -364,3 +364,29 @@ def test_rows_without_a_finite_highest_logit_are_unusable(temperature: float) ->
     out = Sampler()(logits, build([S(temperature=temperature)] * 6))
     assert out.usable.tolist() == [False, False, False, True, True, True]
     assert out.token_ids[3].item() >= 10  # never a masked token
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_allowed_tokens_ban_the_rest_of_their_rows_only(kernel: bool, monkeypatch) -> None:
+    if not kernel:
+        monkeypatch.setattr(sampler_module.kernels, "loaded", lambda: False)
+    elif not kernels.loaded():
+        pytest.skip("tokenmill's C++ kernels are not built here; the tensor path is tested")
+    vocab, words = 100, 4  # the last word's bits past the vocabulary are ignored
+    generator = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (2, words), dtype=torch.int32, generator=generator)
+    bits[1, 1] = 0
+    bits[1, 2] = -1
+    params = [SamplingParams(temperature=0.0)] * 3
+    batch = SamplingBatch.build(params, [[1]] * 3, [[]] * 3, [None] * 3, vocab, [frozenset()] * 3)
+    batch.allowed_rows = torch.tensor([0, 2])
+    batch.allowed_bits = bits
+    logits = torch.randn(3, vocab, generator=generator)
+    out = process_logits(logits, batch)
+    allowed = [[(int(bits[i, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] for i in (0, 1)]
+    for i, row in ((0, 0), (1, 2)):
+        for t in range(vocab):
+            expected = logits[row, t] if allowed[i][t] else float("-inf")
+            assert out[row, t] == expected
+    assert torch.equal(out[1], logits[1])  # a free row
+    assert batch.needs_processing and not batch.argmax_only

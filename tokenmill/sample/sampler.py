@@ -274,7 +274,11 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 def _ban_disallowed(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:
-    """Set to -inf, in place, each constrained row's logits of tokens its bitmask leaves out."""
+    """Set to -inf, in place, each constrained row's logits of tokens its bitmask leaves out: on
+    CPU tokenmill's kernel where it is built, else by expanding the bits to the vocabulary."""
+    if logits.device.type == "cpu" and logits.is_contiguous() and kernels.loaded():
+        torch.ops.tokenmill.ban_disallowed_(logits, rows, bits)
+        return
     vocab = logits.shape[1]
     allowed = ((bits.unsqueeze(-1) >> _BITS.to(bits.device)) & 1).view(bits.shape[0], -1)
     if allowed.shape[1] < vocab:

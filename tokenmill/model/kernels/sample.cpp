@@ -9,7 +9,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include "simd.h"
@@ -148,14 +150,54 @@ at::Tensor greedy_ids(const at::Tensor& logits) {
   return out;
 }
 
+// Sets to -inf, in place, the logits of float32 row rows[i] whose bit in row i of the int32 bitmask
+// bits is clear (bit b of word w: token 32 w + b; tokens past the words count as clear). One pass
+// over each row's words: a tensor expansion of the bits to the vocabulary costs ~15x as long.
+void ban_disallowed_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "ban_disallowed_: logits must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && bits.scalar_type() == at::kInt &&
+                  bits.dim() == 2 && bits.size(0) == rows.size(0),
+              "ban_disallowed_: rows must be int64 (R) and bits int32 (R, words)");
+  const int64_t n = logits.size(1), words = bits.size(1);
+  const at::Tensor r = rows.contiguous(), b = bits.contiguous();
+  const int64_t* row_ids = r.data_ptr<int64_t>();
+  const uint32_t* mask = reinterpret_cast<const uint32_t*>(b.data_ptr<int32_t>());
+  float* x = logits.data_ptr<float>();
+  const float banned = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < r.size(0); ++i) {
+    TORCH_CHECK(0 <= row_ids[i] && row_ids[i] < logits.size(0), "ban_disallowed_: a row is out of range");
+  }
+  at::parallel_for(0, r.size(0), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* row = x + row_ids[i] * n;
+      for (int64_t w = 0; w * 32 < n; ++w) {
+        const uint32_t allowed = w < words ? mask[i * words + w] : 0;
+        if (allowed == 0xFFFFFFFFu) continue;
+        float* part = row + w * 32;
+        const int64_t count = std::min<int64_t>(32, n - w * 32);
+        if (allowed == 0) {  // most words of a grammar's mask: nothing allowed
+          std::fill_n(part, count, banned);
+        } else if (count == 32) {  // branch-free: the bits of a word are as good as random
+          for (int j = 0; j < 32; ++j) part[j] = (allowed >> j) & 1u ? part[j] : banned;
+        } else {
+          for (int64_t j = 0; j < count; ++j) part[j] = (allowed >> j) & 1u ? part[j] : banned;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("greedy_ids(Tensor logits) -> Tensor");
   m.def("sample_ids(Tensor logits, Tensor inverse_temperature, Tensor uniforms) -> Tensor");
+  m.def("ban_disallowed_(Tensor(a!) logits, Tensor rows, Tensor bits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("greedy_ids", &greedy_ids);
   m.impl("sample_ids", &sample_ids);
+  m.impl("ban_disallowed_", &ban_disallowed_);
 }
