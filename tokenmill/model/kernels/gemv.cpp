@@ -164,6 +164,32 @@ inline __m256i products(__m256i q, const int8_t* x) {
 // chain is one of several in flight and the partials are summed one after another.
 constexpr int kInt8Partials = 4;
 
+// total[i] = the sum over units u = 0..count-1 (blocks, or pairs of them) of what unit(u, acc) adds
+// to acc[i], for M activation rows, split into kInt8Partials partials as above; V is the vector
+// type, add its addition.
+template <int M, typename V, typename Unit, typename Add>
+void int8_partial_sums(int64_t count, const Unit& unit, V zero, const Add& add, V (&total)[M]) {
+  constexpr int C = kInt8Partials;
+  if constexpr (M == 1) {  // the C partials' chains interleaved
+    V acc[C][1];
+    for (int c = 0; c < C; ++c) acc[c][0] = zero;
+    int64_t u = 0;
+    for (; u + C <= count; u += C)
+      for (int c = 0; c < C; ++c) unit(u + c, acc[c]);
+    for (int c = 0; c < C; ++c)  // c a constant once unrolled: the partials stay in registers
+      if (u + c < count) unit(u + c, acc[c]);
+    total[0] = acc[0][0];
+    for (int c = 1; c < C; ++c) total[0] = add(total[0], acc[c][0]);
+  } else {  // one partial at a time, the rows' chains interleaved
+    for (int c = 0; c < C; ++c) {
+      V acc[M];
+      for (int i = 0; i < M; ++i) acc[i] = zero;
+      for (int64_t u = c; u < count; u += C) unit(u, acc);
+      for (int i = 0; i < M; ++i) total[i] = c == 0 ? acc[i] : add(total[i], acc[i]);
+    }
+  }
+}
+
 // y = x W^T * scale for int8 W (N, K), one scale per row, and x quantized by quantize_blocks
 // (not interleaved): per block of 32, the products of the weights' magnitudes and the activations with
 // the weights' signs (maddubs multiplies unsigned by signed bytes), scaled by its lanes' scales, summed
@@ -173,7 +199,6 @@ constexpr int kInt8Partials = 4;
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
                int64_t N, int64_t row0, int64_t row1) {
-  constexpr int C = kInt8Partials;
   const int64_t blocks = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t o = row0; o < row1; ++o) {
@@ -189,24 +214,8 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
       }
     };
     __m256 total[M];
-    if constexpr (M == 1) {  // the C partials' chains interleaved
-      __m256 acc[C][1];
-      for (int c = 0; c < C; ++c) acc[c][0] = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + C <= blocks; g += C)
-        for (int c = 0; c < C; ++c) block(g + c, acc[c]);
-      for (int c = 0; c < C; ++c)  // c a constant once unrolled: the partials stay in registers
-        if (g + c < blocks) block(g + c, acc[c]);
-      total[0] = acc[0][0];
-      for (int c = 1; c < C; ++c) total[0] = _mm256_add_ps(total[0], acc[c][0]);
-    } else {  // one partial at a time, the rows' chains interleaved
-      for (int c = 0; c < C; ++c) {
-        __m256 acc[M];
-        for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t g = c; g < blocks; g += C) block(g, acc);
-        for (int i = 0; i < M; ++i) total[i] = c == 0 ? acc[i] : _mm256_add_ps(total[i], acc[i]);
-      }
-    }
+    int8_partial_sums<M>(blocks, block, _mm256_setzero_ps(), [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); },
+                         total);
     const float s = static_cast<float>(scale[o]);
     for (int i = 0; i < M; ++i) y[i * N + o] = T(simd::sum8(total[i]) * s);
   }
@@ -230,7 +239,6 @@ inline __m512i dot4(__m512i acc, __m512i unsigned_q, __m512i signed_x) {
 template <int M, typename T>
 void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* weight, const T* scale, T* y,
                int64_t N, int64_t row0, int64_t row1) {
-  constexpr int C = kInt8Partials;
   const int64_t blocks = K / 32, pairs = (blocks + 1) / 2;
   // each lane's scale from a pair's 8 (quantize_blocks: lanes j and j + 4 hold a block's sub-block j)
   const __m512i scale_lanes = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
@@ -257,24 +265,8 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
       }
     };
     __m512 total[M];
-    if constexpr (M == 1) {  // the C partials' chains interleaved
-      __m512 acc[C][1];
-      for (int c = 0; c < C; ++c) acc[c][0] = _mm512_setzero_ps();
-      int64_t p = 0;
-      for (; p + C <= pairs; p += C)
-        for (int c = 0; c < C; ++c) pair(p + c, acc[c]);
-      for (int c = 0; c < C; ++c)  // c a constant once unrolled: the partials stay in registers
-        if (p + c < pairs) pair(p + c, acc[c]);
-      total[0] = acc[0][0];
-      for (int c = 1; c < C; ++c) total[0] = _mm512_add_ps(total[0], acc[c][0]);
-    } else {  // one partial at a time, the rows' chains interleaved
-      for (int c = 0; c < C; ++c) {
-        __m512 acc[M];
-        for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t p = c; p < pairs; p += C) pair(p, acc);
-        for (int i = 0; i < M; ++i) total[i] = c == 0 ? acc[i] : _mm512_add_ps(total[i], acc[i]);
-      }
-    }
+    int8_partial_sums<M>(pairs, pair, _mm512_setzero_ps(), [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); },
+                         total);
     const float s = static_cast<float>(scale[o]);
     for (int i = 0; i < M; ++i) y[i * N + o] = T(_mm512_reduce_add_ps(total[i]) * s);
   }
