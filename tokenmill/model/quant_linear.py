@@ -285,6 +285,19 @@ def _expand_compact(tile_scales: torch.Tensor) -> torch.Tensor:
     return (multiples.float() * units).view(count, blocks * COMPACT_GROUPS, 2, TILE_ROWS)
 
 
+def _tile_scales(scale: torch.Tensor, low: torch.Tensor, compact: bool) -> torch.Tensor:
+    """scale and low (rows, groups or 1) in one of `QuantTiles.tile_scales`' forms: compact where
+    asked and they fit it, else float16 where that holds every per-group value exactly, else
+    float32."""
+    groups = scale.shape[1]
+    if compact and groups > 1 and (packed := compact_tile_scales(scale, low)) is not None:
+        return packed
+    exact_half = groups > 1 and all(torch.equal(v.half().float(), v.float()) for v in (scale, low))
+    # [row, group] -> [tile, group, scale/low, row c]
+    by_tile = [v.float().view(-1, TILE_ROWS, groups).transpose(1, 2) for v in (scale, low)]
+    return torch.stack(by_tile, dim=2).to(torch.float16 if exact_half else torch.float32)
+
+
 def pack_tiles(
     q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int, compact: bool = True
 ) -> QuantTiles:
@@ -301,21 +314,6 @@ def pack_tiles(
     groups, count = cols // INT4_GROUP, rows // TILE_ROWS
     tiles = torch.empty(count, groups, 4, 2 if bits == 8 else 1, TILE_ROWS, 4, dtype=torch.uint8)
     fifth = torch.empty(count, groups, 4, 2, 8, dtype=torch.uint8) if bits == 5 else None
-    compact_scales = compact_tile_scales(scale, low) if compact and scale.shape[1] > 1 else None
-    exact_half = scale.shape[1] > 1 and all(
-        torch.equal(v.half().float(), v.float()) for v in (scale, low)
-    )
-    tile_scales = (
-        compact_scales
-        if compact_scales is not None
-        else torch.empty(
-            count,
-            scale.shape[1],
-            2,
-            TILE_ROWS,
-            dtype=torch.float16 if exact_half else torch.float32,
-        )
-    )
     signed = q.dtype == torch.int8
     step = max(1, PACK_CHUNK_WEIGHTS // (cols * TILE_ROWS))
     for t0 in range(0, count, step):
@@ -346,15 +344,9 @@ def pack_tiles(
                     dtype=torch.uint8,
                     out=fifth[t0:t1],
                 )
-        if compact_scales is not None:
-            continue
-        for k, values in enumerate((scale, low)):
-            tile_scales[t0:t1, :, k].copy_(
-                values[r0:r1].view(t1 - t0, TILE_ROWS, -1).transpose(1, 2)
-            )
     return QuantTiles(
         tiles.view(-1),
-        tile_scales,
+        _tile_scales(scale, low, compact),
         None if fifth is None else fifth.view(count, groups, 64),
         8 if bits == 8 else 4,
     )
