@@ -188,3 +188,17 @@ def test_empty_schema_and_json_object_give_json(engine) -> None:
         else:  # cut at max_tokens: a prefix of JSON, never anything else
             assert out.text.lstrip()[:1] in '{["-0123456789tfn'
     assert done["object"].outputs[0].text.lstrip().startswith("{")
+
+
+def test_a_matcher_in_error_fails_its_request_with_the_reason(engine) -> None:
+    spec = StructuredOutputs(choice=["yes", "no"])
+    prompt = _prompt(engine, "Yes or no?")
+    engine.add_request("broken", prompt, SamplingParams(max_tokens=8, structured_outputs=spec))
+    engine.add_request("fine", prompt, SamplingParams(max_tokens=8, structured_outputs=spec))
+    matcher = engine._requests["broken"].sequences[0].matcher
+    matcher.consume_token(engine.tokenizer.encode("zzz", add_bos=False)[0])  # not in the grammar
+    assert matcher.is_error()
+    done = _run(engine, {})
+    assert done["broken"].outputs[0].finish_reason == "error"
+    assert "structured output stopped" in done["broken"].error
+    assert done["fine"].outputs[0].text in ("yes", "no")

@@ -290,11 +290,8 @@ class LLMEngine:
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if rows:
             matchers = [seqs[i].matcher for i in rows]
-            batch.allowed_bits, errors = self.input_processor.grammars.allowed_tokens(matchers)
+            batch.allowed_bits = self.input_processor.grammars.allowed_tokens(matchers)
             batch.allowed_rows = torch.tensor(rows, dtype=torch.int64)
-            for row, error in zip(rows, errors):
-                if error is not None:  # its row allows nothing: the sampler fails it
-                    log.warning("structured output of %s stopped: %s", seqs[row].seq_id, error)
         return batch
 
     def _sample(
@@ -310,7 +307,12 @@ class LLMEngine:
         if batch.allowed_rows is not None:  # each constrained sequence's matcher takes its token
             token_ids = sampled.token_ids.tolist()
             for row in batch.allowed_rows.tolist():
-                seqs[row].matcher.consume_token(token_ids[row])
+                seq = seqs[row]
+                if seq.matcher.is_error():  # its mask allowed nothing: fail it with the reason
+                    error = seq.matcher.get_error()
+                    self.output_processor.fail(seq, f"structured output stopped: {error}")
+                else:
+                    seq.matcher.consume_token(token_ids[row])
         self.output_processor.process_sampled(seqs, sampled, logits)
         self._free_finished()
 

@@ -51,7 +51,7 @@ class OutputProcessor:
         logits are not finite, or whose token cannot be processed, fails alone."""
         if not bool(sampled.usable.all()):  # one request's numerical failure must not reach others
             for seq, ok in zip(seqs, sampled.usable.tolist()):
-                if not ok:
+                if not ok and seq.finish_reason is None:
                     self.fail(seq, "the model produced non-finite logits for this request")
         tokens = sampled.token_ids.tolist()
         lp = sampled.logprobs.tolist() if sampled.logprobs is not None else None

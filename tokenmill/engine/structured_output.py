@@ -56,18 +56,15 @@ class GrammarCompiler:
             self.num_matchers += 1
         return matcher
 
-    def allowed_tokens(
-        self, matchers: Rows[llguidance.LLMatcher]
-    ) -> tuple[torch.Tensor, list[str | None]]:
+    def allowed_tokens(self, matchers: Rows[llguidance.LLMatcher]) -> torch.Tensor:
         """The tokens each matcher allows next, as rows of an int32 bitmask (bit b of word w
-        allows token 32 w + b), computed in parallel; and per matcher the error that stopped it,
-        or None."""
+        allows token 32 w + b), computed in parallel. A matcher in error (`is_error`) allows at
+        most the end of the sequence; the engine fails its request with the reason."""
         bits = llguidance.torch.allocate_token_bitmask(len(matchers), self._vocab_size)
         llguidance.torch.fill_next_token_bitmask_par(
             self._executor, [(m, row) for row, m in enumerate(matchers)], bits
         )
-        errors = [(m.get_error() or "error") if m.is_error() else None for m in matchers]
-        return bits, errors
+        return bits
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
