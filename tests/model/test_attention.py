@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.paged_cache import block_tables, filled_cache
 from tokenmill.model import attention, kernels
 from tokenmill.model.attention import (
     QUERY_BLOCK,
@@ -73,22 +74,8 @@ def test_prompt_attention_matches_per_sequence_attention(
     torch.manual_seed(0)
     heads, kv_heads, block_size, scale = 4, 2, 16, 0.3
     query_lens, context_lens = STEPS[step]
-    cache = KVCache(
-        num_layers=1,
-        num_blocks=80,
-        block_size=block_size,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=cache_dtype,
-    )
-    cache.k[0][:-1].normal_()
-    cache.v[0][:-1].normal_()
-    order = torch.randperm(79).tolist()
-    tables, used = [], 0
-    for kv in context_lens:
-        count = -(-kv // block_size)
-        tables.append(order[used : used + count])
-        used += count
+    cache = filled_cache(block_size, 80, cache_dtype, kv_heads, head_dim)
+    tables = block_tables(context_lens, block_size, 80)
     through_kernel = kernel_attends_prompts(torch.float32, cache_dtype, head_dim, "cpu")
     assert through_kernel == (head_dim == 32 and kernels.loaded())
     batch = AttentionBatch.build(
@@ -249,33 +236,12 @@ def test_a_step_through_the_kernel_has_a_slot_table_and_a_mask_row_per_token() -
     )
 
 
-def _filled_cache(
-    block_size: int,
-    num_blocks: int,
-    cache_dtype: torch.dtype,
-    kv_heads: int = 2,
-    head_dim: int = 32,
-) -> KVCache:
-    cache = KVCache(
-        num_layers=1,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=cache_dtype,
-    )
-    cache.k[0][:-1].normal_()  # every slot but the zero pad slot
-    cache.v[0][:-1].normal_()
-    return cache
-
-
-def _tables(context_lens: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
-    """Block tables for these contexts, blocks out of order."""
-    order, tables = torch.randperm(num_blocks).tolist(), []
-    for kv in context_lens:
-        tables.append(order[: -(-kv // block_size)])
-        order = order[len(tables[-1]) :]
-    return tables
+# model dtype and KV cache dtype: float32 with its own or a half cache, bf16 with its own
+DTYPES_AND_CACHE_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.float32, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+]
 
 
 def _needs_kernel() -> None:
@@ -288,7 +254,7 @@ def _needs_kernel() -> None:
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 20.0)])
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype"),
-    [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
+    DTYPES_AND_CACHE_DTYPES,
 )
 def test_a_step_past_the_pair_bound_attends_through_the_kernel_in_groups(
     bound: int,
@@ -306,8 +272,8 @@ def test_a_step_past_the_pair_bound_attends_through_the_kernel_in_groups(
     heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 32, 16, 64
     # decodes, prompt chunks after cached context and a fresh prompt
     query_lens, context_lens = [1, 150, 1, 60, 40], [300, 250, 90, 60, 200]
-    cache = _filled_cache(block_size, num_blocks, cache_dtype, kv_heads, head_dim)
-    tables = _tables(context_lens, block_size, num_blocks)
+    cache = filled_cache(block_size, num_blocks, cache_dtype, kv_heads, head_dim)
+    tables = block_tables(context_lens, block_size, num_blocks)
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim).to(dtype)
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
@@ -345,7 +311,7 @@ def test_a_step_past_the_pair_bound_attends_through_the_kernel_in_groups(
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (40, None), (None, 20.0)])
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype"),
-    [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
+    DTYPES_AND_CACHE_DTYPES,
 )
 def test_a_tokens_attention_does_not_depend_on_how_the_step_is_packed(
     window: int | None,
@@ -365,8 +331,8 @@ def test_a_tokens_attention_does_not_depend_on_how_the_step_is_packed(
     length = 150  # the prompt; then one decoded token
     # the prompt's sequence, and others: a decode, a fresh prompt, a chunk after cached context
     others_query, others_context = [1, 30, 50], [80, 30, 120]
-    cache = _filled_cache(block_size, num_blocks, cache_dtype, kv_heads, head_dim)
-    table, *other_tables = _tables([length + 1, *others_context], block_size, num_blocks)
+    cache = filled_cache(block_size, num_blocks, cache_dtype, kv_heads, head_dim)
+    table, *other_tables = block_tables([length + 1, *others_context], block_size, num_blocks)
     kernel_prompts = kernel_attends_prompts(dtype, cache_dtype, head_dim, "cpu")
     assert kernel_prompts
 

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
+from tests.paged_cache import block_tables, filled_cache
 from tokenmill.model import kernels
 from tokenmill.model.attention import (
     AttentionBatch,
-    KVCache,
     _decode_attention,
     _matmul_decode_attention,
 )
@@ -706,20 +706,8 @@ def test_decode_attention_matches_batched_matmuls(
     holds."""
     torch.manual_seed(head_dim)
     block_size, context_lens = 16, [3, 64, 200, 131]
-    cache = KVCache(
-        num_layers=1,
-        num_blocks=40,
-        block_size=block_size,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=cache_dtype,
-    )
-    cache.k[0][:-1].normal_()  # every slot but the zero pad slot
-    cache.v[0][:-1].normal_()
-    order, tables = torch.randperm(40).tolist(), []
-    for context in context_lens:
-        tables.append(order[: -(-context // block_size)])
-        order = order[len(tables[-1]) :]
+    cache = filled_cache(block_size, 40, cache_dtype, kv_heads, head_dim)
+    tables = block_tables(context_lens, block_size, 40)
     batch = AttentionBatch.build([1] * 4, context_lens, tables, block_size, cache.pad_slot)
     q = torch.randn(4, heads, head_dim).to(dtype)
     args = (
