@@ -112,8 +112,9 @@ async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONR
     if first.get("type") == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
         return APIError(400, message, param=param).response()
+    # 400 as OpenAI and vLLM answer a body of the wrong shape, not FastAPI's 422
     message = "; ".join(f"{_location(e)}: {e['msg']}" for e in errors[:5])
-    return APIError(422, message, param=param).response()
+    return APIError(400, message, param=param).response()
 
 
 def _location(error: dict) -> str:
