@@ -1,4 +1,4 @@
-"""Shared fixtures: the two real models come from the catalog (pulled once into the model cache)."""
+"""Shared fixtures: the real models come from the catalog (pulled once into the model cache)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     return pull("gemma-3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_05b_gguf() -> Path:
+    return pull("qwen2.5-coder-0.5b-instruct", progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ CHATML = (
 )
 
 
-def _tokenizer(vocab_size: int) -> Tokenizer:
+def _tokenizer(vocab_size: int, added: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -36,15 +36,23 @@ def _tokenizer(vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.add_tokens(added)
     return tok
 
 
 def build_tiny_model(
-    path: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 320, layers: int = 2
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 320,
+    layers: int = 2,
+    added_tokens: list[str] | None = None,
+    chat_template: str = CHATML,
 ) -> Path:
-    """Save a tiny model of the given family plus tokenizer files into `path` (an HF directory)."""
+    """Save a tiny model of the given family plus tokenizer files into `path` (an HF directory).
+    added_tokens (such as "<think>") are whole tokens of their own after the trained ones."""
     path.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(vocab_size)
+    tok = _tokenizer(vocab_size, added_tokens or [])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -53,7 +61,7 @@ def build_tiny_model(
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
                 "add_bos_token": False,
-                "chat_template": CHATML,
+                "chat_template": chat_template,
             }
         )
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -12,7 +13,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.sample import SamplingParams
 
 Prompt = str | list[int]
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM:
@@ -60,11 +61,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation (and the tools the model may call, as OpenAI describes
+        them) with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.engine.tokenize(messages=conv, add_generation_prompt=add_generation_prompt)
+            self.engine.tokenize(
+                messages=conv, add_generation_prompt=add_generation_prompt, tools=tools
+            )
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

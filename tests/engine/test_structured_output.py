@@ -200,5 +200,89 @@ def test_a_matcher_in_error_fails_its_request_with_the_reason(engine) -> None:
     assert matcher.is_error()
     done = _run(engine, {})
     assert done["broken"].outputs[0].finish_reason == "error"
-    assert "structured output stopped" in done["broken"].error
+    assert "the output constraint cannot go on" in done["broken"].error
+    assert done["broken"].error_is_input and not done["fine"].error_is_input
     assert done["fine"].outputs[0].text in ("yes", "no")
+
+
+@pytest.fixture(scope="module")
+def thinking_engine(tmp_path_factory) -> LLMEngine:
+    from tests.tiny_models import build_tiny_model
+
+    path = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-thinking"), added_tokens=["<think>", "</think>"]
+    )
+    return LLMEngine(path, num_kv_blocks=128, max_model_len=256)
+
+
+@pytest.mark.parametrize("opened", [True, False], ids=["prompt-opened", "output-opens"])
+def test_the_constraint_starts_after_the_reasoning(thinking_engine, opened: bool) -> None:
+    engine, tokenizer = thinking_engine, thinking_engine.tokenizer
+    think, end = tokenizer.added_token_id("<think>"), tokenizer.added_token_id("</think>")
+    spec = StructuredOutputs(
+        choice=["yes", "no"], reasoning_markers=("<think>", "</think>"), reasoning_opened=opened
+    )
+    # </think> likely after some reasoning; unopened, <think> likely as the first token
+    bias = {end: 5.0} if opened else {think: 8.0, end: 5.0}
+    prompt = tokenizer.encode("Paris is the capital of", add_bos=False)
+    requests = {
+        f"r{seed}": (
+            prompt,
+            SamplingParams(seed=seed, max_tokens=48, logit_bias=bias, structured_outputs=spec),
+        )
+        for seed in range(8)
+    }
+    reasoned = 0
+    for out in _run(engine, requests).values():
+        ids = out.outputs[0].token_ids
+        assert end in ids, "the reasoning always ends, biased as it is"
+        if not opened:
+            assert ids[0] == think
+        at = ids.index(end)
+        assert think not in ids[1:at] and end not in ids[at + 1 :]
+        reasoned += at > (0 if opened else 1)
+        answer = tokenizer.decode(ids[at + 1 :], skip_special_tokens=True)
+        assert answer in ("yes", "no"), "the constraint holds from the end of the reasoning"
+    assert reasoned >= 4, "the reasoning itself runs free of the constraint"
+
+
+def test_without_reasoning_the_constraint_holds_from_the_start(thinking_engine) -> None:
+    tokenizer = thinking_engine.tokenizer
+    spec = StructuredOutputs(choice=["yes", "no"], reasoning_markers=("<think>", "</think>"))
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec)
+    prompt = tokenizer.encode("Paris is the capital of", add_bos=False)
+    (out,) = _run(thinking_engine, {"r": (prompt, params)}).values()
+    assert out.outputs[0].text in ("yes", "no")
+
+
+def _accepts(engine: LLMEngine, spec: StructuredOutputs, text: str) -> bool:
+    matcher = engine.input_processor.grammars.matcher(spec)
+    ids = engine.tokenizer.encode(text, add_bos=False)
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+def test_a_structural_tag_constrains_what_follows_its_trigger(engine) -> None:
+    tag = {
+        "structures": [
+            {
+                "begin": "<function=add>",
+                "schema": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                    "additionalProperties": False,
+                },
+                "end": "</function>",
+            }
+        ],
+        "triggers": ["<function="],
+    }
+    spec = StructuredOutputs(structural_tag=tag)
+    assert _accepts(engine, spec, "Sure, let me add them.")
+    assert _accepts(engine, spec, 'Adding: <function=add>{"a":1,"b":2}</function> done')
+    assert not _accepts(engine, spec, "Adding: <function=mul>")
+    assert not _accepts(engine, spec, 'Adding: <function=add>{"a":"x"}')
+    with pytest.raises(InvalidRequestError, match="no trigger"):
+        engine.input_processor.grammars.matcher(
+            StructuredOutputs(structural_tag={**tag, "triggers": ["<tool>"]})
+        )

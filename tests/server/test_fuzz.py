@@ -478,3 +478,290 @@ def test_tiny_repetition_penalty_never_yields_non_json(fuzz_server, route, strea
             except ValueError as exc:
                 pytest.fail(f"{exc} in {payload[:300]}")
     _assert_healthy(fuzz_server.url)
+
+
+# ---------------------------------------------------------------------------- structured outputs
+# The request schema types the output constraints loosely (any dict, any string), and schemathesis
+# seldom gets one compiled: a random model name, or two constraints at once, is refused first.
+# Here the bodies are valid and carry random JSON schemas, regular expressions, choices and
+# grammars, well formed or not, through every field that takes one; now and then a value of the
+# wrong type, or two fields at once. The server must follow the constraint (200) or refuse it
+# (400, or 422 for a value of the wrong type), never answer 5xx, and serve on afterwards.
+
+JSON_VALUES = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-5, 5),
+        st.floats(-10, 10, allow_nan=False),
+        st.text(max_size=4),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=5,
+)
+REGEXES = st.one_of(
+    st.text(alphabet="ab09.*+?|()[]{}^$\\-,dwsp:L", min_size=1, max_size=16),
+    st.sampled_from(
+        [
+            r"[a-z]{1,5}",
+            r"\d{3}-\d{4}",
+            r"(yes|no)!?",
+            r"a*b?",
+            r"\p{L}{1,3}",
+            r"(?i)abc",
+            r"x{0}",  # only the empty output
+            r"[^\s\S]",  # no output at all
+            r"a{2,1}",
+            r"(a",
+            r"a{100000}",
+            " ",
+        ]
+    ),
+)
+GRAMMAR_PIECES = st.sampled_from(
+    ['"a"', '"b"', '""', "root", "x", "[a-z]", "[^\\n]", "(", ")", "|", "*", "+", "?", "{1,3}"]
+    + [" ", "\n", "::=", '"', "start", ":", "/a+/", "%ignore", "\nx ::= ", "%json {}", "\\"]
+)
+GRAMMARS = st.one_of(
+    st.lists(GRAMMAR_PIECES, max_size=8).map(lambda pieces: "root ::= " + "".join(pieces)),
+    st.lists(GRAMMAR_PIECES, max_size=8).map(lambda pieces: "start: " + "".join(pieces)),
+    st.text(min_size=1, max_size=30),
+    st.sampled_from(
+        [
+            'root ::= ("yes" | "no") "!"',
+            'root ::= [0-9]+ ("," [0-9]+){0,3}',
+            'root ::= item+\nitem ::= [a-c] " "',
+            'root ::= root "a" | "a"',  # left recursion
+            "root ::= root",  # no output at all
+            'root ::= "a" missing',
+            'start: "a"+ | /[0-9]{2}/',
+            "start: %json {}",
+            'start: %json {"type": "integer"}',
+        ]
+    ),
+)
+LEAF_SCHEMAS = st.one_of(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.one_of(
+                st.sampled_from(["string", "integer", "number", "boolean", "null", "objectx"]),
+                st.lists(st.sampled_from(["string", "integer", "null"]), max_size=3),
+            ),
+            "minLength": st.integers(-1, 4),
+            "maxLength": st.integers(-1, 6),
+            "pattern": REGEXES,
+            "format": st.sampled_from(["date", "date-time", "email", "uuid", "ipv4", "bogus"]),
+            "minimum": st.integers(-5, 5) | st.floats(-5, 5),
+            "maximum": st.integers(-5, 5) | st.floats(-5, 5),
+            "exclusiveMinimum": st.integers(-5, 5),
+            "multipleOf": st.sampled_from([0, -1, 0.5, 3, 1e-9]),
+            "enum": st.lists(JSON_VALUES, max_size=3),
+            "const": JSON_VALUES,
+        },
+    ),
+    st.sampled_from(
+        [
+            {"$ref": "#/$defs/leaf"},
+            {"$ref": "#/$defs/missing"},
+            {"$ref": "http://example.com/schema"},
+            {"not": {}},
+            {"uniqueItems": True},
+        ]
+    ),
+)
+# Bounded trees: a schema that refers to itself where an instance needs it has no finite instance,
+# which llguidance finds out only while generating (see the regression test below).
+SCHEMAS = st.recursive(
+    LEAF_SCHEMAS,
+    lambda inner: st.one_of(
+        st.fixed_dictionaries(
+            {"type": st.just("object")},
+            optional={
+                "properties": st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                "required": st.lists(st.text(max_size=4), max_size=2),
+                "additionalProperties": st.one_of(st.booleans(), inner),
+                "minProperties": st.integers(0, 2),
+            },
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("array")},
+            optional={
+                "items": st.one_of(inner, st.booleans()),
+                "prefixItems": st.lists(inner, max_size=2),
+                "minItems": st.integers(-1, 2),
+                "maxItems": st.integers(-1, 3),
+            },
+        ),
+        st.builds(
+            lambda key, schemas: {key: schemas},
+            st.sampled_from(["anyOf", "oneOf", "allOf"]),
+            st.lists(inner, max_size=3),
+        ),
+    ),
+    max_leaves=6,
+).map(lambda schema: {"$defs": {"leaf": {"type": "integer", "minimum": 0}}, **schema})
+SCHEMA_OR_TEXT = st.one_of(SCHEMAS, SCHEMAS.map(json.dumps), st.text(max_size=20))
+# mostly valid; an empty list or an empty string now and then
+CHOICES = st.one_of(
+    st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=4),
+    st.lists(st.text(max_size=6), max_size=4),
+)
+STRUCTURED_OUTPUTS = {
+    "json": SCHEMA_OR_TEXT,
+    "json_object": st.booleans(),
+    "regex": REGEXES,
+    "choice": CHOICES,
+    "grammar": GRAMMARS,
+}
+CONSTRAINTS = {
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "json_schema", "yaml"])},
+        optional={
+            "json_schema": st.fixed_dictionaries(
+                {"name": st.text(max_size=8)},
+                optional={"schema": SCHEMAS, "strict": st.booleans(), "description": st.text()},
+            )
+        },
+    ),
+    "structured_outputs": st.one_of(
+        *(st.fixed_dictionaries({key: values}) for key, values in STRUCTURED_OUTPUTS.items()),
+        st.fixed_dictionaries({}, optional=STRUCTURED_OUTPUTS),  # none, or several
+    ),
+    "guided_json": SCHEMA_OR_TEXT,
+    "guided_regex": REGEXES,
+    "guided_choice": CHOICES,
+    "guided_grammar": GRAMMARS,
+}
+# min_tokens stays out: see test_min_tokens_past_a_finished_grammar_is_no_server_error
+CONSTRAINED = {
+    "max_tokens": st.integers(1, 8),
+    "temperature": _finite(0.0, 2.0),
+    "seed": st.integers(0, 2**31),
+    "n": st.integers(1, 2),
+    "stream": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "logit_bias": st.dictionaries(st.integers(0, 319).map(str), _finite(-100.0, 100.0), max_size=4),
+    "stop": st.lists(st.text(min_size=1, max_size=2), max_size=2),
+    "stop_token_ids": st.lists(st.integers(0, 319), max_size=2),
+    "top_k": st.integers(-1, 8),
+}
+
+
+@st.composite
+def _constrained_bodies(draw, route: str) -> dict:
+    prompt = st.text(min_size=1, max_size=12)  # short: the context is 64 tokens
+    required = (
+        {"prompt": prompt}
+        if route == "/v1/completions"
+        else {"messages": st.tuples(prompt.map(lambda text: {"role": "user", "content": text}))}
+    )
+    body = draw(st.fixed_dictionaries(required, optional=CONSTRAINED))
+    fields = draw(st.lists(st.sampled_from(sorted(CONSTRAINTS)), min_size=1, max_size=2))
+    for name in fields[: 1 + (draw(st.integers(0, 9)) == 0)]:  # two fields in a tenth
+        wrong_type = draw(st.integers(0, 9)) == 0
+        body[name] = draw(JSON_VALUES if wrong_type else CONSTRAINTS[name])
+    return body
+
+
+def _refused(resp: httpx.Response) -> str | None:
+    """None when resp is a 422 in OpenAI's error shape."""
+    error = resp.json().get("error", {})
+    return None if set(error) == ERROR_KEYS else f"malformed 422 body {resp.text[:300]!r}"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzz_structured_outputs(fuzz_server, route) -> None:
+    failures: list[str] = []
+    statuses: Counter = Counter()
+    with httpx.Client(base_url=fuzz_server.url, headers=AUTH, timeout=60) as http:
+
+        @settings(
+            max_examples=200,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+        )
+        @given(_constrained_bodies(route))
+        def run(body) -> None:
+            try:
+                resp = http.post(route, json=body)
+            except httpx.HTTPError as exc:
+                failures.append(f"no answer ({exc!r}) to {json.dumps(body)}")
+                return
+            statuses[resp.status_code] += 1
+            if resp.status_code == 422:
+                problem = _refused(resp)
+            else:
+                problem = _check_generation(route, body, resp)
+            if problem:
+                failures.append(f"{problem}\n    body: {json.dumps(body)}")
+
+        run()
+    print(route, dict(statuses))
+    _quiesce(fuzz_server.url)
+    assert not failures, f"{len(failures)} bad responses:\n\n" + "\n\n".join(failures[:20])
+    assert statuses[200] >= 20 and statuses[400] >= 10, statuses  # compiled and refused ones
+    _assert_healthy(fuzz_server.url)
+
+
+def _post_both_ways(url: str, route: str, extra: dict) -> list[httpx.Response]:
+    body = (
+        {"prompt": "hi"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        return [
+            http.post(route, json={**body, "max_tokens": 8, "stream": stream, **extra})
+            for stream in (False, True)
+        ]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"guided_regex": r"[^\s\S]"},
+        {"guided_json": {"$ref": "#"}},
+        {"guided_grammar": "root ::= root"},
+        {"structured_outputs": {"grammar": 'start: start "a"'}},
+    ],
+    ids=["empty-class", "self-ref-schema", "gbnf-only-recursion", "lark-only-recursion"],
+)
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_constraint_no_output_satisfies_is_a_400(fuzz_server, route, extra) -> None:
+    """llguidance accepts these grammars, whose language is empty; their matcher fails at the first
+    token. They are refused when compiled, streamed or not, not failed while generating (500)."""
+    responses = _post_both_ways(fuzz_server.url, route, extra)
+    _quiesce(fuzz_server.url)
+    for resp in responses:
+        assert resp.status_code == 400, resp.text[:300]
+        assert "no output can satisfy it" in resp.json()["error"]["message"]
+    _assert_healthy(fuzz_server.url)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_min_tokens_past_a_finished_grammar_ends_the_output(fuzz_server, route) -> None:
+    """The grammar allows only the end before min_tokens: the constraint wins, no 500."""
+    extra = {"guided_choice": ["a", "b"], "min_tokens": 3}
+    responses = _post_both_ways(fuzz_server.url, route, extra)
+    _quiesce(fuzz_server.url)
+    for resp in responses:
+        assert resp.status_code == 200 and '"error"' not in resp.text, resp.text[:300]
+    choice = responses[0].json()["choices"][0]
+    assert choice.get("text", choice.get("message", {}).get("content")) in ("a", "b")
+
+
+def test_a_schema_without_a_finite_instance_is_a_400(fuzz_server) -> None:
+    """llguidance finds out a token in that it cannot go on: the request's own failure."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    (resp, _) = _post_both_ways(fuzz_server.url, "/v1/completions", {"guided_json": schema})
+    _quiesce(fuzz_server.url)
+    assert resp.status_code == 400, resp.text[:300]
+    assert "the output constraint cannot go on" in resp.json()["error"]["message"]
+    _assert_healthy(fuzz_server.url)

@@ -10,6 +10,8 @@ import sys
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
 from tokenmill.cli.common import add_kv_cache_dtype_arg, add_quantization_args
+from tokenmill.parsers.reasoning import REASONING_PARSERS
+from tokenmill.parsers.tool_calls import TOOL_PARSERS
 
 GiB = 1 << 30
 
@@ -123,6 +125,20 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         help="seconds a request may take from arrival to its last token (default: no limit)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format, for requests with tools (default: the one its chat "
+        "template uses)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split a <think> model's reasoning into reasoning_content; output constraints "
+        "start after it (default: none, the reasoning stays in content)",
+    )
+    p.add_argument(
         "--allowed-origins",
         nargs="*",
         default=[],
@@ -182,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
             protect_metrics=args.protect_metrics,
             allowed_origins=args.allowed_origins,
             request_timeout=args.request_timeout,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         ),
     )
     print(

@@ -96,12 +96,13 @@ class AsyncLLMEngine:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a text prompt, or of chat messages rendered with the model's chat
-        template, as `add_request` tokenizes them (see `InputProcessor.tokenize`). Raises
+        """Token ids of a text prompt, or of chat messages (and tools) rendered with the model's
+        chat template, as `add_request` tokenizes them (see `InputProcessor.tokenize`). Raises
         InvalidRequestError for input that cannot be tokenized."""
         return self.engine.input_processor.tokenize(
-            prompt, messages, add_special_tokens, add_generation_prompt, chat_template_kwargs
+            prompt, messages, add_special_tokens, add_generation_prompt, chat_template_kwargs, tools
         )
 
     @property

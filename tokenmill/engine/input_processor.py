@@ -40,11 +40,12 @@ class InputProcessor:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a text prompt (BOS added where the model wants one, unless
         add_special_tokens is off), or of chat messages rendered with the chat template (which
-        writes BOS itself). Exactly one of prompt and messages; InvalidRequestError for input
-        that cannot be tokenized."""
+        writes BOS itself, and the tools' descriptions where there are tools). Exactly one of
+        prompt and messages; InvalidRequestError for input that cannot be tokenized."""
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give either prompt or messages")
         if messages is None:
@@ -53,6 +54,7 @@ class InputProcessor:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )
         except TokenmillError:

@@ -26,6 +26,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import FINISHED_STATUS, Request, Sequence
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.step_batch import StepBatch
+from tokenmill.engine.structured_output import allows_only
 from tokenmill.errors import InvalidRequestError, QueueFullError
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
@@ -165,10 +166,11 @@ class LLMEngine:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a text prompt or of chat messages (see `InputProcessor.tokenize`)."""
         return self.input_processor.tokenize(
-            prompt, messages, add_special_tokens, add_generation_prompt, chat_template_kwargs
+            prompt, messages, add_special_tokens, add_generation_prompt, chat_template_kwargs, tools
         )
 
     def add_request(
@@ -279,18 +281,26 @@ class LLMEngine:
             self._sample(logits, seqs, sampling, touched)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        bits = None
+        if rows:
+            bits = self.input_processor.grammars.allowed_tokens([seqs[i].matcher for i in rows])
+        stops_for_min_tokens = [s.request.stop_token_ids for s in seqs]
+        for row, i in enumerate(rows):
+            seq = seqs[i]
+            short = len(seq.output_token_ids) < seq.params.min_tokens
+            if short and allows_only(bits[row], stops_for_min_tokens[i]):
+                stops_for_min_tokens[i] = frozenset()  # a finished constraint ends the output
         batch = SamplingBatch.build(
             [s.params for s in seqs],
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             [s.generator for s in seqs],
             self.loaded.config.vocab_size,
-            [s.request.stop_token_ids for s in seqs],
+            stops_for_min_tokens,
         )
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if rows:
-            matchers = [seqs[i].matcher for i in rows]
-            batch.allowed_bits = self.input_processor.grammars.allowed_tokens(matchers)
+            batch.allowed_bits = bits
             batch.allowed_rows = torch.tensor(rows, dtype=torch.int64)
         return batch
 
@@ -310,7 +320,9 @@ class LLMEngine:
                 seq = seqs[row]
                 if seq.matcher.is_error():  # its mask allowed nothing: fail it with the reason
                     error = seq.matcher.get_error()
-                    self.output_processor.fail(seq, f"structured output stopped: {error}")
+                    self.output_processor.fail(
+                        seq, f"the output constraint cannot go on: {error}", is_input=True
+                    )
                 else:
                     seq.matcher.consume_token(token_ids[row])
         self.output_processor.process_sampled(seqs, sampled, logits)

@@ -38,9 +38,11 @@ class OutputProcessor:
         seq.stop_reason = stop_reason
         self._finished.append(seq)
 
-    def fail(self, seq: Sequence, message: str) -> None:
-        """End the sequence with "error"; its request reports `message`."""
+    def fail(self, seq: Sequence, message: str, is_input: bool = False) -> None:
+        """End the sequence with "error"; its request reports `message` (is_input: the failure
+        is the request's own doing)."""
         seq.request.error = message
+        seq.request.error_is_input = is_input
         self.finish(seq, "error")
 
     def process_sampled(
@@ -188,4 +190,5 @@ class OutputProcessor:
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
             num_cached_tokens=max(request.sequences[0].num_cached_tokens, 0),
             error=request.error,
+            error_is_input=request.error_is_input,
         )

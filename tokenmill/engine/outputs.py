@@ -46,3 +46,5 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the request failed (finish_reason "error")
+    error_is_input: bool = False  # the failure is the request's own (an output constraint that
+    # cannot go on), not the engine's

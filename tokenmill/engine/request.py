@@ -179,6 +179,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, if asked
     error: str | None = None  # why it failed, once a sequence finished with "error"
+    error_is_input: bool = False  # the request's own input made it fail (its output constraint)
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Rows
 
 import llguidance
@@ -51,6 +52,8 @@ class GrammarCompiler:
         """A fresh matcher for the constraint; InvalidRequestError naming what llguidance cannot
         compile."""
         grammar = self._grammar(*_source(spec))
+        if spec.reasoning_markers is not None:
+            grammar = self._after_reasoning(grammar, spec.reasoning_markers, spec.reasoning_opened)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
         with self._lock:
             self.num_matchers += 1
@@ -66,6 +69,25 @@ class GrammarCompiler:
         )
         return bits
 
+    def _after_reasoning(self, grammar: str, markers: tuple[str, str], opened: bool) -> str:
+        """The grammar behind a free reasoning block: what the prompt opened, or what the output
+        may open with its first token, runs free up to the closing marker. The markers must be
+        tokens of their own (as `<think>` and `</think>` are in the models that reason) for the
+        reasoning's text to be told from them; where they are not, the grammar holds from the
+        start and the model cannot reason."""
+        start, end = (self._tokenizer.added_token_id(marker) for marker in markers)
+        if end is None or (start is None and not opened):
+            return grammar
+        reasoning = f"REASONING <[{end}]> @constrained"
+        rule = reasoning if opened else f"<[{start}]> {reasoning} | @constrained"
+        body = (
+            json.loads(grammar)["grammars"]
+            if grammar.startswith("{")
+            else [{"lark_grammar": grammar}]
+        )
+        outer = {"lark_grammar": f"start: {rule}\nREASONING: /(?s:.*)/\n"}
+        return json.dumps({"grammars": [outer, {**body[0], "name": "constrained"}, *body[1:]]})
+
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll_tokenizer is None:
@@ -77,6 +99,16 @@ class GrammarCompiler:
                 )
             return self._ll_tokenizer
 
+    def _unsatisfiable(self, grammar: str) -> str:
+        """Why no output can satisfy a valid grammar, or "": llguidance checks a grammar's form,
+        not that some text matches it (an empty character class, a rule that only recurses), and
+        the matcher of such a grammar fails at its first token. A 400 here, not a failed step."""
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+        matcher.compute_bitmask()
+        if not matcher.is_error():
+            return ""
+        return f"no output can satisfy it ({matcher.get_error().splitlines()[0]})"
+
     def _grammar(self, kind: str, text: str) -> str:
         """The llguidance grammar for a constraint, converted and checked once per distinct text."""
         key = (kind, text)
@@ -85,8 +117,10 @@ class GrammarCompiler:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
         start = time.perf_counter()
-        grammar = _convert(kind, text)
-        problem = llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        grammar = _convert(kind, text, lambda t: self._tokenizer.added_token_id(t) is not None)
+        problem = llguidance.LLMatcher.validate_grammar(
+            grammar, self._llg_tokenizer()
+        ) or self._unsatisfiable(grammar)
         with self._lock:
             self.num_compiles += 1
             self.compile_seconds += time.perf_counter() - start
@@ -113,11 +147,15 @@ def _source(spec: StructuredOutputs) -> tuple[str, str]:
         return "regex", spec.regex
     if spec.choice is not None:
         return "choice", json.dumps(spec.choice)
+    if spec.structural_tag is not None:
+        tag = spec.structural_tag
+        return "structural_tag", tag if isinstance(tag, str) else json.dumps(tag)
     return "grammar", spec.grammar
 
 
-def _convert(kind: str, text: str) -> str:
-    """llguidance's grammar for (kind, text); InvalidRequestError where the text does not parse."""
+def _convert(kind: str, text: str, is_token: Callable[[str], bool]) -> str:
+    """llguidance's grammar for (kind, text); InvalidRequestError where the text does not parse.
+    is_token tells the texts that are tokens of their own (added tokens such as "<tool_call>")."""
     try:
         if kind == "json":
             schema = json.loads(text)
@@ -133,8 +171,42 @@ def _convert(kind: str, text: str) -> str:
         if kind == "choice":
             # Lark string literals: JSON's quoting and escapes
             return "start: " + " | ".join(json.dumps(c) for c in json.loads(text))
+        if kind == "structural_tag":
+            return _structural_tag(json.loads(text), is_token)
         return gbnf_to_lark(text) if "::=" in text else text
     except Exception as exc:  # noqa: BLE001 - they parse the user's text: any failure is its own
         raise InvalidRequestError(
             f"structured_outputs.{kind} is not valid: {exc}", param=f"structured_outputs.{kind}"
         ) from exc
+
+
+def _structural_tag(tag: dict, is_token: Callable[[str], bool]) -> str:
+    """vLLM's structural tag as llguidance's: each structure starts at the trigger its `begin`
+    starts with. A trigger written `<...>` that is a token of its own is matched as that token."""
+    triggers = tag.get("triggers") or []
+    tags = []
+    for structure in tag["structures"]:
+        begin = structure["begin"]
+        trigger = max((t for t in triggers if begin.startswith(t)), key=len, default=None)
+        if trigger is None:
+            raise ValueError(f"no trigger starts the structure that begins with {begin!r}")
+        tags.append(
+            llguidance.StructTag(
+                trigger=trigger,
+                begin=begin,
+                grammar=structure.get("schema") or {},
+                end=structure.get("end", ""),
+            )
+        )
+    special = all(is_token(t) for t in triggers if t.startswith("<") and t.endswith(">"))
+    return llguidance.StructTag.to_grammar(tags, assume_special=special)
+
+
+def allows_only(bits: torch.Tensor, token_ids: frozenset[int]) -> bool:
+    """Whether a row of `GrammarCompiler.allowed_tokens`' bitmask allows no token but these."""
+    rest = bits.clone()
+    for token_id in token_ids:
+        word = token_id // 32
+        if word < rest.numel():
+            rest[word] &= ~(torch.tensor(1, dtype=torch.int32) << token_id % 32)
+    return not bool(rest.any())

@@ -19,15 +19,23 @@ MAX_SEED = 2**63 - 1
 class StructuredOutputs:
     """A constraint on a request's output, as vLLM's `structured_outputs`: exactly one of a JSON
     schema (a dict or its text; `{}` admits any JSON value), any JSON object (`json_object`), a
-    regular expression (the whole output matches it), a choice among strings, or a grammar (Lark,
-    or GBNF as llama.cpp writes it, told apart by its `::=` rules). The engine compiles it with
-    llguidance and masks every token that would leave it."""
+    regular expression (the whole output matches it), a choice among strings, a grammar (Lark,
+    or GBNF as llama.cpp writes it, told apart by its `::=` rules), or a structural tag (free
+    text in which each of its `triggers` starts one of its `structures`: the `begin` text, JSON
+    following the structure's `schema`, the `end` text; as a dict or its JSON text). The engine
+    compiles it with llguidance and masks every token that would leave it."""
 
     json: str | dict | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict | None = None
+    # A model that reasons first (the server's --reasoning-parser) writes its reasoning between
+    # these two markers, unconstrained; the constraint holds from the closing one.
+    # reasoning_opened: the prompt has opened the reasoning already.
+    reasoning_markers: tuple[str, str] | None = None
+    reasoning_opened: bool = False
 
     def validate(self) -> None:
         """Raise InvalidRequestError unless exactly one constraint is given, of the right type."""
@@ -39,13 +47,14 @@ class StructuredOutputs:
                 ("regex", self.regex),
                 ("choice", self.choice),
                 ("grammar", self.grammar),
+                ("structural_tag", self.structural_tag),
             )
             if value is not None
         ]
         if len(given) != 1:
             raise InvalidRequestError(
-                "structured_outputs takes exactly one of json, json_object, regex, choice and "
-                f"grammar; got {', '.join(given) if given else 'none'}",
+                "structured_outputs takes exactly one of json, json_object, regex, choice, "
+                f"grammar and structural_tag; got {', '.join(given) if given else 'none'}",
                 param="structured_outputs",
             )
         if self.choice is not None and (

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from tokenmill.engine.async_engine import RequestStream
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams
 from tokenmill.server.errors import APIError, GenerationError, RequestTimeoutError
 from tokenmill.server.metrics import RequestTimer
@@ -127,7 +128,8 @@ class RequestRun:
         if out.finished:
             timer.finish([c.finish_reason for c in out.outputs])
         if out.error:
-            raise GenerationError(out.error)
+            error = InvalidRequestError if out.error_is_input else GenerationError
+            raise error(out.error)
         return out
 
     async def _merged(self, deadline: float | None) -> AsyncIterator[tuple[int, RequestOutput]]:

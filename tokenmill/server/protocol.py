@@ -35,6 +35,7 @@ class StructuredOutputsField(_Strict):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def spec(self) -> StructuredOutputs:
         return StructuredOutputs(
@@ -43,6 +44,7 @@ class StructuredOutputsField(_Strict):
             regex=self.regex,
             choice=self.choice,
             grammar=self.grammar,
+            structural_tag=self.structural_tag,
         )
 
 
@@ -56,8 +58,11 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural tag (see `tokenmill.sample.StructuredOutputs`)
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
     def spec(self) -> StructuredOutputs | None:
         if self.type == "json_schema":
@@ -68,6 +73,10 @@ class ResponseFormat(_Strict):
                 )
             # a missing schema admits any JSON value, as `{}` does
             return StructuredOutputs(json=self.json_schema.schema_ or {})
+        if self.type == "structural_tag":
+            return StructuredOutputs(
+                structural_tag={"structures": self.structures, "triggers": self.triggers}
+            )
         return StructuredOutputs(json_object=True) if self.type == "json_object" else None
 
 
@@ -196,6 +205,29 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None takes no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """A `tool_choice` that names the one function to call."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... passed to the template
 
@@ -210,15 +242,17 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" where there are tools, as OpenAI defaults it
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -21,6 +21,8 @@ class ServerConfig:
     protect_metrics: bool = False  # and on /metrics
     allowed_origins: list[str] = field(default_factory=list)  # CORS allowlist; empty: CORS off
     request_timeout: float | None = None  # seconds from arrival to the end of generation
+    tool_call_parser: str | None = None  # a name in TOOL_PARSERS; None: the chat template's
+    reasoning_parser: str | None = None  # a name in REASONING_PARSERS; None: no reasoning split
 
 
 @dataclass

@@ -171,6 +171,14 @@ class Tokenizer:
         """The tokenizer as Hugging Face `tokenizers` serializes it (for llguidance)."""
         return self._backend.to_str()
 
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token (special or not, such as "<tool_call>") whose text this
+        is, or None where the text is not one."""
+        for token_id, token in self._backend.get_added_tokens_decoder().items():
+            if token.content == text:
+                return token_id
+        return None
+
     def id_to_piece(self, id: int) -> str:
         """The vocabulary entry for `id` as stored (e.g. "▁Hello" or "ĠHello"), not decoded text."""
         if not 0 <= id < self.vocab_size:

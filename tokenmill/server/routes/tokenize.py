@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokenmill.server.state import State
+from tokenmill.server.tool_calling import template_messages
 
 router = APIRouter()
 
@@ -17,14 +18,13 @@ router = APIRouter()
 async def tokenize(req: TokenizeRequest, state: State) -> dict[str, Any]:
     state.check_model(req.model)
     engine = state.engine
-    messages = (
-        None if req.messages is None else [m.model_dump(exclude_none=True) for m in req.messages]
-    )
+    messages = None if req.messages is None else template_messages(req.messages)
     ids = engine.tokenize(
         req.prompt,
         messages,
         add_special_tokens=req.add_special_tokens,
         add_generation_prompt=req.add_generation_prompt,
+        tools=[tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None,
     )
     body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
     if req.return_token_strs:
