@@ -11,6 +11,7 @@ to each request's asyncio queue with `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -210,12 +211,20 @@ class AsyncLLMEngine:
         """Queue a request; raises here (not later) if the engine refuses it.
 
         The request is tokenized, validated and fanned out into its sequences here, on the
-        calling thread (see `InputProcessor`); the engine thread only checks it against the
-        engine's state (request id in use, queue full) and queues it."""
+        calling thread (see `InputProcessor`), or on a worker thread where its output
+        constraint's grammar may take a while to compile, so that the event loop goes on
+        streaming the other requests' tokens meanwhile; the engine thread only checks it against
+        the engine's state (request id in use, queue full) and queues it."""
         self._check_alive()
-        request = self.engine.input_processor.process(
-            request_id, prompt, params, priority, extra_key=extra_key
+        process = functools.partial(
+            self.engine.input_processor.process,
+            request_id,
+            prompt,
+            params,
+            priority,
+            extra_key=extra_key,
         )
+        request = await asyncio.to_thread(process) if params.structured_outputs else process()
         stream = RequestStream(self, request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
         try:
