@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import jsonschema
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -17,11 +18,18 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from tokenmill.bench.serving import (
+    JSON_SCHEMAS,
+    NEW_SCHEMA_TOKENS,
+    RECORD_TOKENS,
     BenchConfig,
     BenchResult,
+    RequestResult,
+    compile_interference,
     format_comparison,
     format_report,
+    format_summary,
     run_benchmark,
+    structured_comparison,
     write_plot,
 )
 from tokenmill.cli.main import main
@@ -308,3 +316,128 @@ def test_cli(fake, tmp_path, capsys) -> None:
     assert main(["bench", "--base-url", fake.url, "--num-prompts", "2"]) == 1
     assert "warm-up request" in capsys.readouterr().err
     assert main(["bench", "--base-url", fake.url, "--input-len", "0"]) == 1
+
+
+def schema_bodies(fake: FakeServer) -> list[dict]:
+    return [
+        b["response_format"]["json_schema"]["schema"] for b in fake.bodies if "response_format" in b
+    ]
+
+
+def test_json_schema_workloads(fake) -> None:
+    result = bench(fake, num_prompts=16, warmup=1, structured_output="json")
+    warm, *timed = fake.bodies
+    assert all(b["response_format"]["type"] == "json_schema" for b in fake.bodies)
+    schemas = schema_bodies(fake)
+    assert len(schemas) == 17 and warm["response_format"]["json_schema"]["schema"] == schemas[1]
+    distinct = {json.dumps(s, sort_keys=True) for s in schemas}
+    assert len(distinct) == JSON_SCHEMAS  # taken in turn, repeats left to the server's cache
+    for schema in schemas:
+        jsonschema.Draft202012Validator.check_schema(schema)
+        assert schema["required"] == list(schema["properties"])
+        records = list(schema["properties"].values())[-1]
+        assert records["minItems"] * RECORD_TOKENS >= 6  # outlasts output_len
+    assert "16 with a JSON schema (json)" in result.prompt_mode
+    assert_sane(result)
+    # the same seed gives the same schemas; json-unique a new one per request and per run
+    fake.bodies.clear()
+    bench(fake, num_prompts=16, warmup=1, structured_output="json")
+    assert {json.dumps(s, sort_keys=True) for s in schema_bodies(fake)} == distinct
+    unique: set[str] = set()
+    for _ in range(2):
+        fake.bodies.clear()
+        bench(fake, num_prompts=8, warmup=1, structured_output="json-unique")
+        unique |= {json.dumps(s, sort_keys=True) for s in schema_bodies(fake)}
+    assert len(unique) == 18
+
+
+def test_structured_output_ratio(fake) -> None:
+    bench(fake, num_prompts=10, structured_output="json", structured_output_ratio=0.5)
+    assert len(schema_bodies(fake)) == 5
+    fake.bodies.clear()
+    bench(fake, num_prompts=10, structured_output="json", structured_output_ratio=0.0)
+    assert schema_bodies(fake) == []
+    for bad in (
+        {"structured_output": "yaml"},
+        {"structured_output_ratio": 1.5},
+        {"new_schemas": -1},
+    ):
+        with pytest.raises(InvalidRequestError):
+            BenchConfig(**bad)
+
+
+def test_new_schemas_arrive_mid_run_and_are_measured_apart(fake) -> None:
+    result = bench(fake, num_prompts=6, max_concurrency=2, new_schemas=3, new_schemas_at=0.01)
+    assert result.metrics()["completed"] == 6 and len(result.requests) == 6
+    new = result.new_schema_requests
+    assert len(new) == 3 and all(r.success and r.output_len == NEW_SCHEMA_TOKENS for r in new)
+    assert all(r.start >= 0.01 for r in new)
+    constrained = [b for b in fake.bodies if "response_format" in b]
+    assert len(constrained) == 3 and all(b["max_tokens"] == NEW_SCHEMA_TOKENS for b in constrained)
+    assert len({json.dumps(b["response_format"], sort_keys=True) for b in constrained}) == 3
+    data = result.to_dict()
+    assert len(data["new_schema_ttfts"]) == 3 and data["new_schema_errors"] == [""] * 3
+
+
+def fixed_result(label: str, duration: float, itls: list[list[float]]) -> BenchResult:
+    """A result of requests with the given inter-token gaps (seconds), 10 ms to the first token."""
+    requests = [
+        RequestResult(
+            10, success=True, output_len=len(gaps) + 1, ttft=0.01, e2e=0.01 + sum(gaps), itl=gaps
+        )
+        for gaps in itls
+    ]
+    return BenchResult(BenchConfig(), "m", label, "fixed", duration, requests)
+
+
+def test_structured_comparison_is_computed_from_both_runs() -> None:
+    free = fixed_result("free", 2.0, [[0.01] * 9] * 4)  # 40 tokens in 2 s
+    constrained = fixed_result("json", 2.5, [[0.0125] * 9] * 4)  # 40 tokens in 2.5 s
+    summary = structured_comparison(free, constrained)
+    assert summary["free_output_throughput"] == pytest.approx(20.0)
+    assert summary["constrained_output_throughput"] == pytest.approx(16.0)
+    assert summary["output_throughput_ratio"] == pytest.approx(0.8)
+    assert summary["free_median_tpot_ms"] == pytest.approx(10.0)
+    assert summary["median_tpot_ratio"] == pytest.approx(1.25)
+    text = format_summary("Structured outputs", summary)
+    assert "Constrained / free output throughput:    0.80x" in text
+
+
+def test_compile_interference_is_computed_from_the_free_streams() -> None:
+    # 100 gaps each: p99 is interpolated between the two largest
+    without = fixed_result("free", 1.0, [[0.01] * 100])
+    with_new = fixed_result("free + new schemas", 1.0, [[0.01] * 98 + [0.05, 0.09]])
+    with_new.new_schema_requests = [
+        RequestResult(10, success=True, output_len=16, ttft=t, e2e=1.0) for t in (0.1, 0.3)
+    ] + [RequestResult(10, error="HTTP 400")]
+    summary = compile_interference(without, with_new)
+    assert summary["p99_itl_ms_without"] == pytest.approx(10.0)
+    assert summary["p99_itl_ms_with"] == pytest.approx(50.0 + 0.01 * 40.0)
+    assert summary["p99_itl_ratio"] == pytest.approx(5.04)
+    assert summary["max_itl_ms_without"] == pytest.approx(10.0)
+    assert summary["max_itl_ms_with"] == pytest.approx(90.0)
+    assert (summary["new_schema_completed"], summary["new_schema_failed"]) == (2, 1)
+    assert summary["new_schema_median_ttft_ms"] == pytest.approx(200.0)
+    assert "P99 ITL with / without:                  5.04x" in format_summary("x", summary)
+
+
+def test_cli_structured_output(fake, tmp_path, capsys) -> None:
+    args = ["bench", "--base-url", fake.url, "--num-prompts", "4", "--output-len", "4"]
+    out_json = tmp_path / "r.json"
+    assert main([*args, "--structured-output", "json", "--result-json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "Structured outputs" in out and "Constrained / free output throughput:" in out
+    data = json.loads(out_json.read_text())
+    assert list(data["runs"]) == ["free", "json"] and data["runs"]["json"]["completed"] == 4
+    assert 0 < data["summary"]["output_throughput_ratio"]
+    # the constrained run's prompts are drawn with the next seed: no prefix shared with the free
+    free_prompts = {b["prompt"] for b in fake.bodies if "response_format" not in b}
+    json_prompts = {b["prompt"] for b in fake.bodies if "response_format" in b}
+    assert len(json_prompts) == 5 and not free_prompts & json_prompts
+    fake.bodies.clear()
+    code = main([*args, "--structured-output", "compile-interference", "--new-schemas", "2"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Compile interference" in out and "P99 ITL with / without:" in out
+    assert "New-schema requests completed:           2" in out
+    assert len(schema_bodies(fake)) == 2

@@ -23,9 +23,11 @@ import json
 import math
 import os
 import random
+import string
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -41,6 +43,19 @@ LATENCIES = (
     ("e2el", "E2EL", "End-to-end Latency"),
 )
 FALLBACK_TOKEN_IDS = range(1000, 10000)
+# JSON schema workloads: "json" takes JSON_SCHEMAS distinct schemas in turn (the server's grammar
+# cache serves the repeats), "json-unique" gives every request a schema never seen before
+STRUCTURED_OUTPUTS = ("json", "json-unique")
+JSON_SCHEMAS = 8
+# `run_structured`'s comparisons: one of those against free text, or free text with and without
+# requests bringing new schemas mid-run
+STRUCTURED_MODES = (*STRUCTURED_OUTPUTS, "compile-interference")
+# fewest output tokens one record of `json_schema`'s list takes: the list is made long enough
+# that writing it outlasts the requested output length
+RECORD_TOKENS = 10
+# max_tokens of the requests that bring new schemas mid-run: past the first masks, but too few
+# to weigh on the batch
+NEW_SCHEMA_TOKENS = 16
 CALIBRATION_WORDS = 1000
 WORDS = (
     "the of and to in is was for on that with as by at from his it an were are which this be has "
@@ -75,6 +90,10 @@ class BenchConfig:
     warmup: int = 1  # untimed requests first, so one-off start-up costs stay out of the numbers
     timeout: float = 600.0  # seconds before a request is abandoned and counted as failed
     label: str | None = None  # name in reports; None: the model id
+    structured_output: str | None = None  # one of STRUCTURED_OUTPUTS; None: free text
+    structured_output_ratio: float = 1.0  # share of the requests given a schema, as in vLLM
+    new_schemas: int = 0  # requests with never-seen schemas, sent together mid-run
+    new_schemas_at: float = 0.0  # ... this many seconds after the first request
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -95,6 +114,15 @@ class BenchConfig:
             raise InvalidRequestError("timeout must be positive")
         if self.token_ids and self.endpoint != "/v1/completions":
             raise InvalidRequestError("token-id prompts need the /v1/completions endpoint")
+        if self.structured_output not in (None, *STRUCTURED_OUTPUTS):
+            raise InvalidRequestError(
+                f"structured_output must be one of {', '.join(STRUCTURED_OUTPUTS)}, "
+                f"not {self.structured_output!r}"
+            )
+        if not 0 <= self.structured_output_ratio <= 1:
+            raise InvalidRequestError("structured_output_ratio must be in [0, 1]")
+        if self.new_schemas < 0 or self.new_schemas_at < 0:
+            raise InvalidRequestError("new_schemas and new_schemas_at must not be negative")
 
 
 @dataclass
@@ -128,6 +156,7 @@ class BenchResult:
     prompt_mode: str  # how prompts were built, for the report
     duration: float  # from the first request sent to the last one finished
     requests: list[RequestResult]
+    new_schema_requests: list[RequestResult] = field(default_factory=list)  # apart from the rest
 
     def metrics(self) -> dict[str, float]:
         """Summary under vLLM's result-JSON names; latencies in milliseconds."""
@@ -185,6 +214,8 @@ class BenchResult:
             "itls": [r.itl for r in rs],
             "e2els": [r.e2e for r in rs],
             "errors": [r.error for r in rs],
+            "new_schema_ttfts": [r.ttft for r in self.new_schema_requests],
+            "new_schema_errors": [r.error for r in self.new_schema_requests],
         }
 
     def write_json(self, path: str) -> None:
@@ -199,6 +230,43 @@ class _Workload:
     output_lens: list[int]
     warmup_prompt: str | list[int]  # shares nothing with the prompts, so it warms no prefix cache
     description: str
+    schemas: list[dict[str, Any] | None]  # each prompt's JSON schema, None for free text
+    warmup_schema: dict[str, Any] | None
+
+
+def json_schema(rng: random.Random, output_len: int) -> dict[str, Any]:
+    """A bounded JSON schema whose property names `rng` draws: a title, a level, a date and a list
+    of records (a string, an integer, a flag) long enough that writing it outlasts `output_len`
+    tokens, so that constrained requests generate as many tokens as free ones."""
+
+    def name() -> str:
+        return "".join(rng.choices(string.ascii_lowercase, k=rng.randint(4, 9)))
+
+    def record(fields: list[dict[str, Any]]) -> dict[str, Any]:
+        properties = {name(): f for f in fields}
+        return {
+            "type": "object",
+            "properties": properties,
+            "required": list(properties),
+            "additionalProperties": False,
+        }
+
+    row = record(
+        [
+            {"type": "string", "maxLength": 24},
+            {"type": "integer", "minimum": 0, "maximum": 9999},
+            {"type": "boolean"},
+        ]
+    )
+    items = -(-output_len // RECORD_TOKENS)
+    return record(
+        [
+            {"type": "string", "maxLength": 40},
+            {"enum": rng.sample(WORDS, 3)},
+            {"type": "string", "format": "date"},
+            {"type": "array", "items": row, "minItems": items, "maxItems": 2 * items},
+        ]
+    )
 
 
 async def run_benchmark(
@@ -229,7 +297,9 @@ async def run_benchmark(
         work = await _workload(config, client, base, model)
         url = base + config.endpoint
 
-        def payload(prompt: str | list[int], max_tokens: int) -> dict[str, object]:
+        def payload(
+            prompt: str | list[int], max_tokens: int, schema: dict[str, Any] | None
+        ) -> dict[str, object]:
             body: dict[str, object] = {
                 "model": model,
                 "max_tokens": max_tokens,
@@ -243,16 +313,25 @@ async def run_benchmark(
                 body["prompt"] = prompt
             if config.ignore_eos:
                 body["ignore_eos"] = True
+            if schema is not None:
+                body["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": "bench", "schema": schema},
+                }
             return body
 
         async def send(
-            prompt: str | list[int], input_len: int, output_len: int, t0: float
+            prompt: str | list[int],
+            input_len: int,
+            output_len: int,
+            t0: float,
+            schema: dict[str, Any] | None = None,
         ) -> RequestResult:
             start = time.perf_counter()
+            body = payload(prompt, output_len, schema)
             try:
                 return await asyncio.wait_for(
-                    _stream(client, url, payload(prompt, output_len), input_len, start, t0),
-                    config.timeout,
+                    _stream(client, url, body, input_len, start, t0), config.timeout
                 )
             except asyncio.TimeoutError:
                 return RequestResult(
@@ -261,7 +340,11 @@ async def run_benchmark(
 
         for _ in range(config.warmup):
             warm = await send(
-                work.warmup_prompt, config.input_len, config.output_len, time.perf_counter()
+                work.warmup_prompt,
+                config.input_len,
+                config.output_len,
+                time.perf_counter(),
+                work.warmup_schema,
             )
             if not warm.success:
                 raise TokenmillError(f"warm-up request to {url} failed: {warm.error}")
@@ -271,20 +354,42 @@ async def run_benchmark(
 
         async def one(i: int, t0: float) -> RequestResult:
             nonlocal done
+            request = (
+                work.prompts[i],
+                work.input_lens[i],
+                work.output_lens[i],
+                t0,
+                work.schemas[i],
+            )
             if sem is None:
-                result = await send(work.prompts[i], work.input_lens[i], work.output_lens[i], t0)
+                result = await send(*request)
             else:
                 async with sem:
-                    result = await send(
-                        work.prompts[i], work.input_lens[i], work.output_lens[i], t0
-                    )
+                    result = await send(*request)
             done += 1
             if progress:
                 progress(done, config.num_prompts)
             return result
 
+        async def new_schemas(t0: float) -> list[RequestResult]:
+            await asyncio.sleep(max(0.0, t0 + config.new_schemas_at - time.perf_counter()))
+            fresh = random.Random()  # seeded by the OS: schemas no run has sent before
+            return await asyncio.gather(
+                *(
+                    send(
+                        work.warmup_prompt,
+                        config.input_len,
+                        NEW_SCHEMA_TOKENS,
+                        t0,
+                        json_schema(fresh, config.output_len),
+                    )
+                    for _ in range(config.new_schemas)
+                )
+            )
+
         arrivals = random.Random(config.seed)
         t0 = time.perf_counter()
+        side = asyncio.create_task(new_schemas(t0)) if config.new_schemas else None
         arrival = 0.0
         tasks = []
         for i in range(config.num_prompts):
@@ -295,9 +400,48 @@ async def run_benchmark(
             tasks.append(asyncio.create_task(one(i, t0)))
         requests = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        new_schema_requests = await side if side else []
     return BenchResult(
-        config, model, config.label or model, work.description, duration, list(requests)
+        config,
+        model,
+        config.label or model,
+        work.description,
+        duration,
+        list(requests),
+        list(new_schema_requests),
     )
+
+
+async def run_structured(
+    config: BenchConfig,
+    mode: str,
+    new_schemas: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[dict[str, BenchResult], dict[str, float]]:
+    """Two runs of `config`'s workload, free text first, by label, and their summary. For "json"
+    and "json-unique" the second run gives its requests JSON schemas (`structured_comparison`);
+    for "compile-interference" it stays free while `new_schemas` requests with never-seen schemas
+    arrive a quarter into it, by the first run's duration (`compile_interference`). The second
+    run draws its prompts with seed + 1, so that none shares a cached prefix with the first's."""
+    if mode not in STRUCTURED_MODES:
+        raise InvalidRequestError(
+            f"mode must be one of {', '.join(STRUCTURED_MODES)}, not {mode!r}"
+        )
+    free = replace(config, structured_output=None, new_schemas=0, label="free")
+    first = await run_benchmark(free, progress)
+    if mode == "compile-interference":
+        with_new = replace(
+            free,
+            seed=config.seed + 1,
+            new_schemas=new_schemas,
+            new_schemas_at=first.duration / 4,
+            label="free + new schemas",
+        )
+        second = await run_benchmark(with_new, progress)
+        return {first.label: first, second.label: second}, compile_interference(first, second)
+    constrained = replace(free, seed=config.seed + 1, structured_output=mode, label=mode)
+    second = await run_benchmark(constrained, progress)
+    return {first.label: first, second.label: second}, structured_comparison(first, second)
 
 
 async def _first_model(client: aiohttp.ClientSession, base: str) -> str:
@@ -373,12 +517,35 @@ async def _workload(
     input_lens = _lengths(rng, config.input_len, config.random_range_ratio, config.num_prompts)
     output_lens = _lengths(rng, config.output_len, config.random_range_ratio, config.num_prompts)
     prefix = pieces(config.prefix_len) if config.prefix_len else []
+    prompts = [as_prompt(prefix + pieces(n)) for n in input_lens]
+    warmup_prompt = as_prompt(pieces(config.input_len))
+    schemas: list[dict[str, Any] | None] = [None] * config.num_prompts
+    warmup_schema = None
+    if config.structured_output:
+        unique = random.Random()  # seeded by the OS: schemas no run has sent before
+
+        def schema(n: int) -> dict[str, Any]:
+            if config.structured_output == "json-unique":
+                return json_schema(unique, config.output_len)
+            return json_schema(
+                random.Random(f"{config.seed}-{n % JSON_SCHEMAS}"), config.output_len
+            )
+
+        picked = rng.sample(
+            range(config.num_prompts), int(config.num_prompts * config.structured_output_ratio)
+        )
+        for n, i in enumerate(sorted(picked)):
+            schemas[i] = schema(n)
+        warmup_schema = schema(0)
+        description += f", {len(picked)} with a JSON schema ({config.structured_output})"
     return _Workload(
-        prompts=[as_prompt(prefix + pieces(n)) for n in input_lens],
+        prompts=prompts,
         input_lens=[config.prefix_len + n for n in input_lens],
         output_lens=output_lens,
-        warmup_prompt=as_prompt(pieces(config.input_len)),
+        warmup_prompt=warmup_prompt,
         description=description,
+        schemas=schemas,
+        warmup_schema=warmup_schema,
     )
 
 
@@ -514,6 +681,76 @@ def format_comparison(results: dict[str, BenchResult]) -> str:
             ratio = f"{m[key] / base:.2f}x" if base else "-"
             cells.append(f"{_value(m[key])} ({ratio})")
         lines.append(f"{caption:<40}" + "".join(f"{cell:>{width}}" for cell in cells))
+    return "\n".join(lines)
+
+
+def _ratio(value: float, base: float) -> float:
+    return value / base if base else 0.0
+
+
+def structured_comparison(free: BenchResult, constrained: BenchResult) -> dict[str, float]:
+    """Constrained decoding against free: output throughput and median TPOT of each, and their
+    ratios."""
+    f, c = free.metrics(), constrained.metrics()
+    return {
+        "free_output_throughput": f["output_throughput"],
+        "constrained_output_throughput": c["output_throughput"],
+        "output_throughput_ratio": _ratio(c["output_throughput"], f["output_throughput"]),
+        "free_median_tpot_ms": f["median_tpot_ms"],
+        "constrained_median_tpot_ms": c["median_tpot_ms"],
+        "median_tpot_ratio": _ratio(c["median_tpot_ms"], f["median_tpot_ms"]),
+    }
+
+
+def _max_itl_ms(result: BenchResult) -> float:
+    return 1000 * max((gap for r in result.requests if r.success for gap in r.itl), default=0.0)
+
+
+def compile_interference(without: BenchResult, with_new: BenchResult) -> dict[str, float]:
+    """The streams' inter-token latency without and with requests bringing new schemas mid-run
+    (`BenchConfig.new_schemas`), their ratios, and how those requests fared (their TTFT includes
+    compiling their schema)."""
+    a, b = without.metrics(), with_new.metrics()
+    new = [r for r in with_new.new_schema_requests if r.success]
+    ttfts = [1000 * r.ttft for r in new] or [0.0]
+    return {
+        "p99_itl_ms_without": a["p99_itl_ms"],
+        "p99_itl_ms_with": b["p99_itl_ms"],
+        "p99_itl_ratio": _ratio(b["p99_itl_ms"], a["p99_itl_ms"]),
+        "max_itl_ms_without": _max_itl_ms(without),
+        "max_itl_ms_with": _max_itl_ms(with_new),
+        "new_schema_completed": len(new),
+        "new_schema_failed": len(with_new.new_schema_requests) - len(new),
+        "new_schema_median_ttft_ms": float(np.median(ttfts)),
+    }
+
+
+SUMMARY_CAPTIONS = {
+    "free_output_throughput": "Free output throughput (tok/s)",
+    "constrained_output_throughput": "Constrained output throughput (tok/s)",
+    "output_throughput_ratio": "Constrained / free output throughput",
+    "free_median_tpot_ms": "Free median TPOT (ms)",
+    "constrained_median_tpot_ms": "Constrained median TPOT (ms)",
+    "median_tpot_ratio": "Constrained / free median TPOT",
+    "p99_itl_ms_without": "P99 ITL without new schemas (ms)",
+    "p99_itl_ms_with": "P99 ITL with new schemas (ms)",
+    "p99_itl_ratio": "P99 ITL with / without",
+    "max_itl_ms_without": "Max ITL without new schemas (ms)",
+    "max_itl_ms_with": "Max ITL with new schemas (ms)",
+    "new_schema_completed": "New-schema requests completed",
+    "new_schema_failed": "New-schema requests failed",
+    "new_schema_median_ttft_ms": "New-schema requests' median TTFT (ms)",
+}
+
+
+def format_summary(title: str, summary: dict[str, float]) -> str:
+    """A summary (`structured_comparison`, `compile_interference`) as report lines; ratios as
+    multiples."""
+    lines = [f" {title} ".center(50, "=")]
+    for key, value in summary.items():
+        shown = f"{value:.2f}x" if key.endswith("_ratio") else _value(value)
+        lines.append(f"{SUMMARY_CAPTIONS[key] + ':':<40} {shown}")
+    lines.append("=" * 50)
     return "\n".join(lines)
 
 

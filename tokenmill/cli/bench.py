@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 
-from tokenmill.bench.serving import ENDPOINTS, BenchConfig, format_report, run_benchmark, write_plot
+from tokenmill.bench.serving import (
+    ENDPOINTS,
+    STRUCTURED_MODES,
+    BenchConfig,
+    format_comparison,
+    format_report,
+    format_summary,
+    run_benchmark,
+    run_structured,
+    write_plot,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -96,6 +107,28 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "--label", default=None, help="name of this run in the report (default: the model id)"
     )
     p.add_argument(
+        "--structured-output",
+        default=None,
+        choices=STRUCTURED_MODES,
+        help="run the workload twice, free text first, and report their ratios: json / "
+        "json-unique give the second run's requests JSON schemas (response_format), one of 8 "
+        "distinct ones in turn / a never-seen one each; compile-interference keeps it free "
+        "while --new-schemas requests with never-seen schemas arrive a quarter into it",
+    )
+    p.add_argument(
+        "--structured-output-ratio",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="share of the constrained run's requests given a schema (default: %(default)s)",
+    )
+    p.add_argument(
+        "--new-schemas",
+        type=int,
+        default=8,
+        help="requests with never-seen schemas for compile-interference (default: %(default)s)",
+    )
+    p.add_argument(
         "--result-json",
         default=None,
         metavar="PATH",
@@ -129,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         timeout=args.timeout,
         label=args.label,
+        structured_output_ratio=args.structured_output_ratio,
     )
 
     def show(done: int, total: int) -> None:
@@ -139,10 +173,31 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    result = asyncio.run(run_benchmark(config, progress=show if sys.stderr.isatty() else None))
+    progress = show if sys.stderr.isatty() else None
+    if args.structured_output:
+        return _run_structured(args, config, progress)
+    result = asyncio.run(run_benchmark(config, progress=progress))
     print(format_report(result))
     if args.result_json:
         result.write_json(args.result_json)
     if args.plot:
         write_plot({result.label: result}, args.plot)
     return 0 if result.metrics()["completed"] else 1
+
+
+def _run_structured(args: argparse.Namespace, config: BenchConfig, progress) -> int:
+    """--structured-output: both runs' reports, their metrics side by side, then the summary."""
+    mode = args.structured_output
+    runs, summary = asyncio.run(run_structured(config, mode, args.new_schemas, progress))
+    for result in runs.values():
+        print(format_report(result))
+    print(format_comparison(runs))
+    title = "Compile interference" if mode == "compile-interference" else "Structured outputs"
+    print(format_summary(title, summary))
+    if args.result_json:
+        with open(args.result_json, "w", encoding="utf-8") as f:
+            runs_json = {label: result.to_dict() for label, result in runs.items()}
+            json.dump({"runs": runs_json, "summary": summary}, f, indent=2)
+    if args.plot:
+        write_plot(runs, args.plot)
+    return 0 if all(r.metrics()["completed"] for r in runs.values()) else 1
