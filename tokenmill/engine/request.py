@@ -102,6 +102,9 @@ class Sequence:
     # scheduling state
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # speculative decoding: tokens drafted to follow this sequence, verified in its next step
+    draft_token_ids: list[int] = field(default_factory=list)
+    max_drafts: int | None = None  # how many to draft next: one more than the last accepted
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
