@@ -43,7 +43,8 @@ def test_propose_ngram_copies_what_followed_the_latest_longest_match() -> None:
     [
         ("{not json", "not JSON"),
         ('{"method": "eagle"}', "unknown speculative method"),
-        ('{"model": "qwen2.5-coder-0.5b-instruct"}', "draft-model"),
+        ('{"method": "draft_model"}', "goes with a"),
+        ('{"method": "ngram", "model": "x"}', "goes with a"),
         ('{"method": "ngram", "lookahead": 3}', "unknown speculative config key"),
         ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"num_speculative_tokens": 0}', "at least 1"),
@@ -153,10 +154,54 @@ def test_sampling_keeps_the_target_distribution(tiny_loaded, speculating_batches
     assert _chi_square_p(plain_counts, wrong_counts) < 1e-6
 
 
-def test_no_blocks_leak_through_aborts_and_preemptions(tiny_loaded, speculating_batches) -> None:
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory) -> str:
+    """Another tiny model with the same tokenizer: its drafts are sometimes right."""
+    from tests.tiny_models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1, layers=1))
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_a_draft_model_gives_plain_decodings_greedy_outputs(
+    tiny_model_dir, tiny_draft_dir, draft: str
+) -> None:
+    """The target as its own draft: every draft is accepted, which holds only if the draft
+    model's KV follows each sequence exactly; another model: drafts are rejected."""
+    path = str(tiny_model_dir) if draft == "itself" else tiny_draft_dir
+    # the target loaded as the draft is (in the default dtype), for the same numerics
+    plain = LLMEngine(str(tiny_model_dir), num_kv_blocks=512, max_model_len=512, max_num_seqs=8)
+    spec = LLMEngine(
+        str(tiny_model_dir),
+        num_kv_blocks=512,
+        max_model_len=512,
+        max_num_seqs=8,
+        speculative_config={"model": path, "num_speculative_tokens": 3},
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _run(plain, REPETITIVE, params)
+    assert _run(spec, REPETITIVE, params) == expected
+    assert _run(spec, REPETITIVE[:1], params) == expected[:1]
+    stats = spec.stats
+    if draft == "itself":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    else:
+        assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_loaded, smollm2_gguf) -> None:
+    with pytest.raises(InvalidRequestError, match="does not share the target's vocabulary"):
+        LLMEngine(tiny_loaded, num_kv_blocks=64, speculative_config={"model": str(smollm2_gguf)})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_no_blocks_leak_through_aborts_and_preemptions(
+    tiny_loaded, tiny_draft_dir, speculating_batches, method: str
+) -> None:
     # a pool too small for every sequence at once: the scheduler preempts and recomputes
+    config = NGRAM if method == "ngram" else {"model": tiny_draft_dir}
     engine = LLMEngine(
-        tiny_loaded, num_kv_blocks=24, max_model_len=256, compile=False, speculative_config=NGRAM
+        tiny_loaded, num_kv_blocks=24, max_model_len=256, compile=False, speculative_config=config
     )
     rng = random.Random(0)
     params = SamplingParams(temperature=0.8, max_tokens=60, ignore_eos=True, seed=1)

@@ -89,6 +89,8 @@ class AsyncLLMEngine:
         """Start the decode-graph compilation that the engine deferred (see
         `EngineConfig.defer_compile`)."""
         self.engine.runner.start_compile()
+        if self.engine.drafter is not None:
+            self.engine.drafter.start_compile()
 
     def tokenize(
         self,

@@ -35,7 +35,7 @@ from tokenmill.engine.structured_output import allows_only
 from tokenmill.errors import InvalidRequestError, QueueFullError
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
-from tokenmill.sample.sampler import SamplerOutput
+from tokenmill.sample.sampler import SamplerOutput, greedy_ids
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -156,6 +156,10 @@ class LLMEngine:
         limit = min(mc.max_position_embeddings, num_blocks * cfg.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # the draft model: its own KV pool, addressed by the target's block tables
+        self.drafter: ModelRunner | None = None
+        if self.speculative is not None and self.speculative.model is not None:
+            self.drafter = self._draft_runner(self.speculative.model, num_blocks, progress)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy), self.kv
         )
@@ -273,8 +277,64 @@ class LLMEngine:
             self._busy_before_compile = None
             log.info("compiling the decode graphs in the background for this long job")
             self.runner.compile_in_background()
+            if self.drafter is not None:
+                self.drafter.compile_in_background()
+
+    def _draft_runner(self, model: str, num_blocks: int, progress: bool) -> ModelRunner:
+        cfg = self.config
+        draft = _load(model, cfg, progress)
+        probe = "def f(x):\n    return x + 1  # héllo, 世界"
+        if draft.config.vocab_size != self.loaded.config.vocab_size or (
+            draft.tokenizer is None or draft.tokenizer.encode(probe) != self.tokenizer.encode(probe)
+        ):
+            raise InvalidRequestError(
+                f"the draft model {model} does not share the target's vocabulary: speculative "
+                "decoding needs a draft of the same family (e.g. Qwen2.5-Coder 0.5B for 1.5B)"
+            )
+        runner = ModelRunner(
+            draft,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            compile=bool(cfg.compile),
+            defer_compile=cfg.defer_compile,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+        )
+        if cfg.compile is None and runner.graphs_cached():  # as the target's (see __init__)
+            runner.compile_in_background()
+        return runner
+
+    def _draft_with_model(self, sched: SchedulerOutput) -> None:
+        """The draft model's greedy drafts for the sequences scheduled with room for them (their
+        drafts are placeholders until now): it reads what it has not read of each sequence, up to
+        and with its last token, then drafts one token at a time, all sequences at once."""
+        seqs = [s for s in sched.sequences if s.draft_token_ids]
+        if not seqs:
+            return
+        tables = [self.kv.get_block_ids(s.seq_id) for s in seqs]
+        logits = self.drafter.last_token_logits(
+            [s.all_token_ids[s.draft_computed :] for s in seqs],
+            [s.num_tokens for s in seqs],
+            tables,
+            argmax_only=True,
+        )
+        drafts = [[token] for token in greedy_ids(logits).tolist()]
+        for j in range(1, max(len(s.draft_token_ids) for s in seqs)):
+            going = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
+            logits = self.drafter.last_token_logits(
+                [[drafts[i][-1]] for i in going],
+                [seqs[i].num_tokens + j for i in going],
+                [tables[i] for i in going],
+                argmax_only=True,
+            )
+            for i, token in zip(going, greedy_ids(logits).tolist()):
+                drafts[i].append(token)
+        for seq, tokens in zip(seqs, drafts):
+            seq.draft_token_ids = tokens
+            seq.draft_computed = seq.num_tokens + len(tokens) - 1
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
+        if self.drafter is not None:
+            self._draft_with_model(sched)
         batch = StepBatch.build(sched, self.kv)
         seqs = batch.sampling_seqs
         sampling = self._sampling_batch(seqs) if seqs else None
@@ -380,6 +440,8 @@ class LLMEngine:
                 seq.max_drafts = accepted + 1  # fewer drafts while few are accepted
                 # the step computed every draft; the rejected ones' KV is written over later
                 seq.num_computed_tokens -= len(drafts) - accepted
+                # the draft model's KV holds up to the last accepted draft
+                seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
                 seq.draft_token_ids = []
             row += len(drafts) + 1
         for appended in rounds:
@@ -403,7 +465,10 @@ class LLMEngine:
                 seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
             )
             limit = room - 1 if seq.max_drafts is None else min(room - 1, seq.max_drafts)
-            seq.draft_token_ids = self.speculative.propose(seq.all_token_ids, limit)
+            if self.drafter is not None:  # placeholders, drafted once scheduled
+                seq.draft_token_ids = [-1] * min(limit, self.speculative.num_speculative_tokens)
+            else:
+                seq.draft_token_ids = self.speculative.propose(seq.all_token_ids, limit)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, start: int, seq: Sequence) -> None:
         positions = self.output_processor.prompt_logprob_positions(seq, start, hidden.shape[0])

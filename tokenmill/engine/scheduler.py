@@ -134,6 +134,7 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
         seq.draft_token_ids.clear()
+        seq.draft_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(seq)

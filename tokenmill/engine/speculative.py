@@ -12,7 +12,9 @@ target's, and a greedy output is the one plain decoding gives.
 
 Drafting by prompt lookup ("ngram"): the longest n-gram ending the sequence (prompt_lookup_max
 tokens down to prompt_lookup_min) that occurred earlier in its tokens proposes the tokens that
-followed its latest earlier occurrence.
+followed its latest earlier occurrence. Drafting by a draft model ("draft_model"): a smaller model
+with the target's vocabulary proposes its greedy tokens, at the start of the step that verifies
+them (see `LLMEngine._draft_with_model`).
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ SPECULATION_MAX_BATCH = 8
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `--speculative-config`: {"method": "ngram", "num_speculative_tokens": K,
-    "prompt_lookup_min": 1, "prompt_lookup_max": 4}."""
+    "prompt_lookup_min": 1, "prompt_lookup_max": 4}, or {"model": "<alias or path>",
+    "num_speculative_tokens": K} (method "draft_model")."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    model: str | None = None  # the draft model
 
     @classmethod
     def parse(
@@ -56,20 +60,21 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise InvalidRequestError("the speculative config must be a JSON object")
         if "model" in value:
-            raise InvalidRequestError(
-                "draft-model speculation is not supported yet; use "
-                '{"method": "ngram", "num_speculative_tokens": K}'
-            )
+            value = {"method": "draft_model", **value}
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known.add("model")
         if unknown := sorted(set(value) - known):
             raise InvalidRequestError(
                 f"unknown speculative config key {unknown[0]!r} (known: {', '.join(sorted(known))})"
             )
         config = cls(**value)
-        if config.method != "ngram":
+        if config.method not in ("ngram", "draft_model"):
             raise InvalidRequestError(
-                f'unknown speculative method {config.method!r}; tokenmill drafts with "ngram"'
+                f'unknown speculative method {config.method!r}; tokenmill drafts with "ngram" '
+                'or a draft model ({"model": ...})'
             )
+        if (config.method == "draft_model") != (config.model is not None):
+            raise InvalidRequestError('method "draft_model" goes with a "model", and only it')
         if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
             raise InvalidRequestError(
                 "the speculative config needs 1 <= prompt_lookup_min <= prompt_lookup_max"
