@@ -242,3 +242,26 @@ def test_the_server_reports_drafts_and_acceptances(tiny_loaded) -> None:
     assert drafts == engine.stats.spec_num_draft_tokens > 0
     assert accepted == engine.stats.spec_num_accepted_tokens
     assert metrics["tokenmill:spec_decode_num_drafts_total"] == engine.stats.spec_num_drafts
+
+
+def test_qwen_coder_05b_drafting_for_15b_gives_its_greedy_outputs(qwen_coder_05b_gguf) -> None:
+    from tokenmill.catalog import pull
+
+    target = pull("qwen2.5-coder-1.5b-instruct", progress=False)
+    common = dict(num_kv_blocks=256, max_model_len=1024, max_num_seqs=8, compile=False)
+    plain = LLMEngine(target, **common)
+    spec = LLMEngine(
+        target,
+        speculative_config={"model": str(qwen_coder_05b_gguf), "num_speculative_tokens": 4},
+        **common,
+    )
+    prompts = [
+        plain.tokenize(messages=[{"role": "user", "content": f"{p} Answer briefly."}])
+        for p in REPETITIVE
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = _run(plain, prompts, params)
+    assert _run(spec, prompts, params) == expected
+    assert _run(spec, prompts[:1], params) == expected[:1]
+    stats = spec.stats
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
