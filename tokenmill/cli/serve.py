@@ -10,6 +10,7 @@ import sys
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
 from tokenmill.cli.common import add_kv_cache_dtype_arg, add_quantization_args
+from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.parsers.reasoning import REASONING_PARSERS
 from tokenmill.parsers.tool_calls import TOOL_PARSERS
 
@@ -59,6 +60,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--no-prefix-caching", action="store_true", help="disable automatic prefix caching"
     )
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\' drafts '
+        "from earlier text of the same request, '{\"model\": ALIAS_OR_PATH, "
+        "\"num_speculative_tokens\": 4}' with a draft model of the same vocabulary (default: "
+        "off)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -76,6 +87,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
         "policy": args.scheduling_policy,
+        # checked here, so that a bad config is an error before the model loads
+        "speculative_config": SpeculativeConfig.parse(args.speculative_config),
     }
 
 

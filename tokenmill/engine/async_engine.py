@@ -78,8 +78,11 @@ class AsyncLLMEngine:
 
     @property
     def decode_mode(self) -> str:
-        """'compiled', 'compiling' or 'eager' (see `ModelRunner.decode_mode`)."""
-        return self.engine.runner.decode_mode
+        """'compiled', 'compiling' or 'eager' (see `ModelRunner.decode_mode`): 'compiling' while
+        the draft model's graphs (speculative decoding) are still being built, too."""
+        mode = self.engine.runner.decode_mode
+        drafter = self.engine.drafter
+        return "compiling" if drafter is not None and drafter.decode_mode == "compiling" else mode
 
     def stats(self) -> EngineStats:
         """The engine's live counters, updated after every step (read them, don't write them)."""
@@ -89,6 +92,8 @@ class AsyncLLMEngine:
         """Start the decode-graph compilation that the engine deferred (see
         `EngineConfig.defer_compile`)."""
         self.engine.runner.start_compile()
+        if self.engine.drafter is not None:
+            self.engine.drafter.start_compile()
 
     def tokenize(
         self,

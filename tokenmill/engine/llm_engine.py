@@ -25,11 +25,17 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import FINISHED_STATUS, Request, Sequence
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.engine.speculative import (
+    SPECULATION_MAX_BATCH,
+    SpeculativeConfig,
+    accepted_drafts,
+)
 from tokenmill.engine.step_batch import StepBatch
 from tokenmill.engine.structured_output import allows_only
 from tokenmill.errors import InvalidRequestError, QueueFullError
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
+from tokenmill.sample.sampler import SamplerOutput, greedy_ids
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -63,6 +69,9 @@ class EngineConfig:
     # the engine has been busy COMPILE_AFTER_BUSY_S
     compile: bool | None = None
     defer_compile: bool = False  # ... from `runner.start_compile()` on, when the caller is ready
+    # speculative decoding (see engine/speculative.py): vLLM's --speculative-config, as JSON text,
+    # a dict or a SpeculativeConfig; None: off
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
 
 @dataclass
@@ -81,6 +90,9 @@ class EngineStats:
     structured_requests: int = 0  # requests with an output constraint (structured outputs)
     grammar_compiles: int = 0  # distinct grammars converted and checked (the cache's misses)
     grammar_compile_seconds: float = 0.0  # time those took, on the requests' threads
+    spec_num_drafts: int = 0  # speculative steps of a sequence: drafts verified
+    spec_num_draft_tokens: int = 0  # tokens drafted and verified
+    spec_num_accepted_tokens: int = 0  # drafted tokens the target accepted
 
 
 def _with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
@@ -117,6 +129,7 @@ class LLMEngine:
         """model: a catalog name, a path or a loaded model. config: the engine's settings, with
         overrides of any of its fields (the caller's config is left as it is)."""
         self.config = cfg = _with_overrides(config or EngineConfig(), overrides)
+        self.speculative = SpeculativeConfig.parse(cfg.speculative_config)
         self.loaded = model if isinstance(model, LoadedModel) else _load(model, cfg, progress)
         if self.loaded.tokenizer is None:
             raise InvalidRequestError(f"{self.loaded.path}: the model has no tokenizer")
@@ -143,6 +156,10 @@ class LLMEngine:
         limit = min(mc.max_position_embeddings, num_blocks * cfg.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # the draft model: its own KV pool, addressed by the target's block tables
+        self.drafter: ModelRunner | None = None
+        if self.speculative is not None and self.speculative.model is not None:
+            self.drafter = self._draft_runner(self.speculative.model, num_blocks, progress)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy), self.kv
         )
@@ -260,8 +277,64 @@ class LLMEngine:
             self._busy_before_compile = None
             log.info("compiling the decode graphs in the background for this long job")
             self.runner.compile_in_background()
+            if self.drafter is not None:
+                self.drafter.compile_in_background()
+
+    def _draft_runner(self, model: str, num_blocks: int, progress: bool) -> ModelRunner:
+        cfg = self.config
+        draft = _load(model, cfg, progress)
+        probe = "def f(x):\n    return x + 1  # héllo, 世界"
+        if draft.config.vocab_size != self.loaded.config.vocab_size or (
+            draft.tokenizer is None or draft.tokenizer.encode(probe) != self.tokenizer.encode(probe)
+        ):
+            raise InvalidRequestError(
+                f"the draft model {model} does not share the target's vocabulary: speculative "
+                "decoding needs a draft of the same family (e.g. Qwen2.5-Coder 0.5B for 1.5B)"
+            )
+        runner = ModelRunner(
+            draft,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            compile=bool(cfg.compile),
+            defer_compile=cfg.defer_compile,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+        )
+        if cfg.compile is None and runner.graphs_cached():  # as the target's (see __init__)
+            runner.compile_in_background()
+        return runner
+
+    def _draft_with_model(self, sched: SchedulerOutput) -> None:
+        """The draft model's greedy drafts for the sequences scheduled with room for them (their
+        drafts are placeholders until now): it reads what it has not read of each sequence, up to
+        and with its last token, then drafts one token at a time, all sequences at once."""
+        seqs = [s for s in sched.sequences if s.draft_token_ids]
+        if not seqs:
+            return
+        tables = [self.kv.get_block_ids(s.seq_id) for s in seqs]
+        logits = self.drafter.last_token_logits(
+            [s.all_token_ids[s.draft_computed :] for s in seqs],
+            [s.num_tokens for s in seqs],
+            tables,
+            argmax_only=True,
+        )
+        drafts = [[token] for token in greedy_ids(logits).tolist()]
+        for j in range(1, max(len(s.draft_token_ids) for s in seqs)):
+            going = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
+            logits = self.drafter.last_token_logits(
+                [[drafts[i][-1]] for i in going],
+                [seqs[i].num_tokens + j for i in going],
+                [tables[i] for i in going],
+                argmax_only=True,
+            )
+            for i, token in zip(going, greedy_ids(logits).tolist()):
+                drafts[i].append(token)
+        for seq, tokens in zip(seqs, drafts):
+            seq.draft_token_ids = tokens
+            seq.draft_computed = seq.num_tokens + len(tokens) - 1
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
+        if self.drafter is not None:
+            self._draft_with_model(sched)
         batch = StepBatch.build(sched, self.kv)
         seqs = batch.sampling_seqs
         sampling = self._sampling_batch(seqs) if seqs else None
@@ -281,27 +354,35 @@ class LLMEngine:
             self._sample(logits, seqs, sampling, touched)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        """The sampling rows of the step: one per sequence, and one more per draft, whose
+        penalties and min_tokens see the drafts before it."""
+        rows = [(s, j) for s in seqs for j in range(len(s.draft_token_ids) + 1)]
+        outputs = [
+            s.output_token_ids + s.draft_token_ids[:j] if j else s.output_token_ids for s, j in rows
+        ]
+        constrained = [r for r, (s, _) in enumerate(rows) if s.matcher is not None]
         bits = None
-        if rows:
-            bits = self.input_processor.grammars.allowed_tokens([seqs[i].matcher for i in rows])
-        stops_for_min_tokens = [s.request.stop_token_ids for s in seqs]
-        for row, i in enumerate(rows):
-            seq = seqs[i]
+        if constrained:
+            bits = self.input_processor.grammars.allowed_tokens(
+                [rows[r][0].matcher for r in constrained]
+            )
+        stops_for_min_tokens = [s.request.stop_token_ids for s, _ in rows]
+        for bits_row, r in enumerate(constrained):
+            seq = rows[r][0]
             short = len(seq.output_token_ids) < seq.params.min_tokens
-            if short and allows_only(bits[row], stops_for_min_tokens[i]):
-                stops_for_min_tokens[i] = frozenset()  # a finished constraint ends the output
+            if short and allows_only(bits[bits_row], stops_for_min_tokens[r]):
+                stops_for_min_tokens[r] = frozenset()  # a finished constraint ends the output
         batch = SamplingBatch.build(
-            [s.params for s in seqs],
-            [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
-            [s.generator for s in seqs],
+            [s.params for s, _ in rows],
+            [s.prompt_token_ids for s, _ in rows],
+            outputs,
+            [s.generator for s, _ in rows],
             self.loaded.config.vocab_size,
             stops_for_min_tokens,
         )
-        if rows:
+        if constrained:
             batch.allowed_bits = bits
-            batch.allowed_rows = torch.tensor(rows, dtype=torch.int64)
+            batch.allowed_rows = torch.tensor(constrained, dtype=torch.int64)
         return batch
 
     def _sample(
@@ -315,9 +396,11 @@ class LLMEngine:
             touched[seq.request.request_id] = seq.request
         sampled = self.sampler(logits, batch)
         if batch.allowed_rows is not None:  # each constrained sequence's matcher takes its token
+            # constrained sequences never draft: their rows are one per sequence
             token_ids = sampled.token_ids.tolist()
+            row_seqs = [s for s in seqs for _ in range(len(s.draft_token_ids) + 1)]
             for row in batch.allowed_rows.tolist():
-                seq = seqs[row]
+                seq = row_seqs[row]
                 if seq.matcher.is_error():  # its mask allowed nothing: fail it with the reason
                     error = seq.matcher.get_error()
                     self.output_processor.fail(
@@ -325,8 +408,67 @@ class LLMEngine:
                     )
                 else:
                     seq.matcher.consume_token(token_ids[row])
-        self.output_processor.process_sampled(seqs, sampled, logits)
+        if logits.shape[0] == len(seqs):
+            self.output_processor.process_sampled(seqs, sampled, logits)
+        else:
+            self._accept_drafts(seqs, sampled, logits)
+        if self.speculative is not None:
+            self._draft(seqs)
         self._free_finished()
+
+    def _accept_drafts(
+        self, seqs: list[Sequence], sampled: SamplerOutput, logits: torch.Tensor
+    ) -> None:
+        """Each sequence's accepted drafts, then the target's token after them (see
+        engine/speculative.py), appended one round at a time: round j appends every sequence's
+        j-th new token, from its row of the step's sampling rows."""
+        tokens = sampled.token_ids.tolist()
+        rounds: list[list[tuple[Sequence, int, int]]] = []  # (sequence, row, token)
+        row = 0
+        for seq in seqs:
+            drafts = seq.draft_token_ids
+            accepted = accepted_drafts(drafts, tokens[row : row + len(drafts) + 1])
+            new = drafts[:accepted] + [tokens[row + accepted]]
+            for j, token in enumerate(new):
+                if j == len(rounds):
+                    rounds.append([])
+                rounds[j].append((seq, row + j, token))
+            if drafts:
+                self.stats.spec_num_drafts += 1
+                self.stats.spec_num_draft_tokens += len(drafts)
+                self.stats.spec_num_accepted_tokens += accepted
+                seq.max_drafts = accepted + 1  # fewer drafts while few are accepted
+                # the step computed every draft; the rejected ones' KV is written over later
+                seq.num_computed_tokens -= len(drafts) - accepted
+                # the draft model's KV holds up to the last accepted draft
+                seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
+                seq.draft_token_ids = []
+            row += len(drafts) + 1
+        for appended in rounds:
+            index = torch.tensor([r for _, r, _ in appended])
+            chosen = sampled.select(index)
+            chosen.token_ids = torch.tensor([t for _, _, t in appended])
+            self.output_processor.process_sampled(
+                [s for s, _, _ in appended], chosen, logits[index]
+            )
+
+    def _draft(self, seqs: list[Sequence]) -> None:
+        """Drafts for the next step of each unconstrained sequence that goes on, while few enough
+        run for verifying them to pay (SPECULATION_MAX_BATCH): at most one more than its last
+        drafts had accepted, so a sequence whose drafts miss spends little on them."""
+        if len(self.scheduler.running) > SPECULATION_MAX_BATCH:
+            return
+        for seq in seqs:
+            if seq.finish_reason is not None or seq.matcher is not None:
+                continue
+            room = min(
+                seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
+            )
+            limit = room - 1 if seq.max_drafts is None else min(room - 1, seq.max_drafts)
+            if self.drafter is not None:  # placeholders, drafted once scheduled
+                seq.draft_token_ids = [-1] * min(limit, self.speculative.num_speculative_tokens)
+            else:
+                seq.draft_token_ids = self.speculative.propose(seq.all_token_ids, limit)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, start: int, seq: Sequence) -> None:
         positions = self.output_processor.prompt_logprob_positions(seq, start, hidden.shape[0])

@@ -102,6 +102,10 @@ class Sequence:
     # scheduling state
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # speculative decoding: tokens drafted to follow this sequence, verified in its next step
+    draft_token_ids: list[int] = field(default_factory=list)
+    max_drafts: int | None = None  # how many to draft next: one more than the last accepted
+    draft_computed: int = 0  # leading tokens whose KV the draft model holds (its own pool)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0

@@ -2,11 +2,12 @@
 
 The scheduler works on sequences (a request with n > 1 has n of them). It only decides *how
 many* new tokens each sequence computes this step; the KV cache manager decides *where* they go.
-Running sequences are served first (a decode is one token, an unfinished prefill continues with
-its next chunk); then waiting sequences are admitted while the budget, the sequence cap and the
-block pool allow. When the pool runs dry, the lowest-priority, latest-arrived running sequence is
-preempted: its blocks are freed and it is recomputed later (its full blocks usually come back as
-prefix-cache hits).
+Running sequences are served first (a decode is one token, with its drafts under speculative
+decoding as far as the budget and the pool allow without preempting; an unfinished prefill
+continues with its next chunk); then waiting sequences are admitted while the budget, the
+sequence cap and the block pool allow. When the pool runs dry, the lowest-priority,
+latest-arrived running sequence is preempted: its blocks are freed and it is recomputed later
+(its full blocks usually come back as prefix-cache hits).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
+        seq.draft_token_ids.clear()
+        seq.draft_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(seq)
@@ -149,6 +152,16 @@ class Scheduler:
             if budget == 0:
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.draft_token_ids:  # a decode with drafts: verify as many as fit
+                del seq.draft_token_ids[max(budget - num_new, 0) :]
+                if self.kv.allocate_slots(seq, num_new + len(seq.draft_token_ids)) is not None:
+                    num_new += len(seq.draft_token_ids)
+                    out.sequences.append(seq)
+                    out.num_new_tokens.append(num_new)
+                    scheduled.add(seq.seq_id)
+                    budget -= num_new
+                    continue
+                seq.draft_token_ids.clear()  # drafts never cost a preemption
             while self.kv.allocate_slots(seq, num_new) is None:
                 victim = self._victim()
                 if victim.seq_id in scheduled:  # never take back what this step already gave

@@ -12,14 +12,15 @@ from tokenmill.engine.scheduler import SchedulerOutput
 @dataclass
 class StepBatch:
     """Sequence i computes token_ids[i], ending at context length context_lens[i], with its KV in
-    block_tables[i]; its tokens are rows of the step's flat batch, in order."""
+    block_tables[i]; its tokens are rows of the step's flat batch, in order. A decode with drafts
+    (speculative decoding) computes its last token and the drafts, and samples at each of them."""
 
     token_ids: list[list[int]]
     context_lens: list[int]
     block_tables: list[list[int]]
     num_tokens: int
     sampling_seqs: list[Sequence]  # the sequences that reach their last token, and so sample ...
-    sample_rows: list[int]  # ... from the logits of these rows
+    sample_rows: list[int]  # ... from the logits of these rows (1 + its drafts' rows each)
     # (row, prompt position, tokens, sequence) of each prompt chunk whose logits score the prompt
     prompt_logprob_rows: list[tuple[int, int, int, Sequence]]
 
@@ -28,13 +29,16 @@ class StepBatch:
         token_ids, context_lens, tables, seqs, sample_rows, prompt_rows = [], [], [], [], [], []
         offset = 0
         for seq, n in zip(sched.sequences, sched.num_new_tokens):
-            start = seq.num_computed_tokens
-            token_ids.append(seq.all_token_ids[start : start + n])
+            start, drafts = seq.num_computed_tokens, seq.draft_token_ids
+            tokens = seq.all_token_ids[start : start + n]
+            if drafts:
+                tokens = tokens + drafts
+            token_ids.append(tokens)
             context_lens.append(start + n)
             tables.append(kv.get_block_ids(seq.seq_id))
-            if start + n == seq.num_tokens:
+            if start + n == seq.num_tokens + len(drafts):
                 seqs.append(seq)
-                sample_rows.append(offset + n - 1)
+                sample_rows.extend(range(offset + n - 1 - len(drafts), offset + n))
             # the request's prompt logprobs come from its first sequence
             if (
                 seq.request.prompt_logprobs is not None
@@ -47,6 +51,9 @@ class StepBatch:
 
     @property
     def needs_last_token_logits_only(self) -> bool:
-        """Whether every sequence samples and nothing else is scored (decode steps): the runner
-        then returns the last tokens' logits itself, which lets it use its compiled graph."""
-        return not self.prompt_logprob_rows and len(self.sampling_seqs) == len(self.token_ids)
+        """Whether every sequence samples once and nothing else is scored (decode steps): the
+        runner then returns the last tokens' logits itself, which lets it use its compiled
+        graph."""
+        return not self.prompt_logprob_rows and len(self.sampling_seqs) == len(
+            self.token_ids
+        ) == len(self.sample_rows)

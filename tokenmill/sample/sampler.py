@@ -207,6 +207,11 @@ class SamplerOutput:
     top_ids: torch.Tensor | None  # (B, k) int64, k = max requested logprobs in the batch
     top_logprobs: torch.Tensor | None  # (B, k)
 
+    def select(self, rows: torch.Tensor) -> SamplerOutput:
+        """These rows only, in this order."""
+        picked = (self.token_ids, self.usable, self.logprobs, self.top_ids, self.top_logprobs)
+        return SamplerOutput(*(None if t is None else t[rows] for t in picked))
+
 
 class Sampler:
     """Pick one token per row from (B, V) logits; the input tensor is never modified."""

@@ -72,6 +72,22 @@ class _EngineCollector:
                 "Time spent compiling schemas and grammars, off the engine's thread.",
                 s.grammar_compile_seconds,
             ),
+            (
+                "tokenmill:spec_decode_num_drafts",
+                "Speculative decoding: sequence steps that verified drafts.",
+                s.spec_num_drafts,
+            ),
+            (
+                "tokenmill:spec_decode_num_draft_tokens",
+                "Speculative decoding: tokens drafted and verified.",
+                s.spec_num_draft_tokens,
+            ),
+            (
+                "tokenmill:spec_decode_num_accepted_tokens",
+                "Speculative decoding: drafted tokens accepted (acceptance rate: accepted / "
+                "draft tokens; mean acceptance length: 1 + accepted / drafts).",
+                s.spec_num_accepted_tokens,
+            ),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

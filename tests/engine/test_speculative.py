@@ -1,0 +1,267 @@
+"""Speculative decoding by prompt lookup: greedy outputs equal plain decoding's, batched and
+alone, on the tiny and the real model; sampling keeps the target's distribution (and a wrong
+acceptance rule is caught by the same test); no KV block leaks through aborts and preemptions."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+import tokenmill.engine.llm_engine as llm_engine
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.speculative import SpeculativeConfig, propose_ngram
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sample import SamplingParams
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+REPETITIVE = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Paris is the capital of France; Berlin is the capital of",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Numbers: 0 1 2",
+    "Once upon a time there was a small engine. Once upon a time",
+    "Café, naïve, 東京, 🙂. Café, naïve,",
+    "a b a b a b a b",
+    "The capital of France is",
+]
+
+
+def test_propose_ngram_copies_what_followed_the_latest_longest_match() -> None:
+    assert propose_ngram([1, 2, 3, 4, 1, 2], k=3, n_min=1, n_max=3) == [3, 4, 1]
+    assert propose_ngram([1, 2, 9, 5, 2, 7, 5, 2], k=2, n_min=1, n_max=3) == [7, 5]
+    assert propose_ngram([5, 1, 2, 8, 1, 2], k=5, n_min=2, n_max=2) == [8, 1, 2]
+    assert propose_ngram([1, 2, 3], k=3, n_min=1, n_max=3) == []
+    assert propose_ngram([7, 7], k=0, n_min=1, n_max=3) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "fragment"),
+    [
+        ("{not json", "not JSON"),
+        ('{"method": "eagle"}', "unknown speculative method"),
+        ('{"method": "draft_model"}', "goes with a"),
+        ('{"method": "ngram", "model": "x"}', "goes with a"),
+        ('{"method": "ngram", "lookahead": 3}', "unknown speculative config key"),
+        ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+        ('{"num_speculative_tokens": 0}', "at least 1"),
+    ],
+)
+def test_bad_configs_say_what_is_wrong(config: str, fragment: str) -> None:
+    with pytest.raises(InvalidRequestError, match=fragment):
+        SpeculativeConfig.parse(config)
+
+
+def _run(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+    return [done[i] for i in range(len(prompts))]
+
+
+def _engines(model, **options) -> tuple[LLMEngine, LLMEngine]:
+    common = dict(num_kv_blocks=512, max_model_len=512, compile=False, **options)
+    return LLMEngine(model, **common), LLMEngine(model, speculative_config=NGRAM, **common)
+
+
+def test_greedy_equals_plain_decoding_on_the_tiny_model(tiny_loaded) -> None:
+    plain, spec = _engines(tiny_loaded, max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _run(plain, REPETITIVE, params)
+    assert _run(spec, REPETITIVE, params) == expected
+    for prompt, tokens in zip(REPETITIVE, expected):
+        assert _run(spec, [prompt], params) == [tokens]
+    assert spec.stats.spec_num_accepted_tokens > 0, "the tiny model repeats itself: drafts hit"
+    assert spec.stats.spec_num_accepted_tokens < spec.stats.spec_num_draft_tokens
+
+
+def test_greedy_equals_plain_decoding_on_smollm2(smollm2_gguf) -> None:
+    # 64 prompts, eight at a time (speculation stands down in larger batches), and alone
+    prompts = [f"{p} ({i})" if i >= len(REPETITIVE) else p for i, p in enumerate(REPETITIVE * 8)]
+    plain, spec = _engines(smollm2_gguf, max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = _run(plain, prompts, params)
+    assert _run(spec, prompts, params) == expected
+    for prompt, tokens in list(zip(prompts, expected))[:8]:
+        assert _run(spec, [prompt], params) == [tokens]
+    assert spec.stats.spec_num_accepted_tokens > 0
+
+
+SAMPLING = SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
+
+
+def _samples(engine: LLMEngine, prompt: list[int], samples: int) -> Counter:
+    counts: Counter = Counter()
+    for start in range(0, samples, 64):
+        for out in _run(engine, [prompt] * min(64, samples - start), SAMPLING):
+            counts[tuple(out)] += 1
+    return counts
+
+
+class ModeDrafter:
+    """Drafts, after each output prefix, the tokens that most often followed it in a pilot run:
+    deterministic drafts that the target accepts often, but not always."""
+
+    def __init__(self, pilot: Counter, prompt_len: int) -> None:
+        self.prompt_len = prompt_len
+        self.next: dict[tuple, Counter] = {}
+        for sample, count in pilot.items():
+            for i in range(len(sample)):
+                self.next.setdefault(sample[:i], Counter())[sample[i]] += count
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        prefix, drafts = tuple(token_ids[self.prompt_len :]), []
+        while len(drafts) < limit and prefix in self.next:
+            drafts.append(self.next[prefix].most_common(1)[0][0])
+            prefix += (drafts[-1],)
+        return drafts
+
+
+def _chi_square_p(a: Counter, b: Counter) -> float:
+    cells = sorted(set(a) | set(b))
+    return chi2_contingency([[a[c] for c in cells], [b[c] for c in cells]])[1]
+
+
+@pytest.fixture()
+def speculating_batches(monkeypatch):
+    """Speculation in batches of up to 64, so thousands of samples take seconds."""
+    monkeypatch.setattr(llm_engine, "SPECULATION_MAX_BATCH", 64)
+
+
+def test_sampling_keeps_the_target_distribution(tiny_loaded, speculating_batches, monkeypatch):
+    """The joint distribution of the first four tokens (top-k 3: at most 81 outcomes), from
+    4000 samples each, cannot be told from plain sampling's; accepting every draft can."""
+    torch.manual_seed(0)  # the unseeded draws: the test's outcome is fixed
+    plain, spec = _engines(tiny_loaded, max_num_seqs=64)
+    prompt = plain.tokenizer.encode("The quick brown fox", add_bos=False)
+    spec.speculative = ModeDrafter(_samples(plain, prompt, 1000), len(prompt))
+    samples = 4000
+    plain_counts = _samples(plain, prompt, samples)
+    spec_counts = _samples(spec, prompt, samples)
+    stats = spec.stats
+    assert 0.2 < stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens < 0.9
+    assert _chi_square_p(plain_counts, spec_counts) > 0.001
+
+    monkeypatch.setattr(llm_engine, "accepted_drafts", lambda drafts, sampled: len(drafts))
+    wrong_counts = _samples(spec, prompt, samples)
+    assert _chi_square_p(plain_counts, wrong_counts) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory) -> str:
+    """Another tiny model with the same tokenizer: its drafts are sometimes right."""
+    from tests.tiny_models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1, layers=1))
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_a_draft_model_gives_plain_decodings_greedy_outputs(
+    tiny_model_dir, tiny_draft_dir, draft: str
+) -> None:
+    """The target as its own draft: every draft is accepted, which holds only if the draft
+    model's KV follows each sequence exactly; another model: drafts are rejected."""
+    path = str(tiny_model_dir) if draft == "itself" else tiny_draft_dir
+    # the target loaded as the draft is (in the default dtype), for the same numerics
+    plain = LLMEngine(str(tiny_model_dir), num_kv_blocks=512, max_model_len=512, max_num_seqs=8)
+    spec = LLMEngine(
+        str(tiny_model_dir),
+        num_kv_blocks=512,
+        max_model_len=512,
+        max_num_seqs=8,
+        speculative_config={"model": path, "num_speculative_tokens": 3},
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _run(plain, REPETITIVE, params)
+    assert _run(spec, REPETITIVE, params) == expected
+    assert _run(spec, REPETITIVE[:1], params) == expected[:1]
+    stats = spec.stats
+    if draft == "itself":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    else:
+        assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_loaded, smollm2_gguf) -> None:
+    with pytest.raises(InvalidRequestError, match="does not share the target's vocabulary"):
+        LLMEngine(tiny_loaded, num_kv_blocks=64, speculative_config={"model": str(smollm2_gguf)})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_no_blocks_leak_through_aborts_and_preemptions(
+    tiny_loaded, tiny_draft_dir, speculating_batches, method: str
+) -> None:
+    # a pool too small for every sequence at once: the scheduler preempts and recomputes
+    config = NGRAM if method == "ngram" else {"model": tiny_draft_dir}
+    engine = LLMEngine(
+        tiny_loaded, num_kv_blocks=24, max_model_len=256, compile=False, speculative_config=config
+    )
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.8, max_tokens=60, ignore_eos=True, seed=1)
+    for i in range(16):
+        engine.add_request(str(i), REPETITIVE[i % len(REPETITIVE)] * 2, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps % 7 == 0 and rng.random() < 0.5:
+            engine.abort_request(str(rng.randrange(16)))
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.spec_num_draft_tokens > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_the_server_reports_drafts_and_acceptances(tiny_loaded) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server.conftest import RunningServer
+    from tokenmill.server.app import ServerConfig
+
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=128, max_model_len=256, speculative_config=NGRAM)
+    server = RunningServer(engine, ServerConfig("tiny"))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            body = {"prompt": REPETITIVE[0], "max_tokens": 32, "temperature": 0}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            metrics = {
+                sample.name: sample.value
+                for family in text_string_to_metric_families(http.get("/metrics").text)
+                for sample in family.samples
+            }
+    finally:
+        server.stop()
+    drafts = metrics["tokenmill:spec_decode_num_draft_tokens_total"]
+    accepted = metrics["tokenmill:spec_decode_num_accepted_tokens_total"]
+    assert drafts == engine.stats.spec_num_draft_tokens > 0
+    assert accepted == engine.stats.spec_num_accepted_tokens
+    assert metrics["tokenmill:spec_decode_num_drafts_total"] == engine.stats.spec_num_drafts
+
+
+def test_qwen_coder_05b_drafting_for_15b_gives_its_greedy_outputs(qwen_coder_05b_gguf) -> None:
+    from tokenmill.catalog import pull
+
+    target = pull("qwen2.5-coder-1.5b-instruct", progress=False)
+    common = dict(num_kv_blocks=256, max_model_len=1024, max_num_seqs=8, compile=False)
+    plain = LLMEngine(target, **common)
+    spec = LLMEngine(
+        target,
+        speculative_config={"model": str(qwen_coder_05b_gguf), "num_speculative_tokens": 4},
+        **common,
+    )
+    prompts = [
+        plain.tokenize(messages=[{"role": "user", "content": f"{p} Answer briefly."}])
+        for p in REPETITIVE
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = _run(plain, prompts, params)
+    assert _run(spec, prompts, params) == expected
+    assert _run(spec, prompts[:1], params) == expected[:1]
+    stats = spec.stats
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
