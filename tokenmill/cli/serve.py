@@ -66,8 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\' drafts '
-        "from earlier text of the same request, '{\"model\": ALIAS_OR_PATH, "
-        "\"num_speculative_tokens\": 4}' with a draft model of the same vocabulary (default: "
+        'from earlier text of the same request, \'{"model": ALIAS_OR_PATH, '
+        '"num_speculative_tokens": 4}\' with a draft model of the same vocabulary (default: '
         "off)",
     )
 
