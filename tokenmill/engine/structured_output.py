@@ -47,6 +47,15 @@ class GrammarCompiler:
         self.num_matchers = 0  # matchers made: constrained requests
         self.num_compiles = 0  # grammars converted and checked (cache misses)
         self.compile_seconds = 0.0
+        # llguidance's tokenizer holds the GIL while it is built, long for a large vocabulary:
+        # built now, not by the first constrained request while other requests stream
+        threading.Thread(target=self._prepare, name="tokenmill-llg-tokenizer", daemon=True).start()
+
+    def _prepare(self) -> None:
+        try:
+            self._llg_tokenizer()
+        except Exception:  # noqa: BLE001 - the first constrained request raises it again
+            pass
 
     def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         """A fresh matcher for the constraint; InvalidRequestError naming what llguidance cannot
