@@ -1,12 +1,16 @@
 """Speculative decoding by prompt lookup: greedy outputs equal plain decoding's, batched and
-alone, on the tiny and the real model; sampling keeps the target's distribution (and a wrong
-acceptance rule is caught by the same test); no KV block leaks through aborts and preemptions."""
+alone, on the tiny and the real model, with and without output constraints; sampling keeps the
+target's distribution, constrained or not (and a wrong acceptance rule is caught by the same
+test); no KV block leaks through aborts and preemptions."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from collections import Counter
 
+import jsonschema
 import pytest
 import torch
 from scipy.stats import chi2_contingency
@@ -15,7 +19,7 @@ import tokenmill.engine.llm_engine as llm_engine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.speculative import SpeculativeConfig, propose_ngram
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sample import SamplingParams
+from tokenmill.sample import SamplingParams, StructuredOutputs
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 REPETITIVE = [
@@ -94,6 +98,58 @@ def test_greedy_equals_plain_decoding_on_smollm2(smollm2_gguf) -> None:
     assert spec.stats.spec_num_accepted_tokens > 0
 
 
+LIST_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 3,
+            "maxItems": 4,
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_constrained_greedy_outputs_equal_plain_decodings(smollm2_gguf, method: str) -> None:
+    """Drafts of constrained requests are checked against the grammar: each draft row samples
+    under the mask its drafts before it leave, so outputs equal plain decoding's and follow the
+    constraint, while drafts are still accepted."""
+    config = NGRAM if method == "ngram" else {"model": str(smollm2_gguf)}
+    common = dict(num_kv_blocks=512, max_model_len=512, max_num_seqs=8, compile=False)
+    plain = LLMEngine(smollm2_gguf, **common)
+    spec = LLMEngine(smollm2_gguf, speculative_config=config, **common)
+    schema = SamplingParams(
+        temperature=0, max_tokens=100, structured_outputs=StructuredOutputs(json=LIST_SCHEMA)
+    )
+    regex = SamplingParams(
+        temperature=0,
+        max_tokens=40,
+        structured_outputs=StructuredOutputs(regex="(ab|cd)( (ab|cd)){7}"),
+    )
+    prompts = [
+        plain.tokenize(messages=[{"role": "user", "content": f"List {topic} as JSON."}])
+        for topic in ("three fruits", "the days of the week", "four colours", "some numbers")
+    ]
+    expected = _run(plain, prompts, schema)
+    assert _run(spec, prompts, schema) == expected
+    assert _run(spec, prompts[:1], schema) == expected[:1]
+    for tokens in expected:
+        jsonschema.validate(
+            json.loads(plain.tokenizer.decode(tokens, skip_special_tokens=True)), LIST_SCHEMA
+        )
+    outputs = _run(spec, REPETITIVE[:4], regex)
+    assert outputs == _run(plain, REPETITIVE[:4], regex)
+    assert all(
+        re.fullmatch("(ab|cd)( (ab|cd)){7}", plain.tokenizer.decode(t, skip_special_tokens=True))
+        for t in outputs
+    )
+    assert spec.stats.spec_num_accepted_tokens > 0
+
+
 SAMPLING = SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
 
 
@@ -152,6 +208,39 @@ def test_sampling_keeps_the_target_distribution(tiny_loaded, speculating_batches
     monkeypatch.setattr(llm_engine, "accepted_drafts", lambda drafts, sampled: len(drafts))
     wrong_counts = _samples(spec, prompt, samples)
     assert _chi_square_p(plain_counts, wrong_counts) < 1e-6
+
+
+def test_constrained_sampling_keeps_the_target_distribution(tiny_loaded, speculating_batches):
+    """As above under a constraint: every draft row samples under its own mask. Masking only
+    the first row of each sequence's step lets the other rows sample refused tokens (the
+    outputs then break the constraint, and their distribution differs)."""
+    torch.manual_seed(0)
+    plain, spec = _engines(tiny_loaded, max_num_seqs=64)
+    pattern = "[a-e]{4,12}"
+    params = SamplingParams(
+        temperature=1.0,
+        top_k=3,
+        max_tokens=4,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputs(regex=pattern),
+    )
+    prompt = plain.tokenizer.encode("The quick brown fox", add_bos=False)
+
+    def samples(engine: LLMEngine, count: int) -> Counter:
+        counts: Counter = Counter()
+        for start in range(0, count, 64):
+            for out in _run(engine, [prompt] * min(64, count - start), params):
+                counts[tuple(out)] += 1
+        return counts
+
+    spec.speculative = ModeDrafter(samples(plain, 1000), len(prompt))
+    plain_counts, spec_counts = samples(plain, 4000), samples(spec, 4000)
+    assert spec.stats.spec_num_accepted_tokens > 0
+    assert _chi_square_p(plain_counts, spec_counts) > 0.001
+    for outcome in spec_counts:
+        assert re.fullmatch(
+            "[a-e]*", plain.tokenizer.decode(list(outcome), skip_special_tokens=True)
+        )
 
 
 @pytest.fixture(scope="module")

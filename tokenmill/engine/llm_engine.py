@@ -363,13 +363,14 @@ class LLMEngine:
         constrained = [r for r, (s, _) in enumerate(rows) if s.matcher is not None]
         bits = None
         if constrained:
+            matched = [s for s in seqs if s.matcher is not None]
             bits = self.input_processor.grammars.allowed_tokens(
-                [rows[r][0].matcher for r in constrained]
+                [s.matcher for s in matched], [s.draft_token_ids for s in matched]
             )
         stops_for_min_tokens = [s.request.stop_token_ids for s, _ in rows]
         for bits_row, r in enumerate(constrained):
-            seq = rows[r][0]
-            short = len(seq.output_token_ids) < seq.params.min_tokens
+            seq, j = rows[r]
+            short = seq.num_output_tokens + j < seq.params.min_tokens
             if short and allows_only(bits[bits_row], stops_for_min_tokens[r]):
                 stops_for_min_tokens[r] = frozenset()  # a finished constraint ends the output
         batch = SamplingBatch.build(
@@ -395,20 +396,11 @@ class LLMEngine:
         for seq in seqs:
             touched[seq.request.request_id] = seq.request
         sampled = self.sampler(logits, batch)
-        if batch.allowed_rows is not None:  # each constrained sequence's matcher takes its token
-            # constrained sequences never draft: their rows are one per sequence
-            token_ids = sampled.token_ids.tolist()
-            row_seqs = [s for s in seqs for _ in range(len(s.draft_token_ids) + 1)]
-            for row in batch.allowed_rows.tolist():
-                seq = row_seqs[row]
-                if seq.matcher.is_error():  # its mask allowed nothing: fail it with the reason
-                    error = seq.matcher.get_error()
-                    self.output_processor.fail(
-                        seq, f"the output constraint cannot go on: {error}", is_input=True
-                    )
-                else:
-                    seq.matcher.consume_token(token_ids[row])
         if logits.shape[0] == len(seqs):
+            if batch.allowed_rows is not None:
+                token_ids = sampled.token_ids.tolist()
+                for row in batch.allowed_rows.tolist():
+                    self._advance_matcher(seqs[row], token_ids[row : row + 1])
             self.output_processor.process_sampled(seqs, sampled, logits)
         else:
             self._accept_drafts(seqs, sampled, logits)
@@ -429,6 +421,8 @@ class LLMEngine:
             drafts = seq.draft_token_ids
             accepted = accepted_drafts(drafts, tokens[row : row + len(drafts) + 1])
             new = drafts[:accepted] + [tokens[row + accepted]]
+            if seq.matcher is not None:
+                self._advance_matcher(seq, new)
             for j, token in enumerate(new):
                 if j == len(rounds):
                     rounds.append([])
@@ -452,14 +446,28 @@ class LLMEngine:
                 [s for s, _, _ in appended], chosen, logits[index]
             )
 
+    def _advance_matcher(self, seq: Sequence, tokens: list[int]) -> None:
+        """The sequence's matcher takes its new tokens, up to the end of its constraint; a
+        matcher in error (its mask allowed nothing) fails the request with the reason."""
+        if seq.matcher.is_error():
+            error = seq.matcher.get_error()
+            self.output_processor.fail(
+                seq, f"the output constraint cannot go on: {error}", is_input=True
+            )
+            return
+        for token in tokens:
+            if seq.matcher.is_stopped():
+                break
+            seq.matcher.consume_token(token)
+
     def _draft(self, seqs: list[Sequence]) -> None:
-        """Drafts for the next step of each unconstrained sequence that goes on, while few enough
+        """Drafts for the next step of each sequence that goes on, while few enough
         run for verifying them to pay (SPECULATION_MAX_BATCH): at most one more than its last
         drafts had accepted, so a sequence whose drafts miss spends little on them."""
         if len(self.scheduler.running) > SPECULATION_MAX_BATCH:
             return
         for seq in seqs:
-            if seq.finish_reason is not None or seq.matcher is not None:
+            if seq.finish_reason is not None:
                 continue
             room = min(
                 seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
@@ -468,7 +476,10 @@ class LLMEngine:
             if self.drafter is not None:  # placeholders, drafted once scheduled
                 seq.draft_token_ids = [-1] * min(limit, self.speculative.num_speculative_tokens)
             else:
-                seq.draft_token_ids = self.speculative.propose(seq.all_token_ids, limit)
+                drafts = self.speculative.propose(seq.all_token_ids, limit)
+                if seq.matcher is not None:  # drafts its constraint refuses would be rejected
+                    drafts = drafts[: seq.matcher.validate_tokens(drafts)]
+                seq.draft_token_ids = drafts
 
     def _prompt_logprobs(self, hidden: torch.Tensor, start: int, seq: Sequence) -> None:
         positions = self.output_processor.prompt_logprob_positions(seq, start, hidden.shape[0])

@@ -13,6 +13,7 @@ sampler applies: constrained and free rows share the step.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -68,13 +69,33 @@ class GrammarCompiler:
             self.num_matchers += 1
         return matcher
 
-    def allowed_tokens(self, matchers: Rows[llguidance.LLMatcher]) -> torch.Tensor:
+    def allowed_tokens(
+        self,
+        matchers: Rows[llguidance.LLMatcher],
+        drafts: Rows[list[int]] | None = None,
+    ) -> torch.Tensor:
         """The tokens each matcher allows next, as rows of an int32 bitmask (bit b of word w
-        allows token 32 w + b), computed in parallel. A matcher in error (`is_error`) allows at
-        most the end of the sequence; the engine fails its request with the reason."""
-        bits = llguidance.torch.allocate_token_bitmask(len(matchers), self._vocab_size)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m, row) for row, m in enumerate(matchers)], bits
+        allows token 32 w + b), computed in parallel. With drafts (one list per matcher), a
+        matcher's row is followed by one row per draft: what it allows after the drafts before
+        it. The matchers end as they began; rows behind a draft the matcher refuses allow every
+        token (the target's token before them refuses that draft). A matcher in error
+        (`is_error`) allows at most the end of the sequence; the engine fails its request with
+        the reason."""
+        if drafts is None or not any(drafts):
+            bits = llguidance.torch.allocate_token_bitmask(len(matchers), self._vocab_size)
+            llguidance.torch.fill_next_token_bitmask_par(
+                self._executor, [(m, row) for row, m in enumerate(matchers)], bits
+            )
+            return bits
+        starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        bits = llguidance.torch.allocate_token_bitmask(starts[-1], self._vocab_size)
+        alone = [(m, start) for m, start, d in zip(matchers, starts, drafts) if not d]
+        if alone:  # llguidance's draft variant takes only matchers with drafts
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, alone, bits)
+        llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
+            self._executor,
+            [(m, start, list(d)) for m, start, d in zip(matchers, starts, drafts) if d],
+            bits,
         )
         return bits
 
