@@ -306,15 +306,19 @@ def test_no_blocks_leak_through_aborts_and_preemptions(
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
-def test_the_server_reports_drafts_and_acceptances(tiny_loaded) -> None:
+def test_the_server_and_tokenmill_bench_report_drafts_and_acceptances(
+    tiny_loaded, tmp_path, capsys
+) -> None:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     from tests.server.conftest import RunningServer
+    from tokenmill.cli.main import main
     from tokenmill.server.app import ServerConfig
 
     engine = LLMEngine(tiny_loaded, num_kv_blocks=128, max_model_len=256, speculative_config=NGRAM)
     server = RunningServer(engine, ServerConfig("tiny"))
+    result = tmp_path / "bench.json"
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             body = {"prompt": REPETITIVE[0], "max_tokens": 32, "temperature": 0}
@@ -324,13 +328,26 @@ def test_the_server_reports_drafts_and_acceptances(tiny_loaded) -> None:
                 for family in text_string_to_metric_families(http.get("/metrics").text)
                 for sample in family.samples
             }
+        stats = engine.stats
+        before = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, stats.spec_num_drafts
+        bench = ["bench", "--base-url", server.url, "--num-prompts", "4", "--warmup", "0"]
+        code = main([*bench, "--output-len", "32", "--ignore-eos", "--result-json", str(result)])
     finally:
         server.stop()
     drafts = metrics["tokenmill:spec_decode_num_draft_tokens_total"]
     accepted = metrics["tokenmill:spec_decode_num_accepted_tokens_total"]
-    assert drafts == engine.stats.spec_num_draft_tokens > 0
-    assert accepted == engine.stats.spec_num_accepted_tokens
-    assert metrics["tokenmill:spec_decode_num_drafts_total"] == engine.stats.spec_num_drafts
+    assert drafts == before[0] > 0
+    assert accepted == before[1]
+    assert metrics["tokenmill:spec_decode_num_drafts_total"] == before[2]
+    # the bench reads the counters before and after its run
+    out = capsys.readouterr().out
+    assert code == 0 and "Speculative Decoding" in out and "Acceptance length" in out, out
+    report = json.loads(result.read_text())
+    assert report["spec_decode_num_draft_tokens"] == engine.stats.spec_num_draft_tokens - before[0]
+    assert report["spec_decode_num_accepted_tokens"] == (
+        engine.stats.spec_num_accepted_tokens - before[1]
+    )
+    assert 0 <= report["spec_decode_acceptance_rate"] <= 100
 
 
 def test_qwen_coder_05b_drafting_for_15b_gives_its_greedy_outputs(qwen_coder_05b_gguf) -> None:

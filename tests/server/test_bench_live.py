@@ -37,5 +37,6 @@ def test_bench_against_a_running_tokenmill(server, tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert code == 0, out
     assert "Successful requests" in out and "Output token throughput" in out and "TTFT" in out
+    assert "Speculative Decoding" not in out  # the server does not speculate
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(result.read_text())["completed"] == 6

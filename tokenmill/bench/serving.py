@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.errors import InvalidRequestError, TokenmillError
 
@@ -56,6 +57,9 @@ RECORD_TOKENS = 10
 # max_tokens of the requests that bring new schemas mid-run: past the first masks, but too few
 # to weigh on the batch
 NEW_SCHEMA_TOKENS = 16
+# Speculative-decoding counters read from /metrics around a run: tokenmill's, or vLLM's names
+SPEC_DECODE_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+SPEC_DECODE_PREFIXES = ("tokenmill:spec_decode_", "vllm:spec_decode_")
 CALIBRATION_WORDS = 1000
 WORDS = (
     "the of and to in is was for on that with as by at from his it an were are which this be has "
@@ -157,6 +161,9 @@ class BenchResult:
     duration: float  # from the first request sent to the last one finished
     requests: list[RequestResult]
     new_schema_requests: list[RequestResult] = field(default_factory=list)  # apart from the rest
+    # the server's speculative-decoding counters over the run (SPEC_DECODE_COUNTERS), where its
+    # /metrics has them
+    spec_decode: dict[str, float] | None = None
 
     def metrics(self) -> dict[str, float]:
         """Summary under vLLM's result-JSON names; latencies in milliseconds."""
@@ -189,6 +196,18 @@ class BenchResult:
                 f"median_{name}_ms": float(np.median(ms)),
                 f"p90_{name}_ms": float(np.percentile(ms, 90)),
                 f"p99_{name}_ms": float(np.percentile(ms, 99)),
+            }
+        if self.spec_decode and self.spec_decode["num_drafts"]:
+            spec = self.spec_decode
+            drafted = spec["num_draft_tokens"]
+            metrics |= {
+                "spec_decode_num_drafts": int(spec["num_drafts"]),
+                "spec_decode_num_draft_tokens": int(drafted),
+                "spec_decode_num_accepted_tokens": int(spec["num_accepted_tokens"]),
+                # vLLM's definitions: accepted / drafted, and tokens per verified draft
+                "spec_decode_acceptance_rate": spec["num_accepted_tokens"] / drafted * 100,
+                "spec_decode_acceptance_length": 1
+                + spec["num_accepted_tokens"] / spec["num_drafts"],
             }
         return metrics
 
@@ -387,6 +406,7 @@ async def run_benchmark(
                 )
             )
 
+        counters_before = await _spec_decode_counters(client, base)
         arrivals = random.Random(config.seed)
         t0 = time.perf_counter()
         side = asyncio.create_task(new_schemas(t0)) if config.new_schemas else None
@@ -401,6 +421,10 @@ async def run_benchmark(
         requests = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         new_schema_requests = await side if side else []
+        counters_after = await _spec_decode_counters(client, base)
+    spec_decode = None
+    if counters_before is not None and counters_after is not None:
+        spec_decode = {k: counters_after[k] - counters_before[k] for k in SPEC_DECODE_COUNTERS}
     return BenchResult(
         config,
         model,
@@ -409,6 +433,7 @@ async def run_benchmark(
         duration,
         list(requests),
         list(new_schema_requests),
+        spec_decode,
     )
 
 
@@ -442,6 +467,31 @@ async def run_structured(
     constrained = replace(free, seed=config.seed + 1, structured_output=mode, label=mode)
     second = await run_benchmark(constrained, progress)
     return {first.label: first, second.label: second}, structured_comparison(first, second)
+
+
+async def _spec_decode_counters(
+    client: aiohttp.ClientSession, base: str
+) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from its Prometheus /metrics, or None where it
+    has no /metrics or no such counters (a server without speculation, llama-server)."""
+    try:
+        async with client.get(f"{base}/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    counters: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for prefix in SPEC_DECODE_PREFIXES:
+                    name = sample.name.removeprefix(prefix).removesuffix("_total")
+                    if sample.name.startswith(prefix) and name in SPEC_DECODE_COUNTERS:
+                        counters[name] = counters.get(name, 0.0) + sample.value
+    except ValueError:  # not Prometheus text
+        return None
+    return counters if len(counters) == len(SPEC_DECODE_COUNTERS) else None
 
 
 async def _first_model(client: aiohttp.ClientSession, base: str) -> str:
@@ -611,8 +661,9 @@ async def _stream(
     return out
 
 
-def _rows() -> list[tuple[str, str | None]]:
-    """(caption, metrics key) in report order; a None key marks a section heading."""
+def _rows(spec_decode: bool = False) -> list[tuple[str, str | None]]:
+    """(caption, metrics key) in report order; a None key marks a section heading. spec_decode:
+    with the speculative-decoding section."""
     rows: list[tuple[str, str | None]] = [
         ("Successful requests", "completed"),
         ("Failed requests", "failed"),
@@ -626,6 +677,15 @@ def _rows() -> list[tuple[str, str | None]]:
     for name, short, title in LATENCIES:
         rows.append((title, None))
         rows += [(f"{cap} {short} (ms)", f"{stat}_{name}_ms") for cap, stat in PERCENTILES]
+    if spec_decode:
+        rows += [
+            ("Speculative Decoding", None),
+            ("Acceptance rate (%)", "spec_decode_acceptance_rate"),
+            ("Acceptance length", "spec_decode_acceptance_length"),
+            ("Drafts", "spec_decode_num_drafts"),
+            ("Draft tokens", "spec_decode_num_draft_tokens"),
+            ("Accepted tokens", "spec_decode_num_accepted_tokens"),
+        ]
     return rows
 
 
@@ -653,7 +713,7 @@ def format_report(result: BenchResult) -> str:
     lines += [f"{k + ':':<40} {v}" for k, v in settings]
     lines.append("-" * 50)
     metrics = result.metrics()
-    for caption, key in _rows():
+    for caption, key in _rows("spec_decode_num_drafts" in metrics):
         lines.append(
             f"{caption:-^50}" if key is None else f"{caption + ':':<40} {_value(metrics[key])}"
         )

@@ -29,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "server and report throughput and TTFT/TPOT/ITL/E2E latency percentiles, with vLLM's "
         "metric definitions. "
         "Prompts are random words, sized with the server's /tokenize when it has one "
-        "(else about one token per word), or random token ids with --token-ids.",
+        "(else about one token per word), or random token ids with --token-ids. Where the "
+        "server's /metrics counts speculative decoding (tokenmill's or vLLM's counters), the "
+        "report adds the run's drafts, acceptance rate and acceptance length.",
     )
     p.add_argument(
         "--base-url", default="http://127.0.0.1:8000", help="server URL (default: %(default)s)"
