@@ -104,9 +104,15 @@ def workload(name: str) -> list[list[dict]]:
 async def run_workload(
     url: str, conversations: list[list[dict]], concurrency: int, max_tokens: int
 ) -> dict:
+    import httpx
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=2, timeout=1800)
+    # a connection per request: llama-server closes idle kept-alive connections, and a request
+    # sent on one as it closes fails
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=1800)
+    client = openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800, http_client=http
+    )
 
     async def one(messages: list[dict]) -> int:
         stream = await client.chat.completions.create(
@@ -214,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         default="tokenmill,tokenmill ngram",
         help="configurations also run at concurrency 32",
     )
+    p.add_argument(
+        "--workloads",
+        default="code-editing,chat",
+        help="workloads run at concurrency 1 (comma-separated; empty: none)",
+    )
     p.add_argument("--tokenmill-port", type=int, default=8775)
     p.add_argument("--llama-port", type=int, default=8776)
     p.add_argument("--no-build", action="store_true")
@@ -230,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             startup_timeout=1800,
         ) as server:
             runs = {}
-            for load in ("code-editing", "chat"):
+            for load in filter(None, args.workloads.split(",")):
                 runs[load] = asyncio.run(
                     run_workload(server.url, workload(load), 1, args.max_tokens)
                 )
