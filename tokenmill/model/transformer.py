@@ -15,6 +15,7 @@ from torch import nn
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, paged_attention
 from tokenmill.model.config import ModelConfig, RopeSettings
+from tokenmill.model.dense_linear import invariant_linear
 
 
 class RMSNorm(nn.Module):
@@ -219,6 +220,9 @@ class Transformer(nn.Module):
         self.rotaries = {
             kind: Rotary(cfg.layer_rope(i), cfg.head_dim) for i, kind in enumerate(cfg.layer_types)
         }
+        # a tied head multiplies through `invariant_linear` (set by the loader for batch-invariant
+        # fp32 models), else through F.linear
+        self.invariant_head = False
 
     def forward(
         self, input_ids: torch.Tensor, cache: KVCache, batch: AttentionBatch
@@ -271,4 +275,6 @@ class Transformer(nn.Module):
         """The output head's matmul (T, vocab), in the model's dtype: what `logits` finishes."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
+        if self.invariant_head:
+            return invariant_linear(hidden, self.embed.weight)
         return F.linear(hidden, self.embed.weight)
