@@ -1,10 +1,12 @@
-"""Batch invariance on the real models with default settings: a request's tokens do not depend on
-what else the engine runs (neighbours, arrival step, chunk boundaries, eager or compiled decode).
+"""Batch invariance on the real models with default settings, and on SmolLM2 dense in fp32 (`-q none
+--dtype fp32`): a request's tokens do not depend on what else the engine runs (neighbours, arrival
+step, chunk boundaries, eager or compiled decode).
 
-The references are each prompt run alone on an engine as `LLM()` builds it. Greedy requests are
-then run 64 at a time, arriving over several steps, under a small token budget that cuts the long
-prompts into chunks; seeded sampled requests in batches of 7 and 32; and both again with the
-compiled decode graphs; and through `tokenmill serve` with no flags, concurrently.
+The references are each prompt run alone on an engine as `LLM()` builds it (with those options).
+Greedy requests are then run 64 at a time, arriving over several steps, under a small token budget
+that cuts the long prompts into chunks; seeded sampled requests in batches of 7 and 32; and both
+again with the compiled decode graphs; and through `tokenmill serve` with no other flags,
+concurrently.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -55,15 +58,24 @@ ARRIVALS_PER_STEP = 8
 pytestmark = pytest.mark.timeout(1500)
 
 
-@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
-def model(request, smollm2_gguf, gemma3_gguf) -> Path:
-    return smollm2_gguf if request.param == "smollm2" else gemma3_gguf
+class Subject(NamedTuple):
+    path: Path
+    options: dict  # LLMEngine's
+    flags: list[str]  # the same for `tokenmill serve`
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3", "smollm2-dense-fp32"])
+def model(request, smollm2_gguf, gemma3_gguf) -> Subject:
+    if request.param == "smollm2-dense-fp32":  # dense layers through tokenmill's fp32 matmul
+        options = {"quantization": "none", "dtype": "fp32"}
+        return Subject(smollm2_gguf, options, ["--quantization", "none", "--dtype", "fp32"])
+    return Subject(smollm2_gguf if request.param == "smollm2" else gemma3_gguf, {}, [])
 
 
 @pytest.fixture(scope="module")
 def alone(model) -> dict[str, list[list[int]]]:
     """Each request run by itself on a default engine; its token ids and its text."""
-    engine = LLMEngine(model)
+    engine = LLMEngine(model.path, **model.options)
     greedy = [_run(engine, [(p, GREEDY)], text=True)[0] for p in PROMPTS]
     sampled = [_run(engine, [(p, s)], text=True)[0] for p, s in zip(PROMPTS, SAMPLED)]
     return {
@@ -105,22 +117,23 @@ def _check_batches(engine: LLMEngine, alone: dict[str, list[list[int]]]) -> None
 
 
 def test_eager_batches_equal_requests_alone(model, alone) -> None:
-    _check_batches(LLMEngine(model, max_num_batched_tokens=BUDGET), alone)
+    _check_batches(LLMEngine(model.path, max_num_batched_tokens=BUDGET, **model.options), alone)
 
 
 def test_compiled_batches_equal_requests_alone(model, alone, tmp_path) -> None:
-    engine = LLMEngine(model, max_num_batched_tokens=BUDGET, compile=True)
+    engine = LLMEngine(model.path, max_num_batched_tokens=BUDGET, compile=True, **model.options)
     assert engine.runner.wait_compiled(timeout=1200), repr(engine.runner.compile_error)
     _check_batches(engine, alone)
     assert engine.runner.uncompiled_decode_steps == 0
 
 
 def test_served_requests_equal_requests_alone(model, alone, tmp_path) -> None:
-    """`tokenmill serve MODEL` with no flags: 32 seeded and 32 greedy requests at once."""
+    """`tokenmill serve MODEL` with no other flags: 32 seeded and 32 greedy requests at once."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
     log = (tmp_path / "serve.log").open("w")
-    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", str(model), "--port", str(port)]
+    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", str(model.path), *model.flags]
+    cmd += ["--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

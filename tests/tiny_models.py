@@ -48,9 +48,11 @@ def build_tiny_model(
     layers: int = 2,
     added_tokens: list[str] | None = None,
     chat_template: str = CHATML,
+    tie_word_embeddings: bool = False,
 ) -> Path:
     """Save a tiny model of the given family plus tokenizer files into `path` (an HF directory).
-    added_tokens (such as "<think>") are whole tokens of their own after the trained ones."""
+    added_tokens (such as "<think>") are whole tokens of their own after the trained ones;
+    tie_word_embeddings: llama's output head is the embedding table (gemma3's always is)."""
     path.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(vocab_size, added_tokens or [])
     tok.save(str(path / "tokenizer.json"))
@@ -78,7 +80,9 @@ def build_tiny_model(
         bos_token_id=None,
     )
     configs = {
-        "llama": lambda: transformers.LlamaConfig(**common),
+        "llama": lambda: transformers.LlamaConfig(
+            **common, tie_word_embeddings=tie_word_embeddings
+        ),
         "gemma3": lambda: transformers.Gemma3TextConfig(
             **common,
             head_dim=16,

@@ -1,16 +1,26 @@
-"""Batch invariance of packed layers: a row's output is the same bits whatever its batch.
+"""Batch invariance of linear layers: a row's output is the same bits whatever its batch.
 
 Every kernel a packed layer can run (the tile kernel at both activation roundings and as an
 output head, the row kernels for int4, 5-bit and int8 weights) is checked in float32 and bf16 at
-batch sizes across every threshold the kernels know of (1, the GEMV sizes, tiles of rows, 64).
+batch sizes across every threshold the kernels know of (1, the GEMV sizes, tiles of rows, 64);
+dense fp32 layers (`DenseLinear`) at every batch up to 40 and past a block of rows, and end to end
+on a tiny fp32 model, whose requests give the same tokens alone and in batches.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from tests.tiny_models import build_tiny_model
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.model import kernels, quant_linear
+from tokenmill.model.dense_linear import DenseLinear
+from tokenmill.model.loader import load_model
 from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     FINE_X_BLOCK,
@@ -18,6 +28,7 @@ from tokenmill.model.quant_linear import (
     quantize_int4,
     quantize_int8,
 )
+from tokenmill.sample import SamplingParams
 
 # Which kernels this CPU should run, by its flags rather than by what the build gave: a kernel that
 # should be there and is not fails `_layer`'s check instead of dropping out of the test.
@@ -97,3 +108,107 @@ def test_without_invariance_a_single_row_rounds_finer(monkeypatch) -> None:
     torch.manual_seed(11)
     x = (torch.randn(4, IN) * torch.rand(4, 1) * 4).to(torch.bfloat16)
     assert not torch.equal(fast(x[:1]), fast(x)[:1])
+
+
+# Dense fp32 layers (`DenseLinear`, `tokenmill::dense_linear`): (out, in) shapes with K below,
+# at and past the vector width's multiples, past the kernel's K slice (1024), and N off the
+# register tile (4 columns) and off a column block
+DENSE_SHAPES = [(96, 224), (37, 50), (5, 17), (130, 2100), (1030, 64)]
+DENSE_BATCHES = [*range(1, 41), 300]  # 300: past a block of 256 rows
+
+
+def _dense_layer(out_features: int, in_features: int, bias: bool) -> DenseLinear:
+    torch.manual_seed(out_features + in_features)
+    layer = DenseLinear(in_features, out_features, bias=bias).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.normal_()
+        if bias:
+            layer.bias.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(("out_features", "in_features"), DENSE_SHAPES)
+def test_dense_fp32_rows_are_the_same_whatever_the_batch(out_features, in_features, bias) -> None:
+    assert kernels.loaded()  # tokenmill's kernel, not F.linear
+    layer = _dense_layer(out_features, in_features, bias)
+    torch.manual_seed(3)
+    x = torch.randn(max(DENSE_BATCHES), in_features) * torch.rand(max(DENSE_BATCHES), 1) * 4
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    for batch in DENSE_BATCHES:
+        assert torch.equal(layer(x[:batch]), alone[:batch]), f"{batch} rows"
+    # rows in another order, and rows behind others: each still its own result
+    order = torch.randperm(x.shape[0])
+    assert torch.equal(layer(x[order]), alone[order])
+    assert torch.equal(layer(x[7:40]), alone[7:40])
+    # the same products as PyTorch's, to fp32 rounding (which grows with the sum's length)
+    expected = F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(alone, expected, rtol=1e-4, atol=1e-5 * in_features)
+
+
+def test_dense_fp32_takes_leading_dimensions_and_leaves_bf16_to_pytorch() -> None:
+    layer = _dense_layer(24, 40, bias=True)
+    x = torch.randn(3, 5, 40)
+    y = layer(x)
+    assert y.shape == (3, 5, 24)
+    assert torch.equal(y[1], layer(x[1]))
+    bf16 = layer.to(torch.bfloat16)
+    assert torch.equal(bf16(x[0].bfloat16()), F.linear(x[0].bfloat16(), bf16.weight, bf16.bias))
+
+
+WORDS = ["red", "apples", "the river", "seven", "quietly", "north", "a lamp", "over"]
+# 24 prompts of 2 to ~60 tokens, the longer ones cut into chunks by the batched engine's budget
+ENGINE_PROMPTS = [" ".join(WORDS[i % 8 :] + WORDS[: i % 8]) * (1 + i % 5) for i in range(24)]
+
+
+def _generate(engine: LLMEngine, requests: list[tuple[str, SamplingParams]], per_step: int) -> list:
+    """Each request's tokens and their logprobs (which show a difference in the logits' last
+    bits), per_step requests added before each step."""
+    ids, pending, finals = [], list(requests), {}
+    while pending or engine.has_unfinished_requests():
+        for prompt, params in pending[:per_step]:
+            ids.append(engine.add_request(None, prompt, params))
+        pending = pending[per_step:]
+        for out in engine.step():
+            if out.finished:
+                done = out.outputs[0]
+                logprobs = [lp[t].logprob for lp, t in zip(done.logprobs, done.token_ids)]
+                finals[out.request_id] = (done.token_ids, logprobs)
+    return [finals[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tied"), tie_word_embeddings=True)
+
+
+def test_fp32_layers_multiply_through_the_kernel_only_when_invariant(tiny_model_dir) -> None:
+    invariant = load_model(tiny_model_dir, dtype="float32", progress=False).model
+    assert isinstance(invariant.lm_head, DenseLinear)
+    assert all(isinstance(m.mlp.down_proj, DenseLinear) for m in invariant.layers)
+    for options in ({"dtype": "float32", "batch_invariant": False}, {"dtype": "bfloat16"}):
+        model = load_model(tiny_model_dir, progress=False, **options).model
+        assert type(model.lm_head) is nn.Linear, options
+        assert all(type(m.mlp.down_proj) is nn.Linear for m in model.layers), options
+
+
+def test_fp32_model_requests_give_the_same_tokens_alone_and_batched(tied_model_dir) -> None:
+    """A tiny HF model in fp32, dense layers and a tied head: greedy requests arriving over several
+    steps, in chunks under a small token budget, and seeded sampled ones among them, each give the
+    tokens and logprobs it gives alone."""
+    options = dict(dtype="float32", quantization="none", compile=False, num_kv_blocks=256)
+    alone_engine = LLMEngine(str(tied_model_dir), **options)
+    model = alone_engine.loaded.model
+    assert model.lm_head is None and model.invariant_head  # the tied head through the kernel
+    assert all(isinstance(m.attn.qkv_proj, DenseLinear) for m in model.layers)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    sampled = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12, logprobs=0)
+        for i in range(8)
+    ]
+    requests = [(p, greedy) for p in ENGINE_PROMPTS] + list(zip(ENGINE_PROMPTS, sampled))
+    alone = [_generate(alone_engine, [request], per_step=1)[0] for request in requests]
+    batched_engine = LLMEngine(str(tied_model_dir), max_num_batched_tokens=48, **options)
+    batched = _generate(batched_engine, requests, per_step=6)
+    differ = [i for i, (a, b) in enumerate(zip(batched, alone)) if a != b]
+    assert not differ, f"requests {differ} differ from their runs alone"

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from tokenmill.errors import ModelFileError
 from tokenmill.model import families
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.dense_linear import DenseLinear, invariant_kernel_builds
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
@@ -115,7 +116,9 @@ def load_model(
     row kernels serve, else 65 tokens; in bf16, none for the tile kernel where it has AMX, 48 for
     it elsewhere (AVX-512 with VNNI), else 16 for int4 and 8 for int8); 0 keeps no copies.
     batch_invariant: quantized layers compute every row alike whatever the batch (`QuantLinear`),
-    so they keep no dense copies: a copy's float matmul rounds differently from the packed kernel.
+    so they keep no dense copies: a copy's float matmul rounds differently from the packed kernel;
+    dense fp32 layers and a tied fp32 head multiply through `tokenmill::dense_linear`
+    (`DenseLinear`), whose kernels are then built here if need be.
     """
     if batch_invariant and dense_min_tokens:
         raise ValueError(
@@ -266,6 +269,9 @@ class _Builder:
         elif keep_quantized or self.quantization in ("int8", "int4"):
             # tied, but the head needs its own packed form
             model.lm_head = self.linear([embed], [None], x_block=COARSE_X_BLOCK)
+        if model.lm_head is None and self.batch_invariant and self.dtype == torch.float32:
+            invariant_kernel_builds()  # the tied head multiplies by the embedding's table
+            model.invariant_head = True
         if keep_quantized:
             # looked up from the file's rows as they are: a tied head's re-quantized int8 rows
             # would cost perplexity to save only the pages of rows never looked up
@@ -301,7 +307,12 @@ class _Builder:
             q == "gguf" and all(isinstance(w, GGMLWeight) for w in weights)
         )
         if not quantize:
-            layer = nn.Linear(cols, rows, bias=bias is not None, device="meta")
+            invariant = self.batch_invariant and self.dtype == torch.float32
+            if invariant:  # built before the first step, as for packed layers
+                invariant_kernel_builds()
+            layer = (DenseLinear if invariant else nn.Linear)(
+                cols, rows, bias=bias is not None, device="meta"
+            )
             layer.weight = nn.Parameter(
                 _cat_rows([_dense(w, self.dtype) for w in weights]), requires_grad=False
             )

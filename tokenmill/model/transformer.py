@@ -15,6 +15,7 @@ from torch import nn
 from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, paged_attention
 from tokenmill.model.config import ModelConfig, RopeSettings
+from tokenmill.model.dense_linear import invariant_linear
 
 
 class RMSNorm(nn.Module):
@@ -67,8 +68,28 @@ class Rotary:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape (T, 1, head_dim // 2), computed once per step and shared by
         layers."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
+        cos, sin = torch.ops.tokenmill_rope.tables(positions, self.inv_freq.to(positions.device))
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+
+
+@torch.library.custom_op("tokenmill_rope::tables", mutates_args=())
+def _rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin of each position times each frequency (T, head_dim // 2). An op of its
+    own so that compiled graphs call PyTorch's eager cos and sin: inductor's own differ from them
+    in the last bit for about a third of the angles, and a decode token's rotation (hence its
+    logits) would then depend on whether its step ran compiled or eagerly beside a prompt."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+@_rope_tables.register_fake
+def _rope_tables_shape(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (positions.shape[0], inv_freq.shape[0])
+    return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -219,6 +240,9 @@ class Transformer(nn.Module):
         self.rotaries = {
             kind: Rotary(cfg.layer_rope(i), cfg.head_dim) for i, kind in enumerate(cfg.layer_types)
         }
+        # a tied head multiplies through `invariant_linear` (set by the loader for batch-invariant
+        # fp32 models), else through F.linear
+        self.invariant_head = False
 
     def forward(
         self, input_ids: torch.Tensor, cache: KVCache, batch: AttentionBatch
@@ -271,4 +295,6 @@ class Transformer(nn.Module):
         """The output head's matmul (T, vocab), in the model's dtype: what `logits` finishes."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
+        if self.invariant_head:
+            return invariant_linear(hidden, self.embed.weight)
         return F.linear(hidden, self.embed.weight)

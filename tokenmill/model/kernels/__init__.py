@@ -3,16 +3,18 @@
 `int8_linear` multiplies a few activation rows by an int8 weight faster than PyTorch's
 `_weight_int8pack_mm` (see gemv.cpp). It and `int4_linear` pick their means (a weight-only kernel
 or a bf16 matmul) by the number of rows when they run, so one compiled graph serves every batch
-size with the best of both. `gated_activation` is the MLP's act(gate) * up in one pass, for eager
-steps (activation.cpp), `rms_norm` the model's norm (norm.cpp) and `rotary` the rotary embedding
-(rotary.cpp); `decode_attention` attends one query token per sequence over the paged KV cache
-(attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and `sample_ids` a draw
-from each row's softmax (sample.cpp). Building takes seconds of one core (g++ through
-`torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while PyTorch's
-kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the
-torch version and the CPU's features, so later starts load it without compiling. Where it cannot
-be built (no compiler, an x86 CPU without AVX2 and FMA, another architecture), everything keeps
-using PyTorch's kernels. simd.h holds their vector operations for AVX-512 and for AVX2.
+size with the best of both. `dense_linear` multiplies by a dense fp32 weight, summing every row
+in one order whatever the batch (dense.cpp). `gated_activation` is the MLP's act(gate) * up in
+one pass, for eager steps (activation.cpp), `rms_norm` the model's norm (norm.cpp) and `rotary`
+the rotary embedding (rotary.cpp); `decode_attention` attends one query token per sequence over
+the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and
+`sample_ids` a draw from each row's softmax (sample.cpp). Building takes seconds of one core (g++
+through `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while
+PyTorch's kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its
+sources, the torch version and the CPU's features, so later starts load it without compiling.
+Where it cannot be built (no compiler, an x86 CPU without AVX2 and FMA, another architecture),
+everything keeps using PyTorch's kernels. simd.h holds their vector operations for AVX-512 and for
+AVX2.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "gemv.cpp",
+        "dense.cpp",
         "activation.cpp",
         "norm.cpp",
         "rotary.cpp",
@@ -113,6 +116,7 @@ def load(build: bool = True) -> bool:
         torch.library.register_fake("tokenmill::greedy_ids")(_greedy_ids_shape)
         torch.library.register_fake("tokenmill::rms_norm")(_rms_norm_shape)
         torch.library.register_fake("tokenmill::rotary")(_rotary_shape)
+        torch.library.register_fake("tokenmill::dense_linear")(_dense_shape)
         _loaded = True
         return True
 
@@ -198,6 +202,10 @@ def _quant_tiles_shape(
     amx_min_rows: int = -1,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], tile_scales.shape[0] * 16)
+
+
+def _dense_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _decode_attention_shape(
