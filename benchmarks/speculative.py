@@ -164,9 +164,8 @@ def servers(args: argparse.Namespace) -> dict[str, tuple[list[str], dict, int]]:
         "default",
     ]
     env = common.thread_env(args.threads)
-    k = args.num_speculative_tokens
-    ngram = {"method": "ngram", "num_speculative_tokens": k}
-    drafted = {"model": str(draft), "num_speculative_tokens": k}
+    ngram = {"method": "ngram", "num_speculative_tokens": args.ngram_tokens}
+    drafted = {"model": str(draft), "num_speculative_tokens": args.draft_tokens}
     configs = {
         "tokenmill": (tokenmill, env, args.tokenmill_port),
         "tokenmill ngram": (
@@ -209,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--ngram-tokens", type=int, default=8, help="K of prompt lookup")
+    p.add_argument("--draft-tokens", type=int, default=4, help="K of the draft model")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument(
         "--engines",

@@ -86,6 +86,34 @@ def test_greedy_equals_plain_decoding_on_the_tiny_model(tiny_loaded) -> None:
     assert spec.stats.spec_num_accepted_tokens < spec.stats.spec_num_draft_tokens
 
 
+class RepeatDrafter:
+    """Drafts the last token again, every step."""
+
+    num_speculative_tokens = 1
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        return token_ids[-1:][:limit]
+
+
+def test_a_sequence_whose_drafts_miss_pauses_its_drafting(tiny_loaded, monkeypatch) -> None:
+    """Verifications that accept nothing pause a sequence's drafting 1, 2, 4, ... steps (up to
+    SPECULATION_MAX_PAUSE): 60 tokens take 7 verifications (pauses of 1, 2, 4, 8, 16 and 16
+    steps between them), where without pauses 58 steps verify."""
+    plain, spec = _engines(tiny_loaded, max_num_seqs=8)
+    monkeypatch.setattr(llm_engine, "accepted_drafts", lambda drafts, sampled: 0)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = REPETITIVE[:1]
+    expected = _run(plain, prompts, params)
+    spec.speculative = RepeatDrafter()
+    assert _run(spec, prompts, params) == expected
+    assert spec.stats.spec_num_drafts == 7
+    monkeypatch.setattr(llm_engine, "SPECULATION_MAX_PAUSE", 0)
+    spec.speculative = RepeatDrafter()
+    assert _run(spec, prompts, params) == expected
+    # every step after the prompt's, but the last (a token left: no room for a draft)
+    assert spec.stats.spec_num_drafts == 7 + 58
+
+
 def test_greedy_equals_plain_decoding_on_smollm2(smollm2_gguf) -> None:
     # 64 prompts, eight at a time (speculation stands down in larger batches), and alone
     prompts = [f"{p} ({i})" if i >= len(REPETITIVE) else p for i, p in enumerate(REPETITIVE * 8)]

@@ -27,6 +27,7 @@ from tokenmill.engine.request import FINISHED_STATUS, Request, Sequence
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.speculative import (
     SPECULATION_MAX_BATCH,
+    SPECULATION_MAX_PAUSE,
     SpeculativeConfig,
     accepted_drafts,
 )
@@ -432,6 +433,9 @@ class LLMEngine:
                 self.stats.spec_num_draft_tokens += len(drafts)
                 self.stats.spec_num_accepted_tokens += accepted
                 seq.max_drafts = accepted + 1  # fewer drafts while few are accepted
+                seq.draft_misses = 0 if accepted else seq.draft_misses + 1
+                if seq.draft_misses:  # and fewer steps with drafts while none are
+                    seq.draft_pause = min(2 ** (seq.draft_misses - 1), SPECULATION_MAX_PAUSE)
                 # the step computed every draft; the rejected ones' KV is written over later
                 seq.num_computed_tokens -= len(drafts) - accepted
                 # the draft model's KV holds up to the last accepted draft
@@ -463,11 +467,15 @@ class LLMEngine:
     def _draft(self, seqs: list[Sequence]) -> None:
         """Drafts for the next step of each sequence that goes on, while few enough
         run for verifying them to pay (SPECULATION_MAX_BATCH): at most one more than its last
-        drafts had accepted, so a sequence whose drafts miss spends little on them."""
+        drafts had accepted, and none for a while after drafts that all missed
+        (SPECULATION_MAX_PAUSE), so a sequence whose drafts miss spends little on them."""
         if len(self.scheduler.running) > SPECULATION_MAX_BATCH:
             return
         for seq in seqs:
             if seq.finish_reason is not None:
+                continue
+            if seq.draft_pause:
+                seq.draft_pause -= 1
                 continue
             room = min(
                 seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens

@@ -105,6 +105,8 @@ class Sequence:
     # speculative decoding: tokens drafted to follow this sequence, verified in its next step
     draft_token_ids: list[int] = field(default_factory=list)
     max_drafts: int | None = None  # how many to draft next: one more than the last accepted
+    draft_misses: int = 0  # verifications in a row that accepted no draft
+    draft_pause: int = 0  # steps to decode without drafting before drafting again
     draft_computed: int = 0  # leading tokens whose KV the draft model holds (its own pool)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
     status: SequenceStatus = SequenceStatus.WAITING

@@ -30,6 +30,10 @@ from tokenmill.errors import InvalidRequestError
 # Running sequences above which no sequence drafts: a step of that many rows is bound by compute,
 # not by reading the weights, and verifying drafts no longer comes for free
 SPECULATION_MAX_BATCH = 8
+# Longest pause, in steps, of a sequence whose drafts keep missing: it pauses 1, 2, 4, ... steps
+# after each verification in a row that accepted nothing, since a step that verifies drafts runs
+# eagerly while plain decode steps run through the compiled graphs
+SPECULATION_MAX_PAUSE = 16
 
 
 @dataclass(frozen=True)
