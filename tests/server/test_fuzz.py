@@ -18,19 +18,17 @@ from collections import Counter
 
 import httpx
 import pytest
+import requests  # schemathesis's transport
+import schemathesis  # a test extra: missing, the module fails rather than skips
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+from schemathesis.checks import not_a_server_error
+from schemathesis.core.failures import FailureGroup
 
-schemathesis = pytest.importorskip("schemathesis")
-
-import requests  # noqa: E402 - schemathesis's transport
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.errors import Unsatisfiable  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.core.failures import FailureGroup  # noqa: E402
-
-from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer  # noqa: E402
-from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenmill.server.app import ServerConfig  # noqa: E402
+from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.server.app import ServerConfig
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_EXAMPLES = 20  # per operation and mode

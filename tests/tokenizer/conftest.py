@@ -59,7 +59,6 @@ def _transformers_tokenizer(path: Path):
     It is made by the same two calls that loader makes, skipping its reading of the model config,
     which keeps these tests quick.
     """
-    pytest.importorskip("transformers")
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 

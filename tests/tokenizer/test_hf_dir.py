@@ -7,12 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import transformers
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from tokenmill.tokenizer import Tokenizer, TokenizerError
-
-transformers = pytest.importorskip("transformers")
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
