@@ -386,6 +386,39 @@ def tokenmill_cmd() -> list[str]:
     ]
 
 
+def tokenmill_serve_cmd(model: Path, port: int, *flags: str) -> list[str]:
+    """`tokenmill serve` of the model on loopback at the port, logging warnings only, with the
+    flags."""
+    return tokenmill_cmd() + [
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
+
+
+def llama_server_cmd(binary: Path, model: Path, port: int, threads: int, *flags: str) -> list[str]:
+    """llama-server serving the model on loopback at the port with this many threads, with the
+    flags."""
+    return [
+        str(binary),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        *flags,
+    ]
+
+
 def thread_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))

@@ -86,20 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     results = {}
     for mode, flags in MODES:  # one server at a time
-        cmd = common.tokenmill_cmd() + [
-            "serve",
-            str(path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(args.port),
-            "--dtype",
-            args.dtype,
-            "--log-level",
-            "warning",
-            *flags,
-            *shlex.split(args.tokenmill_args),
-        ]
+        cmd = common.tokenmill_serve_cmd(
+            path, args.port, "--dtype", args.dtype, *flags, *shlex.split(args.tokenmill_args)
+        )
         with common.Server(
             f"tokenmill ({mode})",
             cmd,

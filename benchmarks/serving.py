@@ -33,19 +33,9 @@ NAMES = {"tokenmill": "tokenmill", "llama.cpp": "llama.cpp"}
 
 
 def tokenmill_server(path: Path, args: argparse.Namespace) -> tuple[list[str], dict]:
-    cmd = common.tokenmill_cmd() + [
-        "serve",
-        str(path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.tokenmill_port),
-        "--dtype",
-        args.dtype,
-        "--log-level",
-        "warning",
-        *shlex.split(args.tokenmill_args),
-    ]
+    cmd = common.tokenmill_serve_cmd(
+        path, args.tokenmill_port, "--dtype", args.dtype, *shlex.split(args.tokenmill_args)
+    )
     return cmd, common.thread_env(args.threads)
 
 
@@ -53,23 +43,14 @@ def llama_server(path: Path, args: argparse.Namespace) -> tuple[list[str], dict]
     binary = common.ensure_llama(["llama-server"], build=not args.no_build)["llama-server"]
     if binary is None:
         raise RuntimeError(common.missing_llama_hint(["llama-server"]))
-    cmd = [
-        str(binary),
-        "-m",
-        str(path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.llama_port),
-        "-t",
-        str(args.threads),
-        "-c",
-        str(args.ctx),
-        "-np",
-        str(args.parallel),
-        "-cb",
+    cmd = common.llama_server_cmd(
+        binary,
+        path,
+        args.llama_port,
+        args.threads,
+        *("-c", str(args.ctx), "-np", str(args.parallel), "-cb"),
         *shlex.split(args.llama_args),
-    ]
+    )
     return cmd, common.thread_env(args.threads)
 
 

@@ -151,18 +151,9 @@ async def run_workload(
 
 def servers(args: argparse.Namespace) -> dict[str, tuple[list[str], dict, int]]:
     target, draft = common.resolve_model(args.model), common.resolve_model(args.draft)
-    tokenmill = common.tokenmill_cmd() + [
-        "serve",
-        str(target),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.tokenmill_port),
-        "--log-level",
-        "warning",
-        "--served-model-name",
-        "default",
-    ]
+    tokenmill = common.tokenmill_serve_cmd(
+        target, args.tokenmill_port, "--served-model-name", "default"
+    )
     env = common.thread_env(args.threads)
     ngram = {"method": "ngram", "num_speculative_tokens": args.ngram_tokens}
     drafted = {"model": str(draft), "num_speculative_tokens": args.draft_tokens}
@@ -181,23 +172,18 @@ def servers(args: argparse.Namespace) -> dict[str, tuple[list[str], dict, int]]:
     }
     binary = common.ensure_llama(["llama-server"], build=not args.no_build)["llama-server"]
     if binary is not None:
-        llama = [
-            str(binary),
-            "-m",
-            str(target),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(args.llama_port),
-            "-t",
-            str(args.threads),
+        llama = common.llama_server_cmd(
+            binary,
+            target,
+            args.llama_port,
+            args.threads,
             "-c",
             "8192",
             "-np",
             "1",
             "--alias",
             "default",
-        ]
+        )
         configs["llama.cpp"] = (llama, env, args.llama_port)
         configs["llama.cpp draft"] = (llama + ["--model-draft", str(draft)], env, args.llama_port)
     return {name: configs[name] for name in args.engines.split(",") if name in configs}
