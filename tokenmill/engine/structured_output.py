@@ -81,22 +81,17 @@ class GrammarCompiler:
         token (the target's token before them refuses that draft). A matcher in error
         (`is_error`) allows at most the end of the sequence; the engine fails its request with
         the reason."""
-        if drafts is None or not any(drafts):
-            bits = llguidance.torch.allocate_token_bitmask(len(matchers), self._vocab_size)
-            llguidance.torch.fill_next_token_bitmask_par(
-                self._executor, [(m, row) for row, m in enumerate(matchers)], bits
-            )
-            return bits
+        drafts = drafts if drafts is not None else [[] for _ in matchers]
         starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         bits = llguidance.torch.allocate_token_bitmask(starts[-1], self._vocab_size)
         alone = [(m, start) for m, start, d in zip(matchers, starts, drafts) if not d]
+        drafted = [(m, start, list(d)) for m, start, d in zip(matchers, starts, drafts) if d]
         if alone:  # llguidance's draft variant takes only matchers with drafts
             llguidance.torch.fill_next_token_bitmask_par(self._executor, alone, bits)
-        llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
-            self._executor,
-            [(m, start, list(d)) for m, start, d in zip(matchers, starts, drafts) if d],
-            bits,
-        )
+        if drafted:
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
+                self._executor, drafted, bits
+            )
         return bits
 
     def _after_reasoning(self, grammar: str, markers: tuple[str, str], opened: bool) -> str:
