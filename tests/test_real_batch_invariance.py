@@ -22,6 +22,7 @@ from typing import NamedTuple
 import httpx
 import pytest
 
+from tests.engine_runs import final_outputs
 from tests.server.conftest import free_port
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sample import SamplingParams
@@ -91,19 +92,9 @@ def _run(
     per_step: int = 0,
     text: bool = False,
 ) -> list:
-    """Token ids of each request (with text: (token ids, text)); per_step > 0 adds that many
-    requests before each step."""
-    ids, pending, finals = [], list(requests), {}
-    while pending or engine.has_unfinished_requests():
-        take = len(pending) if per_step == 0 else per_step
-        for prompt, params in pending[:take]:
-            ids.append(engine.add_request(None, prompt, params))
-        pending = pending[take:]
-        for out in engine.step():
-            if out.finished:
-                done = out.outputs[0]
-                finals[out.request_id] = (done.token_ids, done.text) if text else done.token_ids
-    return [finals[i] for i in ids]
+    """Token ids of each request (with text: (token ids, text)); per_step: see `final_outputs`."""
+    outputs = final_outputs(engine, requests, per_step)
+    return [(o.token_ids, o.text) if text else o.token_ids for o in outputs]
 
 
 def _check_batches(engine: LLMEngine, alone: dict[str, list[list[int]]]) -> None:

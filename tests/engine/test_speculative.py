@@ -16,6 +16,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 import tokenmill.engine.llm_engine as llm_engine
+from tests.engine_runs import final_outputs
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.speculative import SpeculativeConfig, propose_ngram
 from tokenmill.errors import InvalidRequestError
@@ -59,15 +60,8 @@ def test_bad_configs_say_what_is_wrong(config: str, fragment: str) -> None:
         SpeculativeConfig.parse(config)
 
 
-def _run(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
-    return [done[i] for i in range(len(prompts))]
+def _run(engine: LLMEngine, prompts: list, params: SamplingParams) -> list[list[int]]:
+    return [o.token_ids for o in final_outputs(engine, [(p, params) for p in prompts])]
 
 
 def _engines(model, **options) -> tuple[LLMEngine, LLMEngine]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.engine_runs import final_outputs
 from tests.tiny_models import build_tiny_model
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.model import kernels, quant_linear
@@ -164,17 +165,10 @@ ENGINE_PROMPTS = [" ".join(WORDS[i % 8 :] + WORDS[: i % 8]) * (1 + i % 5) for i 
 def _generate(engine: LLMEngine, requests: list[tuple[str, SamplingParams]], per_step: int) -> list:
     """Each request's tokens and their logprobs (which show a difference in the logits' last
     bits), per_step requests added before each step."""
-    ids, pending, finals = [], list(requests), {}
-    while pending or engine.has_unfinished_requests():
-        for prompt, params in pending[:per_step]:
-            ids.append(engine.add_request(None, prompt, params))
-        pending = pending[per_step:]
-        for out in engine.step():
-            if out.finished:
-                done = out.outputs[0]
-                logprobs = [lp[t].logprob for lp, t in zip(done.logprobs, done.token_ids)]
-                finals[out.request_id] = (done.token_ids, logprobs)
-    return [finals[i] for i in ids]
+    return [
+        (o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+        for o in final_outputs(engine, requests, per_step)
+    ]
 
 
 @pytest.fixture(scope="module")
