@@ -158,45 +158,58 @@ def test_a_second_runner_loads_the_graphs_and_a_damaged_entry_is_compiled_again(
     assert entries[1].stat().st_size > 1000
 
 
-@pytest.fixture(scope="module")
-def bf16_runner(tiny_model_dir, tmp_path_factory, cpu_kernels):
-    # bf16 int8 layers: the dtype tokenmill's int8 kernel takes, inside the batch-1 graph
-    assert cpu_kernels, "the C++ kernels did not build"
+def _compiled_runner(model_dir, tmp_path_factory, name: str, **load_options):
+    """A runner of the model loaded with these options, its decode graphs compiled into fresh
+    caches named after `name`; yields it, for a module-scoped fixture."""
     patch = pytest.MonkeyPatch()
-    patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-bf16")))
-    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-bf16")))
-    loaded = load_model(
-        tiny_model_dir,
-        dtype="bf16",
-        progress=False,
-        quantization="int8",
-        dense_min_tokens=2,
-        batch_invariant=False,
-    )
+    patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp(f"inductor-{name}")))
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp(f"cache-{name}")))
+    loaded = load_model(model_dir, progress=False, **load_options)
     runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
     assert runner.wait_compiled(timeout=900), f"compilation failed: {runner.compile_error!r}"
     yield runner
     patch.undo()
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_compiled_bf16_decode_with_the_int8_kernels_matches_eager(
-    bf16_runner, batch_size: int
-) -> None:
-    runner = bf16_runner
+def _compiled_and_eager_step(
+    runner: ModelRunner, batch_size: int, kernels: set[str]
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A decode step of batch_size sequences after their prompts: its logits from the compiled
+    graph and from the eager model, and how many calls the compiled step made to these ops."""
     prompts, tables = PROMPTS[:batch_size], TABLES[:batch_size]
     runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
     step = ([[7]] * batch_size, [len(p) + 1 for p in prompts], tables)
     with torch.profiler.profile() as profile:
         compiled = runner.last_token_logits(*step)
+    assert runner.uncompiled_decode_steps == 0
+    calls = sum(e.count for e in profile.key_averages() if e.key in kernels)
+    return compiled, runner.model.logits(runner.hidden_states(*step)), calls
+
+
+@pytest.fixture(scope="module")
+def bf16_runner(tiny_model_dir, tmp_path_factory, cpu_kernels):
+    # bf16 int8 layers: the dtype tokenmill's int8 kernel takes, inside the batch-1 graph
+    assert cpu_kernels, "the C++ kernels did not build"
+    yield from _compiled_runner(
+        tiny_model_dir,
+        tmp_path_factory,
+        "bf16",
+        dtype="bf16",
+        quantization="int8",
+        dense_min_tokens=2,
+        batch_invariant=False,
+    )
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_compiled_bf16_decode_with_the_int8_kernels_matches_eager(
+    bf16_runner, batch_size: int
+) -> None:
     # int8 weights take the tile kernel on AVX-512, the int8 GEMV elsewhere
     kernels = {"tokenmill::int8_linear", "tokenmill::quant_tiles_linear"}
-    kernel_calls = sum(e.count for e in profile.key_averages() if e.key in kernels)
-    assert kernel_calls == sum(
-        isinstance(m, quant_linear.QuantLinear) for m in runner.model.modules()
-    )
-    assert runner.uncompiled_decode_steps == 0
-    eager = runner.model.logits(runner.hidden_states(*step))
+    compiled, eager, calls = _compiled_and_eager_step(bf16_runner, batch_size, kernels)
+    modules = bf16_runner.model.modules()
+    assert calls == sum(isinstance(m, quant_linear.QuantLinear) for m in modules)
     # inductor keeps fused intermediates in fp32 where eager rounds each op to bf16: on this
     # deliberately chaotic model that moves the logits by ~2% (as much as bf16 vs fp32 eager does)
     error = ((compiled.float() - eager.float()).norm() / eager.float().norm()).item()
@@ -259,32 +272,19 @@ def test_engine_told_to_compile_or_not_never_waits_for_a_job(tiny_loaded, monkey
 def fp32_dense_runner(tiny_model_dir, tmp_path_factory, cpu_kernels):
     # a batch-invariant fp32 model with dense layers: they multiply through tokenmill's kernel
     assert cpu_kernels, "the C++ kernels did not build"
-    patch = pytest.MonkeyPatch()
-    patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-fp32")))
-    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-fp32")))
-    loaded = load_model(tiny_model_dir, dtype="fp32", progress=False, quantization="none")
-    runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
-    assert runner.wait_compiled(timeout=900), f"compilation failed: {runner.compile_error!r}"
-    yield runner
-    patch.undo()
+    yield from _compiled_runner(
+        tiny_model_dir, tmp_path_factory, "fp32", dtype="fp32", quantization="none"
+    )
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_compiled_fp32_decode_calls_the_dense_kernel_and_equals_eager(
     fp32_dense_runner, batch_size: int
 ) -> None:
-    runner = fp32_dense_runner
-    prompts, tables = PROMPTS[:batch_size], TABLES[:batch_size]
-    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
-    step = ([[7]] * batch_size, [len(p) + 1 for p in prompts], tables)
-    with torch.profiler.profile() as profile:
-        compiled = runner.last_token_logits(*step)
-    kernel_calls = sum(
-        e.count for e in profile.key_averages() if e.key == "tokenmill::dense_linear"
+    compiled, eager, calls = _compiled_and_eager_step(
+        fp32_dense_runner, batch_size, {"tokenmill::dense_linear"}
     )
-    assert kernel_calls == sum(isinstance(m, DenseLinear) for m in runner.model.modules())
-    assert runner.uncompiled_decode_steps == 0
-    eager = runner.model.logits(runner.hidden_states(*step))
+    assert calls == sum(isinstance(m, DenseLinear) for m in fp32_dense_runner.model.modules())
     # the same bits: a decode token's logits must not depend on whether its step ran compiled or
     # eagerly beside a prompt (in fp32 nothing rounds away a difference, e.g. in the rope tables)
     assert torch.equal(compiled, eager)
