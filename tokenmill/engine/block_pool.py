@@ -6,6 +6,10 @@ hash: it is reused in place by a prefix-cache hit (`touch`) until an allocation 
 space. Allocations take the head of the free queue and frees append to its tail, so the queue is
 the eviction order: least recently freed first.
 
+With `record_events` on, the pool also logs every change to the prefix cache (a hash stored, a
+hash evicted) in order, for a router that tracks which replica holds which prefixes; the reader
+takes them with `drain_events`.
+
 There is no reserved "null" block: block 0 is an ordinary block. (Attention pads block tables
 with 0 but masks those positions out and never writes them.)
 """
@@ -16,6 +20,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tokenmill.engine.request import BlockHash, Sequence
+
+CacheEvent = tuple[bool, BlockHash]
+"""A change to the prefix cache: (True, hash) when a block is stored, (False, hash) when evicted."""
 
 
 @dataclass(eq=False, slots=True)
@@ -92,6 +99,25 @@ class BlockPool:
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         # one past the highest block id ever handed out (fresh blocks go in id order)
         self.used_end = 0
+        # changes to `cached` since the last drain_events; None: not recorded
+        self.events: list[CacheEvent] | None = None
+
+    def record_events(self) -> None:
+        """Start logging prefix-cache changes (see `drain_events`)."""
+        if self.events is None:
+            self.events = []
+
+    def drain_events(self) -> list[CacheEvent]:
+        """The prefix-cache changes since the last call, oldest first (empty unless recording)."""
+        events, self.events = self.events, [] if self.events is not None else None
+        return events or []
+
+    def _evicted(self, block: KVCacheBlock) -> None:
+        assert block.block_hash is not None
+        del self.cached[block.block_hash]
+        if self.events is not None:
+            self.events.append((False, block.block_hash))
+        block.block_hash = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,8 +140,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                del self.cached[block.block_hash]
-                block.block_hash = None
+                self._evicted(block)
             block.ref_cnt = 1
             blocks.append(block)
         self.used_end = max(self.used_end, max((b.block_id for b in blocks), default=-1) + 1)
@@ -145,8 +170,7 @@ class BlockPool:
         """Withdraw blocks from the prefix cache (their contents may never have been computed)."""
         for block in blocks:
             if block.block_hash is not None:
-                del self.cached[block.block_hash]
-                block.block_hash = None
+                self._evicted(block)
 
     def cache_full_blocks(
         self,
@@ -168,13 +192,14 @@ class BlockPool:
             if block_hash not in self.cached:
                 block.block_hash = block_hash
                 self.cached[block_hash] = block
+                if self.events is not None:
+                    self.events.append((True, block_hash))
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content (e.g. after a weight update); refused while any block is in
         use, since running sequences would go on to cache blocks computed before the reset."""
         if self.num_free_blocks != self.num_blocks:
             return False
-        for block in self.cached.values():
-            block.block_hash = None
-        self.cached.clear()
+        for block in list(self.cached.values()):
+            self._evicted(block)
         return True
