@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -118,3 +119,11 @@ def test_perplexity_matches_a_reference_computation(
             nll -= float(logprobs[pos, chunk[0, pos + 1]])
             count += 1
     assert ours == pytest.approx(math.exp(nll / count), rel=1e-4)
+
+
+def test_serve_data_parallel_without_ray_says_what_to_install(
+    tiny_model_dir, monkeypatch, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    assert main(["serve", str(tiny_model_dir), "--data-parallel-size", "2"]) == 1
+    assert "pip install 'tokenmill[ray]'" in capsys.readouterr().err

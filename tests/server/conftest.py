@@ -12,6 +12,7 @@ import torch
 import uvicorn
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.data_parallel import DataParallelEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.app import ServerConfig, build_app
 
@@ -26,8 +27,11 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
-        self.async_engine = AsyncLLMEngine(engine)
+    def __init__(
+        self, engine: LLMEngine | AsyncLLMEngine | DataParallelEngine, config: ServerConfig
+    ) -> None:
+        """engine: an engine to run, or a running one (this server then shuts it down)."""
+        self.async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
         self.app = build_app(self.async_engine, config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

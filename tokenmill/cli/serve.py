@@ -174,13 +174,50 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "--no-compile stays eager",
     )
     add_engine_args(p)
+    add_data_parallel_args(p)
     p.set_defaults(run=run)
+
+
+def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.engine.router import ROUTER_POLICIES
+
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N engine replicas as Ray actors behind this one endpoint (needs Ray: pip "
+        "install 'tokenmill[ray]'; default: 1, one engine in this process)",
+    )
+    p.add_argument(
+        "--router",
+        default="prefix",
+        choices=ROUTER_POLICIES,
+        help="how requests are spread over the replicas: prefix sends a request to the replica "
+        "whose prefix cache holds most of its prompt, weighed against that replica's load; "
+        "least-load to the least busy; round-robin in turn (default: prefix)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join this Ray cluster (HOST:PORT of its head, or 'auto') instead of starting a "
+        "local Ray instance; MODEL must be a path that every node can read",
+    )
+    p.add_argument(
+        "--threads-per-replica",
+        type=int,
+        default=None,
+        help="torch threads (and Ray CPUs) of each replica (default: this machine's cores "
+        "divided by the data-parallel size)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.engine.data_parallel import DataParallelEngine, import_ray
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.app import ServerConfig, build_app
     from tokenmill.server.listening import ListeningServer
@@ -188,17 +225,30 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.data_parallel_size != 1:
+        import_ray()  # before the model is fetched: say what to install first
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
-    async_engine = AsyncLLMEngine(
-        lambda: LLMEngine(  # loaded on the thread that runs it: see AsyncLLMEngine
-            path,
-            progress=sys.stderr.isatty(),
-            max_queue_len=args.max_queue_len,
-            compile=args.compile,
-            defer_compile=True,  # started by ListeningServer once the socket is open
-            **engine_options(args),
-        )
+    options = dict(
+        max_queue_len=args.max_queue_len,
+        compile=args.compile,
+        defer_compile=True,  # started by ListeningServer once the socket is open
+        **engine_options(args),
     )
+    async_engine: AsyncLLMEngine | DataParallelEngine
+    if args.data_parallel_size != 1:
+        async_engine = DataParallelEngine(
+            path,
+            args.data_parallel_size,
+            options,
+            router=args.router,
+            ray_address=args.ray_address,
+            num_threads=args.threads_per_replica,
+        )
+    else:
+        async_engine = AsyncLLMEngine(
+            # loaded on the thread that runs it: see AsyncLLMEngine
+            lambda: LLMEngine(path, progress=sys.stderr.isatty(), **options)
+        )
     name = args.served_model_name or args.model or DEFAULT_MODEL
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
     app = build_app(
@@ -215,9 +265,14 @@ def run(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser,
         ),
     )
+    replicas = (
+        f", {args.data_parallel_size} replicas, {args.router} router"
+        if args.data_parallel_size > 1
+        else ""
+    )
     print(
         f"tokenmill: serving {name} ({path.name}, {async_engine.max_model_len} tokens of context, "
-        f"{async_engine.num_kv_blocks} KV blocks) at http://{args.host}:{args.port}",
+        f"{async_engine.num_kv_blocks} KV blocks{replicas}) at http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )

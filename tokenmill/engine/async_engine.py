@@ -88,6 +88,14 @@ class AsyncLLMEngine:
         """The engine's live counters, updated after every step (read them, don't write them)."""
         return self.engine.stats
 
+    def replica_stats(self) -> list[EngineStats]:
+        """Per-replica counters: none for a single engine (see `DataParallelEngine`)."""
+        return []
+
+    def replica_health(self) -> list[dict[str, Any]]:
+        """Per-replica state for /health: none for a single engine."""
+        return []
+
     def start_compile(self) -> None:
         """Start the decode-graph compilation that the engine deferred (see
         `EngineConfig.defer_compile`)."""

@@ -132,18 +132,7 @@ def load_model(
         raise ValueError(
             f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})"
         )
-    if path.is_dir():
-        config, weights, tokenizer = _open_hf_dir(path)
-    elif path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
-        raise ModelFileError(
-            path,
-            "pickle checkpoints are refused (they can run code when loaded); "
-            "use a safetensors or GGUF version of this model",
-        )
-    elif path.is_file():
-        config, weights, tokenizer = _open_gguf(path)
-    else:
-        raise ModelFileError(path, "no such file or directory")
+    config, weights, tokenizer = _open(path)
     if quantization == "auto":
         quantization = "none" if path.is_dir() else "gguf"
     builder = _Builder(
@@ -163,6 +152,30 @@ def load_model(
         dtype=dtype,
         batch_invariant=batch_invariant,
     )
+
+
+def open_model_info(path: str | Path) -> tuple[ModelConfig, Tokenizer | None]:
+    """A model's configuration and tokenizer, without loading its weights (for a process that
+    tokenizes for engines running elsewhere)."""
+    config, _, tokenizer = _open(Path(path))
+    return config, tokenizer
+
+
+def _open(
+    path: Path,
+) -> tuple[ModelConfig, Iterator[tuple[str, Weight]], Tokenizer | None]:
+    """Configuration, weights (read lazily, as they are iterated) and tokenizer of a model."""
+    if path.is_dir():
+        return _open_hf_dir(path)
+    if path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
+        raise ModelFileError(
+            path,
+            "pickle checkpoints are refused (they can run code when loaded); "
+            "use a safetensors or GGUF version of this model",
+        )
+    if path.is_file():
+        return _open_gguf(path)
+    raise ModelFileError(path, "no such file or directory")
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

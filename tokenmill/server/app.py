@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.data_parallel import DataParallelEngine
 from tokenmill.server.errors import install_exception_handlers
 from tokenmill.server.guard import GuardMiddleware
 from tokenmill.server.metrics import ServerMetrics
@@ -22,10 +23,12 @@ from tokenmill.server.state import ServerConfig, ServerState
 __all__ = ["ServerConfig", "build_app"]
 
 
-def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
-    """The server's ASGI app; the engine must be running, and outlives the app."""
+def build_app(engine: AsyncLLMEngine | DataParallelEngine, config: ServerConfig) -> FastAPI:
+    """The server's ASGI app; the engine (one, or data-parallel replicas) must be running, and
+    outlives the app."""
     app = FastAPI(title="tokenmill", version=__version__)
-    app.state.server = ServerState(engine, config, ServerMetrics(engine.stats))
+    metrics = ServerMetrics(engine.stats, engine.replica_stats)
+    app.state.server = ServerState(engine, config, metrics)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

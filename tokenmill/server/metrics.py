@@ -19,87 +19,138 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector:
-    """Reads the engine's counters when Prometheus scrapes: the step loop never waits on metrics."""
+    """Reads the engine's counters when Prometheus scrapes: the step loop never waits on metrics.
+    With data-parallel replicas, each engine family has one sample per replica, labelled
+    `replica`."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        replica_stats: Callable[[], list[EngineStats]] | None = None,
+    ) -> None:
         self.stats = stats
+        self.replica_stats = replica_stats
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self.stats()
-        gauges = [
-            ("tokenmill:num_requests_running", "Requests in the running batch.", s.num_running),
-            ("tokenmill:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            (
-                "tokenmill:kv_cache_usage_perc",
-                "Fraction of KV cache blocks in use (0-1).",
-                s.kv_usage,
-            ),
-            ("tokenmill:kv_cache_free_blocks", "KV cache blocks free.", s.num_free_blocks),
-            ("tokenmill:kv_cache_total_blocks", "KV cache blocks in the pool.", s.num_total_blocks),
-        ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = [
-            (
-                "tokenmill:num_preemptions",
-                "Requests preempted (recomputed later).",
-                s.num_preemptions,
-            ),
-            ("tokenmill:prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens),
-            ("tokenmill:generation_tokens", "Tokens generated.", s.generation_tokens),
-            (
-                "tokenmill:prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                s.prefix_cache_queries,
-            ),
-            (
-                "tokenmill:prefix_cache_hits",
-                "Prompt tokens found in the prefix cache.",
-                s.prefix_cache_hits,
-            ),
-            (
-                "tokenmill:structured_output_requests",
-                "Requests whose output a schema or grammar constrains.",
-                s.structured_requests,
-            ),
-            (
-                "tokenmill:grammar_compiles",
-                "Distinct schemas and grammars compiled (the rest came from the cache).",
-                s.grammar_compiles,
-            ),
-            (
-                "tokenmill:grammar_compile_seconds",
-                "Time spent compiling schemas and grammars, off the engine's thread.",
-                s.grammar_compile_seconds,
-            ),
-            (
-                "tokenmill:spec_decode_num_drafts",
-                "Speculative decoding: sequence steps that verified drafts.",
-                s.spec_num_drafts,
-            ),
-            (
-                "tokenmill:spec_decode_num_draft_tokens",
-                "Speculative decoding: tokens drafted and verified.",
-                s.spec_num_draft_tokens,
-            ),
-            (
-                "tokenmill:spec_decode_num_accepted_tokens",
-                "Speculative decoding: drafted tokens accepted (acceptance rate: accepted / "
-                "draft tokens; mean acceptance length: 1 + accepted / drafts).",
-                s.spec_num_accepted_tokens,
-            ),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
+        per_replica = self.replica_stats() if self.replica_stats is not None else []
+        labels = ["replica"] if per_replica else []
+        samples = [([str(i)], s) for i, s in enumerate(per_replica)] or [([], self.stats())]
+        for kind, name, doc, attr in _ENGINE_METRICS:
+            family = kind(name, doc, labels=labels)
+            for values, s in samples:
+                family.add_metric(values, getattr(s, attr))
+            yield family
+
+
+# (family, name, help, EngineStats field) of each engine metric
+_ENGINE_METRICS: list[tuple[type, str, str, str]] = [
+    (
+        GaugeMetricFamily,
+        "tokenmill:num_requests_running",
+        "Requests in the running batch.",
+        "num_running",
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenmill:num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        "num_waiting",
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenmill:kv_cache_usage_perc",
+        "Fraction of KV cache blocks in use (0-1).",
+        "kv_usage",
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenmill:kv_cache_free_blocks",
+        "KV cache blocks free.",
+        "num_free_blocks",
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenmill:kv_cache_total_blocks",
+        "KV cache blocks in the pool.",
+        "num_total_blocks",
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:num_preemptions",
+        "Requests preempted (recomputed later).",
+        "num_preemptions",
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:prompt_tokens",
+        "Prompt tokens of accepted requests.",
+        "prompt_tokens",
+    ),
+    (CounterMetricFamily, "tokenmill:generation_tokens", "Tokens generated.", "generation_tokens"),
+    (
+        CounterMetricFamily,
+        "tokenmill:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        "prefix_cache_queries",
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:prefix_cache_hits",
+        "Prompt tokens found in the prefix cache.",
+        "prefix_cache_hits",
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:structured_output_requests",
+        "Requests whose output a schema or grammar constrains.",
+        "structured_requests",
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:grammar_compiles",
+        "Distinct schemas and grammars compiled (the rest came from the cache).",
+        "grammar_compiles",
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:grammar_compile_seconds",
+        "Time spent compiling schemas and grammars, off the engine's thread.",
+        "grammar_compile_seconds",
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:spec_decode_num_drafts",
+        "Speculative decoding: sequence steps that verified drafts.",
+        "spec_num_drafts",
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:spec_decode_num_draft_tokens",
+        "Speculative decoding: tokens drafted and verified.",
+        "spec_num_draft_tokens",
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:spec_decode_num_accepted_tokens",
+        "Speculative decoding: drafted tokens accepted (acceptance rate: accepted / draft tokens; "
+        "mean acceptance length: 1 + accepted / drafts).",
+        "spec_num_accepted_tokens",
+    ),
+]
 
 
 class ServerMetrics:
-    """The server's Prometheus registry: request latencies, and the engine's state (from
-    stats(), read at each scrape)."""
+    """The server's Prometheus registry: request latencies (the endpoint's, over all replicas),
+    and the engine's state (from stats(), or per replica from replica_stats() where it returns
+    any, read at each scrape)."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        replica_stats: Callable[[], list[EngineStats]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, replica_stats))
         self.ttft = Histogram(
             "tokenmill:time_to_first_token_seconds",
             "Time to first token.",

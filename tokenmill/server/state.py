@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.data_parallel import DataParallelEngine
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import ServerMetrics
 
@@ -29,7 +30,7 @@ class ServerConfig:
 class ServerState:
     """Held by `app.state.server`; routes receive it through the `State` dependency."""
 
-    engine: AsyncLLMEngine
+    engine: AsyncLLMEngine | DataParallelEngine
     config: ServerConfig
     metrics: ServerMetrics
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
@@ -13,13 +15,17 @@ router = APIRouter()
 
 
 @router.get("/health", response_model=None)
-async def health(state: State) -> dict[str, str] | JSONResponse:
-    """200 while the engine runs, with its decode mode; 503 once it has stopped."""
+async def health(state: State) -> dict[str, Any] | JSONResponse:
+    """200 while the engine runs (with data parallelism: while any replica is up), with its
+    decode mode and each replica's state; 503 once it has stopped."""
     engine = state.engine
     if not engine.is_healthy:
         error = APIError(503, f"engine stopped: {engine.error!r}", type_="service_unavailable")
         return error.response()
-    return {"status": "ok", "decode": engine.decode_mode}
+    body: dict[str, Any] = {"status": "ok", "decode": engine.decode_mode}
+    if replicas := engine.replica_health():
+        body["replicas"] = replicas
+    return body
 
 
 @router.get("/version", response_model=None)

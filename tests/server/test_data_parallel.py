@@ -1,0 +1,226 @@
+"""`serve --data-parallel-size 2`: two engine replicas as Ray actors behind one endpoint.
+
+The OpenAI-client tests of test_openai_api run here too, against the replicas; then streams
+closed early, per-replica metrics and health, and a replica killed under load. One local Ray
+instance serves the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer
+from tests.server.test_openai_api import (  # noqa: F401 - collected and run against the replicas
+    PROMPT,
+    client,
+    offline,
+    test_cached_tokens_reported,
+    test_chat_equals_offline_streaming_or_not,
+    test_completion_equals_offline,
+    test_echo_and_token_id_prompts,
+    test_errors_have_openai_shape,
+    test_models_tokenize_detokenize_health_version,
+    test_n_and_seed,
+    test_stop_and_stop_reason,
+    test_streamed_completion_equals_non_streamed,
+)
+from tokenmill.engine.data_parallel import DataParallelEngine
+from tokenmill.server.app import ServerConfig
+
+ray = pytest.importorskip(
+    "ray", reason="data parallelism runs on Ray: pip install 'tokenmill[ray]'"
+)
+
+# the offline reference's settings (see test_openai_api.offline), in every replica
+REPLICA_OPTIONS = dict(num_kv_blocks=256, max_model_len=512, dtype="fp32", compile=False)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    """One small local Ray for the module: two CPUs, no dashboard, a small object store."""
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=100 << 20,
+        logging_level="warning",
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(ray_instance, tiny_model_dir):
+    engine = DataParallelEngine(tiny_model_dir, 2, REPLICA_OPTIONS, router="prefix", num_threads=1)
+    running = RunningServer(
+        engine, ServerConfig(MODEL_NAME, api_key=API_KEY, max_body_bytes=1 << 20)
+    )
+    yield running
+    running.stop()
+
+
+def _metrics(http: httpx.Client) -> dict[tuple[str, str | None], float]:
+    """(sample name, replica label) -> value."""
+    out: dict[tuple[str, str | None], float] = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            key = (sample.name, sample.labels.get("replica"))
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _wait_for(condition, timeout: float = 20.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _settled_metrics(http: httpx.Client) -> dict[tuple[str, str | None], float]:
+    """/metrics once the replicas' polled counters stop moving (earlier requests' included)."""
+    last = _metrics(http)
+    while True:
+        time.sleep(0.3)
+        now = _metrics(http)
+        if all(now[k] == v for k, v in last.items() if k[1] is not None):
+            return now
+        last = now
+
+
+def test_metrics_have_a_replica_label_and_health_lists_replicas(client, http) -> None:  # noqa: F811
+    before = _settled_metrics(http)
+    client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+
+    def generated() -> float:
+        after = _metrics(http)
+        return sum(
+            after.get(("tokenmill:generation_tokens_total", r), 0)
+            - before.get(("tokenmill:generation_tokens_total", r), 0)
+            for r in ("0", "1")
+        )
+
+    _wait_for(lambda: generated() == 4, what="the replicas' counters")
+    after = _metrics(http)
+    assert ("tokenmill:kv_cache_usage_perc", "0") in after
+    assert ("tokenmill:kv_cache_usage_perc", "1") in after
+    assert ("tokenmill:prefix_cache_hits_total", None) not in after  # per replica only
+    # the endpoint's own histograms count every request once, with no replica label
+    e2e = "tokenmill:e2e_request_latency_seconds_count"
+    assert after[(e2e, None)] == before[(e2e, None)] + 1
+    health = http.get("/health").json()
+    assert health["status"] == "ok"
+    assert [r["status"] for r in health["replicas"]] == ["ok", "ok"]
+
+
+def test_shared_prefix_requests_go_to_one_replica(client, server) -> None:  # noqa: F811
+    prefix = "Paris is the capital of France; Berlin is the capital of Germany. " * 4
+    for i in range(4):
+        client.completions.create(
+            model=MODEL_NAME, prompt=prefix + f"Question {i}:", max_tokens=2, temperature=0
+        )
+    held = [
+        v.cached_prefix(
+            server.async_engine.input_processor.process("x", prefix + "Q").sequences[0].block_hashes
+        )
+        for v in server.async_engine.router.replicas
+    ]
+    assert max(held) >= 2 and min(held) == 0
+
+
+def test_closed_streams_free_their_replica(http, server) -> None:
+    for _ in range(3):
+        with http.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL_NAME,
+                "prompt": PROMPT,
+                "max_tokens": 400,
+                "stream": True,
+                "ignore_eos": True,
+            },
+        ) as resp:
+            assert resp.status_code == 200
+            next(line for line in resp.iter_lines() if line.startswith("data: "))
+    # the client hung up: the replicas stop generating for it
+    _wait_for(
+        lambda: (
+            all(s.num_running == 0 for s in server.async_engine.replica_stats())
+            and all(v.requests == 0 for v in server.async_engine.router.replicas)
+        ),
+        what="the aborted requests to leave the replicas",
+    )
+
+
+async def _stream_one(url: str, i: int) -> str:
+    """'done', or how the request failed; the timeout turns a hang into a failure."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": f"{i} " + PROMPT,
+        "max_tokens": 300,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                error = json.loads(await r.aread())["error"]
+                assert r.status_code >= 500 and set(error) == {"message", "type", "param", "code"}
+                return f"http {r.status_code}"
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    assert set(event["error"]) == {"message", "type", "param", "code"}
+                    return "in-band error"
+            return "done"
+
+
+def test_killed_replica_fails_its_requests_fast_and_comes_back(server, http, client) -> None:  # noqa: F811
+    engine = server.async_engine
+    pid = engine.replica_pid(0)
+
+    async def run() -> list[str]:
+        tasks = [asyncio.create_task(_stream_one(server.url, i)) for i in range(8)]
+        # kill replica 0 once both replicas are generating
+        deadline = time.monotonic() + 30
+        while not all(v.requests for v in engine.router.replicas):
+            assert time.monotonic() < deadline, "the requests never reached both replicas"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
+
+    outcomes = asyncio.run(run())
+    assert outcomes.count("done") >= 1  # replica 1's requests finish
+    assert len(outcomes) == 8 and "in-band error" in outcomes  # replica 0's failed, none hung
+    _wait_for(
+        lambda: http.get("/health").json()["replicas"][0]["restarts"] >= 1,
+        timeout=60,
+        what="replica 0 to come back",
+    )
+    assert engine.replica_pid(0) != pid
+    # both replicas serve again
+    engine.router.policy = "round-robin"
+    try:
+        for _ in range(2):
+            resp = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3)
+            assert resp.choices[0].finish_reason == "length"
+    finally:
+        engine.router.policy = "prefix"

@@ -1,0 +1,464 @@
+"""DataParallelEngine: N engine replicas as Ray actors behind one `AsyncLLMEngine`-shaped client.
+
+The server holds one `DataParallelEngine` as it would hold an `AsyncLLMEngine`: the same
+add_request / generate / abort, tokenizer, model_config, stats and health. Requests are
+tokenized, validated and hashed into prefix-cache blocks here, in the serving process, by the
+engine's own `InputProcessor` (and `Sequence` hashing); a `Router` picks a replica, and the
+replica (`EngineReplica`) gets token ids and streams its outputs back through a Ray streaming
+generator. A background thread polls every replica for its counters and prefix-cache events.
+
+A replica whose process dies is restarted by Ray (`max_restarts`); its requests that had no
+output yet are sent to another replica, the others fail at once with `EngineDeadError` (503).
+Until its poll answers again, the restarted replica gets no requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.llm_engine import EngineStats, LLMEngine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.replica import EngineReplica, ReplicaInfo, ReplicaReport
+from tokenmill.engine.request import BlockHash
+from tokenmill.engine.router import NoReplicaError, Router
+from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.loader import open_model_info
+from tokenmill.sample import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+log = logging.getLogger("tokenmill.engine")
+
+# Object store of a Ray instance started here: outputs are small, and the machine is shared.
+LOCAL_OBJECT_STORE_BYTES = 128 << 20
+POLL_INTERVAL_S = 0.1
+
+
+def import_ray() -> Any:
+    """The ray module, or an error that says how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise TokenmillError(
+            "--data-parallel-size above 1 runs the engine replicas on Ray, which is not "
+            "installed: pip install 'tokenmill[ray]' (or pip install ray)"
+        ) from exc
+    return ray
+
+
+@dataclass
+class _Replica:
+    handle: Any  # the Ray actor
+    up: bool = True
+    stats: EngineStats = field(default_factory=EngineStats)
+    decode_mode: str = "eager"
+    error: str | None = None
+    restarts: int = 0  # times it went down and came back
+    pending: Any = None  # the poll in flight (an ObjectRef)
+
+
+class DataParallelEngine:
+    def __init__(
+        self,
+        model: str | Path,
+        num_replicas: int,
+        engine_options: dict[str, Any] | None = None,
+        router: str = "prefix",
+        ray_address: str | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        """model: a model path (the same path on every node of a cluster); engine_options:
+        `LLMEngine` overrides for every replica; router: a policy of `Router`; ray_address:
+        an existing Ray cluster to join (None: the one this process is connected to, else a
+        local one started here); num_threads: torch threads per replica (default: this
+        machine's cores shared out among the replicas)."""
+        if num_replicas < 1:
+            raise InvalidRequestError("the data-parallel size must be at least 1")
+        ray = self._ray = import_ray()
+        self._owns_ray = False
+        if not ray.is_initialized():
+            if ray_address is None:
+                ray.init(
+                    num_cpus=os.cpu_count() or 1,
+                    include_dashboard=False,
+                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                    logging_level=logging.WARNING,
+                )
+            else:
+                ray.init(address=ray_address, logging_level=logging.WARNING)
+            self._owns_ray = True
+        threads = num_threads or max(1, (os.cpu_count() or 1) // num_replicas)
+        actor = ray.remote(EngineReplica).options(
+            num_cpus=threads, max_restarts=-1, max_task_retries=0
+        )
+        self._replicas = [
+            _Replica(actor.remote(str(model), dict(engine_options or {}), threads))
+            for _ in range(num_replicas)
+        ]
+        try:
+            infos: list[ReplicaInfo] = ray.get([r.handle.info.remote() for r in self._replicas])
+        except Exception:
+            self.shutdown()
+            raise
+        self.infos = infos
+        self._config, tokenizer = open_model_info(model)
+        if tokenizer is None:
+            raise InvalidRequestError(f"{model}: the model has no tokenizer")
+        self._tokenizer = tokenizer
+        first = infos[0]
+        self.input_processor = InputProcessor(
+            tokenizer, self._config.vocab_size, first.max_model_len, first.block_size
+        )
+        self.router = Router(num_replicas, router, capacity=first.max_num_seqs)
+        self._lock = threading.Lock()  # the router and the replicas' state: poller and loop
+        self._streams: dict[str, ReplicaStream] = {}
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="tokenmill-dp-poll")
+        self._poller.daemon = True
+        self._poller.start()
+
+    # ------------------------------------------------------------------ read-only state
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._replicas)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.infos[0].max_model_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks of all replicas together."""
+        return sum(info.num_kv_blocks for info in self.infos)
+
+    @property
+    def decode_mode(self) -> str:
+        """'compiled' once every replica is, 'compiling' while any is, else 'eager'."""
+        modes = {r.decode_mode for r in self._replicas if r.up}
+        if modes == {"compiled"}:
+            return "compiled"
+        return "compiling" if "compiling" in modes else "eager"
+
+    def stats(self) -> EngineStats:
+        """All replicas' counters summed (KV usage: their mean), as last polled."""
+        total = EngineStats()
+        per = self.replica_stats()
+        for f in fields(EngineStats):
+            setattr(total, f.name, sum(getattr(s, f.name) for s in per))
+        total.kv_usage = total.kv_usage / len(per)
+        return total
+
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's counters, as last polled."""
+        return [r.stats for r in self._replicas]
+
+    def replica_health(self) -> list[dict[str, Any]]:
+        return [
+            {"replica": i, "status": "ok" if r.up else "down", "restarts": r.restarts}
+            for i, r in enumerate(self._replicas)
+        ]
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while any replica is up."""
+        return any(r.up for r in self._replicas) and not self._stop.is_set()
+
+    @property
+    def error(self) -> str | None:
+        if self.is_healthy:
+            return None
+        errors = [r.error for r in self._replicas if r.error]
+        return f"no engine replica is up ({'; '.join(errors) or 'restarting'})"
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """As `AsyncLLMEngine.tokenize`, here in the serving process."""
+        return self.input_processor.tokenize(
+            prompt, messages, add_special_tokens, add_generation_prompt, chat_template_kwargs, tools
+        )
+
+    def start_compile(self) -> None:
+        for r in self._replicas:
+            r.handle.start_compile.remote()
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        extra_key: str | None = None,
+    ) -> ReplicaStream:
+        """Validate, route and queue a request; raises here if no replica can take it."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        process = functools.partial(
+            self.input_processor.process, request_id, prompt, params, priority, extra_key=extra_key
+        )
+        request = await asyncio.to_thread(process) if params.structured_outputs else process()
+        stream = ReplicaStream(
+            self,
+            request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            params,
+            priority,
+            extra_key,
+            request.sequences[0].block_hashes,
+        )
+        await stream.start(set())
+        self._streams[request_id] = stream
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        extra_key: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream this request's outputs; leaving the iteration early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, priority, extra_key)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.replica is not None:
+            await self._replicas[stream.replica].handle.abort.remote(request_id)
+
+    async def call(self, fn: Callable[[LLMEngine], Any], replica: int = 0) -> Any:
+        """Run fn(engine) on one replica's engine thread (fn must pickle: Ray ships it)."""
+        return await self._replicas[replica].handle.call.remote(fn)
+
+    def replica_pid(self, replica: int) -> int:
+        """The process id of a replica's actor (tests kill it)."""
+        return self._ray.get(self._replicas[replica].handle.info.remote()).pid
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        poller = getattr(self, "_poller", None)
+        if poller is not None:
+            poller.join(timeout)
+        for r in self._replicas:
+            try:
+                self._ray.kill(r.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self._owns_ray:
+            self._ray.shutdown()
+
+    # ------------------------------------------------------------------ routing (the loop's)
+
+    def _check_alive(self) -> None:
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine stopped: {self.error}")
+
+    def _route(self, block_hashes: list[BlockHash], exclude: set[int]) -> int:
+        with self._lock:
+            saved = [(i, self.router.replicas[i].up) for i in exclude]
+            for i, _ in saved:
+                self.router.replicas[i].up = False
+            try:
+                replica = self.router.choose(block_hashes)
+            except NoReplicaError:
+                raise EngineDeadError("no engine replica is up to serve the request") from None
+            finally:
+                for i, up in saved:
+                    self.router.replicas[i].up = up
+            self.router.started(replica, block_hashes)
+            return replica
+
+    def _finished(self, replica: int, request_id: str) -> None:
+        with self._lock:
+            self.router.finished(replica)
+        self._streams.pop(request_id, None)
+
+    def _went_down(self, replica: int, why: str) -> None:
+        with self._lock:
+            r = self._replicas[replica]
+            if r.up:
+                log.warning("engine replica %d is down: %s", replica, why)
+                r.up, r.error = False, why
+                self.router.set_up(replica, False)
+
+    # ------------------------------------------------------------------ polling (its thread)
+
+    def _poll_loop(self) -> None:
+        ray = self._ray
+        while not self._stop.wait(POLL_INTERVAL_S):
+            for i, r in enumerate(self._replicas):
+                if r.pending is None:
+                    r.pending = r.handle.poll.remote()
+                ready, _ = ray.wait([r.pending], timeout=0)
+                if not ready:
+                    continue
+                ref, r.pending = r.pending, None
+                try:
+                    report: ReplicaReport = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - the actor died: Ray restarts it
+                    self._went_down(i, f"its process died ({type(exc).__name__})")
+                    continue
+                self._apply(i, report)
+
+    def _apply(self, replica: int, report: ReplicaReport) -> None:
+        r = self._replicas[replica]
+        if not report.healthy:
+            self._went_down(replica, f"its engine stopped: {report.error}")
+            # its engine loop is gone for good: restart the process
+            self._ray.kill(r.handle, no_restart=False)
+            return
+        with self._lock:
+            if not r.up:
+                log.warning("engine replica %d is back", replica)
+                r.up, r.error = True, None
+                r.restarts += 1
+                self.router.set_up(replica, True)
+            r.stats, r.decode_mode = report.stats, report.decode_mode
+            self.router.apply_events(replica, report.events)
+            self.router.set_kv_usage(replica, report.stats.kv_usage)
+
+
+class _ReplicaGone(Exception):
+    """The replica's process died under a request."""
+
+
+class ReplicaStream:
+    """Outputs of one accepted request from its replica; `async with` aborts it if left early,
+    as `RequestStream` does."""
+
+    def __init__(
+        self,
+        engine: DataParallelEngine,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        extra_key: str | None,
+        block_hashes: list[BlockHash],
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.extra_key = extra_key
+        self.block_hashes = block_hashes
+        self.replica: int | None = None
+        self._gen: Any = None  # Ray's ObjectRefGenerator
+        self.finished = False
+        self._delivered = False  # an output reached the caller: no retry elsewhere
+
+    async def start(self, exclude: set[int]) -> None:
+        """Queue the request on a replica the router picks (not one of exclude), moving on to
+        another while the one picked turns out dead."""
+        while True:
+            replica = self.engine._route(self.block_hashes, exclude)
+            handle = self.engine._replicas[replica].handle
+            self._gen = handle.generate.options(num_returns="streaming").remote(
+                self.prompt_token_ids, self.params, self.request_id, self.priority, self.extra_key
+            )
+            self.replica = replica
+            try:
+                first = await self._next()
+            except _ReplicaGone as gone:
+                self._release()
+                self.engine._went_down(replica, str(gone))
+                exclude.add(replica)
+                continue
+            if isinstance(first, Exception):
+                self._release()
+                raise first
+            return
+
+    async def _next(self) -> Any:
+        ray = self.engine._ray
+        try:
+            ref = await self._gen.__anext__()
+            return await ref
+        except StopAsyncIteration:
+            raise _ReplicaGone("the replica ended the stream early") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            raise _ReplicaGone(f"engine replica {self.replica} died: {type(exc).__name__}") from exc
+
+    def __aiter__(self) -> ReplicaStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._next()
+        except _ReplicaGone as gone:
+            failed = self.replica
+            assert failed is not None
+            self._release()
+            self.engine._went_down(failed, str(gone))
+            if self._delivered:
+                self.finished = True
+                raise EngineDeadError(f"{gone}; the request cannot go on") from None
+            await self.start({failed})  # nothing was sent yet: another replica serves it
+            self.engine._streams[self.request_id] = self
+            return await self.__anext__()
+        if isinstance(item, Exception):
+            self.finished = True
+            self._release()
+            raise item
+        if self.prompt is not None:
+            item.prompt = self.prompt  # the replica got token ids
+        self._delivered = True
+        if item.finished:
+            self.finished = True
+            self._release()
+        return item
+
+    async def __aenter__(self) -> ReplicaStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening; aborts the request if it has not finished. Idempotent."""
+        if not self.finished and self._gen is not None:
+            self.engine._ray.cancel(self._gen)  # the replica's generator exits, aborting it
+        self.finished = True
+        self._release()
+
+    def _release(self) -> None:
+        if self.replica is not None:
+            self.engine._finished(self.replica, self.request_id)
+            self.replica = None

@@ -1,0 +1,116 @@
+"""EngineReplica: one engine in a Ray actor, a replica of `DataParallelEngine`.
+
+A plain class: `DataParallelEngine` makes it an actor with `ray.remote`, so importing this module
+needs no Ray. The actor owns an `AsyncLLMEngine` and serves, over Ray's async actor calls:
+`generate` (a streaming generator: None once the engine has accepted the request, then its
+outputs; a refusal or failure comes as an exception item, never raised, so that the caller gets
+the engine's own exception rather than Ray's wrapper), `abort`, and `poll` (the engine's
+counters and the prefix-cache changes since the last poll, for the router).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.block_pool import CacheEvent
+from tokenmill.engine.llm_engine import EngineStats, LLMEngine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.sample import SamplingParams
+
+
+@dataclass
+class ReplicaInfo:
+    """What the client needs once, when the replica is up."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    pid: int
+
+
+@dataclass
+class ReplicaReport:
+    """What the client polls: the engine's counters and its prefix-cache changes."""
+
+    stats: EngineStats
+    events: list[CacheEvent]
+    decode_mode: str
+    healthy: bool
+    error: str | None
+
+
+class EngineReplica:
+    def __init__(self, model: str, options: dict[str, Any], num_threads: int) -> None:
+        """model: a path every node can read; options: `LLMEngine` overrides; num_threads: the
+        replica's torch threads (its share of the machine's cores)."""
+        torch.set_num_threads(num_threads)
+
+        def build() -> LLMEngine:
+            torch.set_num_threads(num_threads)  # this thread runs the steps
+            engine = LLMEngine(model, **options)
+            engine.kv.block_pool.record_events()
+            return engine
+
+        self.engine = AsyncLLMEngine(build)
+
+    def info(self) -> ReplicaInfo:
+        cfg = self.engine.engine.config
+        return ReplicaInfo(
+            max_model_len=self.engine.max_model_len,
+            num_kv_blocks=self.engine.num_kv_blocks,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            pid=os.getpid(),
+        )
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        extra_key: str | None,
+    ) -> AsyncIterator[RequestOutput | Exception | None]:
+        try:
+            stream = await self.engine.add_request(
+                prompt_token_ids, params, request_id, priority, extra_key
+            )
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            yield exc
+            return
+        yield None
+        async with stream:  # a cancelled call (the client went away) aborts the request
+            try:
+                async for out in stream:
+                    yield out
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it
+                yield exc
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def poll(self) -> ReplicaReport:
+        engine = self.engine
+        events: list[CacheEvent] = []
+        if engine.is_healthy:
+            events = await engine.call(lambda e: e.kv.block_pool.drain_events())
+        return ReplicaReport(
+            stats=replace(engine.stats()),
+            events=events,
+            decode_mode=engine.decode_mode,
+            healthy=engine.is_healthy,
+            error=None if engine.error is None else repr(engine.error),
+        )
+
+    def start_compile(self) -> None:
+        self.engine.start_compile()
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        return await self.engine.call(fn)
