@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from tokenmill.bench.serving import (
@@ -36,6 +36,7 @@ from tokenmill.cli.main import main
 from tokenmill.errors import InvalidRequestError
 
 CHUNK_DELAY = 0.002  # seconds between streamed tokens
+HITS_PER_REQUEST = 4  # prompt tokens the fake server's prefix cache finds, per request
 
 
 @dataclass
@@ -51,6 +52,11 @@ class FakeServer:
     max_in_flight: int = 0
     bodies: list[dict] = field(default_factory=list)
     client_ports: list[int] = field(default_factory=list)  # of each generation request's connection
+    # /metrics with prefix-cache counters per replica (as a data-parallel tokenmill serves them):
+    # every prompt word looked up, HITS_PER_REQUEST found, alternating replicas
+    prefix_cache: bool = False
+    cache_queries: list[int] = field(default_factory=lambda: [0, 0])
+    cache_hits: list[int] = field(default_factory=lambda: [0, 0])
 
     def app(self) -> Starlette:
         async def models(_: Request) -> JSONResponse:
@@ -76,6 +82,8 @@ class FakeServer:
             prompt = body["messages"][0]["content"] if chat else body["prompt"]
             prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
             n = body["max_tokens"]
+            self.cache_queries[self.calls % 2] += prompt_tokens
+            self.cache_hits[self.calls % 2] += HITS_PER_REQUEST
 
             async def events():
                 self.in_flight += 1
@@ -108,8 +116,21 @@ class FakeServer:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
+        async def metrics(_: Request) -> PlainTextResponse:
+            if not self.prefix_cache:
+                return PlainTextResponse("not found", status_code=404)
+            lines = []
+            for name, values in (("queries", self.cache_queries), ("hits", self.cache_hits)):
+                lines.append(f"# TYPE tokenmill:prefix_cache_{name} counter")
+                lines += [
+                    f'tokenmill:prefix_cache_{name}_total{{replica="{i}"}} {v}'
+                    for i, v in enumerate(values)
+                ]
+            return PlainTextResponse("\n".join(lines) + "\n")
+
         return Starlette(
             routes=[
+                Route("/metrics", metrics),
                 Route("/v1/models", models),
                 Route("/tokenize", tokenize, methods=["POST"]),
                 Route("/v1/completions", generate, methods=["POST"]),
@@ -225,6 +246,23 @@ def test_random_lengths_prefix_and_ignore_eos(fake) -> None:
     assert all(p[:5] == prompts[0][:5] for p in prompts)
     assert all(b["ignore_eos"] is True for b in fake.bodies)
     assert_sane(result)
+
+
+def test_shared_prefixes_and_the_prefix_cache_hit_rate(fake) -> None:
+    fake.tokenize = False
+    fake.prefix_cache = True
+    result = bench(fake, num_prompts=16, input_len=4, prefix_len=6, shared_prefixes=3)
+    prompts = [b["prompt"].split() for b in fake.bodies]
+    assert len({tuple(p[:6]) for p in prompts}) == 3  # three prefixes, each prompt starting so
+    assert len({tuple(p[6:]) for p in prompts}) == 16  # then a turn of its own
+    m = result.metrics()
+    queries = sum(len(p) for p in prompts)
+    assert m["prefix_cache_queries"] == queries and m["prefix_cache_hits"] == 16 * HITS_PER_REQUEST
+    assert m["prefix_cache_hit_rate"] == pytest.approx(16 * HITS_PER_REQUEST / queries * 100)
+    assert "Hit rate (%)" in format_report(result) and "Shared prefixes:" in format_report(result)
+    assert "Hit rate (%)" in format_comparison({"a": result, "b": result})
+    with pytest.raises(InvalidRequestError, match="shared_prefixes"):
+        BenchConfig(shared_prefixes=0)
 
 
 def test_token_id_prompts_and_chat(fake) -> None:

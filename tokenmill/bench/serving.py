@@ -57,9 +57,13 @@ RECORD_TOKENS = 10
 # max_tokens of the requests that bring new schemas mid-run: past the first masks, but too few
 # to weigh on the batch
 NEW_SCHEMA_TOKENS = 16
-# Speculative-decoding counters read from /metrics around a run: tokenmill's, or vLLM's names
+# Counters read from /metrics around a run, by their names after the server's prefix (tokenmill's
+# or vLLM's names): speculative decoding's, and the prefix cache's (prompt tokens looked up and
+# found), summed over their labels (a data-parallel server's replicas)
 SPEC_DECODE_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-SPEC_DECODE_PREFIXES = ("tokenmill:spec_decode_", "vllm:spec_decode_")
+PREFIX_CACHE_COUNTERS = ("queries", "hits")
+COUNTER_GROUPS = {"spec_decode": SPEC_DECODE_COUNTERS, "prefix_cache": PREFIX_CACHE_COUNTERS}
+METRIC_PREFIXES = ("tokenmill:", "vllm:")
 CALIBRATION_WORDS = 1000
 WORDS = (
     "the of and to in is was for on that with as by at from his it an were are which this be has "
@@ -85,7 +89,8 @@ class BenchConfig:
     input_len: int = 100  # prompt tokens after the shared prefix
     output_len: int = 128
     random_range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
-    prefix_len: int = 0  # tokens of a random prefix shared by every prompt
+    prefix_len: int = 0  # tokens of a random prefix shared by the prompts
+    shared_prefixes: int = 1  # distinct prefixes of prefix_len tokens; each prompt takes one
     request_rate: float = math.inf  # Poisson arrivals in req/s; inf sends everything at once
     max_concurrency: int | None = None
     ignore_eos: bool = False
@@ -110,6 +115,8 @@ class BenchConfig:
             raise InvalidRequestError("random_range_ratio must be in [0, 1)")
         if self.prefix_len < 0 or self.warmup < 0:
             raise InvalidRequestError("prefix_len and warmup must not be negative")
+        if self.shared_prefixes < 1:
+            raise InvalidRequestError("shared_prefixes must be at least 1")
         if not self.request_rate > 0:
             raise InvalidRequestError("request_rate must be positive (inf: all at once)")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -164,6 +171,8 @@ class BenchResult:
     # the server's speculative-decoding counters over the run (SPEC_DECODE_COUNTERS), where its
     # /metrics has them
     spec_decode: dict[str, float] | None = None
+    # the server's prefix-cache counters over the run (PREFIX_CACHE_COUNTERS), where it has them
+    prefix_cache: dict[str, float] | None = None
 
     def metrics(self) -> dict[str, float]:
         """Summary under vLLM's result-JSON names; latencies in milliseconds."""
@@ -208,6 +217,13 @@ class BenchResult:
                 "spec_decode_acceptance_rate": spec["num_accepted_tokens"] / drafted * 100,
                 "spec_decode_acceptance_length": 1
                 + spec["num_accepted_tokens"] / spec["num_drafts"],
+            }
+        if self.prefix_cache and self.prefix_cache["queries"]:
+            cache = self.prefix_cache
+            metrics |= {
+                "prefix_cache_queries": int(cache["queries"]),
+                "prefix_cache_hits": int(cache["hits"]),
+                "prefix_cache_hit_rate": cache["hits"] / cache["queries"] * 100,
             }
         return metrics
 
@@ -406,7 +422,7 @@ async def run_benchmark(
                 )
             )
 
-        counters_before = await _spec_decode_counters(client, base)
+        counters_before = await _server_counters(client, base)
         arrivals = random.Random(config.seed)
         t0 = time.perf_counter()
         side = asyncio.create_task(new_schemas(t0)) if config.new_schemas else None
@@ -421,10 +437,12 @@ async def run_benchmark(
         requests = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         new_schema_requests = await side if side else []
-        counters_after = await _spec_decode_counters(client, base)
-    spec_decode = None
-    if counters_before is not None and counters_after is not None:
-        spec_decode = {k: counters_after[k] - counters_before[k] for k in SPEC_DECODE_COUNTERS}
+        counters_after = await _server_counters(client, base)
+    moved = {
+        group: {k: counters_after[group][k] - counters_before[group][k] for k in names}
+        for group, names in COUNTER_GROUPS.items()
+        if group in counters_before and group in counters_after
+    }
     return BenchResult(
         config,
         model,
@@ -433,7 +451,8 @@ async def run_benchmark(
         duration,
         list(requests),
         list(new_schema_requests),
-        spec_decode,
+        moved.get("spec_decode"),
+        moved.get("prefix_cache"),
     )
 
 
@@ -469,29 +488,36 @@ async def run_structured(
     return {first.label: first, second.label: second}, structured_comparison(first, second)
 
 
-async def _spec_decode_counters(
-    client: aiohttp.ClientSession, base: str
-) -> dict[str, float] | None:
-    """The server's speculative-decoding counters from its Prometheus /metrics, or None where it
-    has no /metrics or no such counters (a server without speculation, llama-server)."""
+async def _server_counters(client: aiohttp.ClientSession, base: str) -> dict[str, dict[str, float]]:
+    """The server's counters of each group in COUNTER_GROUPS, from its Prometheus /metrics, by
+    group; a group is missing where the server has no /metrics or not all of its counters (a
+    server without speculation, llama-server)."""
     try:
         async with client.get(f"{base}/metrics") as resp:
             if resp.status != 200:
-                return None
+                return {}
             text = await resp.text()
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return None
-    counters: dict[str, float] = {}
+        return {}
+    found: dict[str, dict[str, float]] = {group: {} for group in COUNTER_GROUPS}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                for prefix in SPEC_DECODE_PREFIXES:
+                for prefix in METRIC_PREFIXES:
+                    if not sample.name.startswith(prefix):
+                        continue
                     name = sample.name.removeprefix(prefix).removesuffix("_total")
-                    if sample.name.startswith(prefix) and name in SPEC_DECODE_COUNTERS:
-                        counters[name] = counters.get(name, 0.0) + sample.value
+                    for group, names in COUNTER_GROUPS.items():
+                        key = name.removeprefix(group + "_")
+                        if name.startswith(group + "_") and key in names:
+                            found[group][key] = found[group].get(key, 0.0) + sample.value
     except ValueError:  # not Prometheus text
-        return None
-    return counters if len(counters) == len(SPEC_DECODE_COUNTERS) else None
+        return {}
+    return {
+        group: counters
+        for group, counters in found.items()
+        if len(counters) == len(COUNTER_GROUPS[group])
+    }
 
 
 async def _first_model(client: aiohttp.ClientSession, base: str) -> str:
@@ -566,8 +592,13 @@ async def _workload(
 
     input_lens = _lengths(rng, config.input_len, config.random_range_ratio, config.num_prompts)
     output_lens = _lengths(rng, config.output_len, config.random_range_ratio, config.num_prompts)
-    prefix = pieces(config.prefix_len) if config.prefix_len else []
-    prompts = [as_prompt(prefix + pieces(n)) for n in input_lens]
+    if config.prefix_len and config.shared_prefixes > 1:
+        prefixes = [pieces(config.prefix_len) for _ in range(config.shared_prefixes)]
+        prompts = [as_prompt(rng.choice(prefixes) + pieces(n)) for n in input_lens]
+        description += f", one of {config.shared_prefixes} shared prefixes each"
+    else:
+        prefix = pieces(config.prefix_len) if config.prefix_len else []
+        prompts = [as_prompt(prefix + pieces(n)) for n in input_lens]
     warmup_prompt = as_prompt(pieces(config.input_len))
     schemas: list[dict[str, Any] | None] = [None] * config.num_prompts
     warmup_schema = None
@@ -661,9 +692,9 @@ async def _stream(
     return out
 
 
-def _rows(spec_decode: bool = False) -> list[tuple[str, str | None]]:
-    """(caption, metrics key) in report order; a None key marks a section heading. spec_decode:
-    with the speculative-decoding section."""
+def _rows(spec_decode: bool = False, prefix_cache: bool = False) -> list[tuple[str, str | None]]:
+    """(caption, metrics key) in report order; a None key marks a section heading. spec_decode,
+    prefix_cache: with the speculative-decoding and prefix-cache sections."""
     rows: list[tuple[str, str | None]] = [
         ("Successful requests", "completed"),
         ("Failed requests", "failed"),
@@ -686,6 +717,13 @@ def _rows(spec_decode: bool = False) -> list[tuple[str, str | None]]:
             ("Draft tokens", "spec_decode_num_draft_tokens"),
             ("Accepted tokens", "spec_decode_num_accepted_tokens"),
         ]
+    if prefix_cache:
+        rows += [
+            ("Prefix Cache", None),
+            ("Hit rate (%)", "prefix_cache_hit_rate"),
+            ("Prompt tokens looked up", "prefix_cache_queries"),
+            ("Prompt tokens found", "prefix_cache_hits"),
+        ]
     return rows
 
 
@@ -705,6 +743,7 @@ def format_report(result: BenchResult) -> str:
         ("Prompts", result.prompt_mode),
         ("Input / output tokens", f"{c.input_len} / {c.output_len}{spread}"),
         ("Shared prefix tokens", c.prefix_len),
+        ("Shared prefixes", c.shared_prefixes),
         ("Request rate (req/s)", rate),
         ("Max concurrency", c.max_concurrency or "unlimited"),
         ("Ignore EOS", c.ignore_eos),
@@ -713,7 +752,7 @@ def format_report(result: BenchResult) -> str:
     lines += [f"{k + ':':<40} {v}" for k, v in settings]
     lines.append("-" * 50)
     metrics = result.metrics()
-    for caption, key in _rows("spec_decode_num_drafts" in metrics):
+    for caption, key in _rows("spec_decode_num_drafts" in metrics, "prefix_cache_hits" in metrics):
         lines.append(
             f"{caption:-^50}" if key is None else f"{caption + ':':<40} {_value(metrics[key])}"
         )
@@ -731,7 +770,7 @@ def format_comparison(results: dict[str, BenchResult]) -> str:
     metrics = [results[n].metrics() for n in names]
     width = max(22, *(len(n) + 2 for n in names))
     lines = [f"{'Metric':<40}" + "".join(f"{n:>{width}}" for n in names)]
-    for caption, key in _rows():
+    for caption, key in _rows(prefix_cache=all("prefix_cache_hits" in m for m in metrics)):
         if key is None:
             lines.append(f" {caption} ".center(40 + width * len(names), "-"))
             continue

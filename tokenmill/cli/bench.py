@@ -72,6 +72,15 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         help="tokens of a random prefix shared by all prompts, for prefix caching (default: 0)",
     )
     p.add_argument(
+        "--shared-prefixes",
+        type=int,
+        default=1,
+        metavar="K",
+        help="K distinct random prefixes of --prefix-len tokens (say, system prompts), each "
+        "prompt starting with one drawn at random; the report gives the server's prefix-cache "
+        "hit rate over the run (default: 1)",
+    )
+    p.add_argument(
         "--request-rate",
         type=float,
         default=math.inf,
@@ -156,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         random_range_ratio=args.random_range_ratio,
         prefix_len=args.prefix_len,
+        shared_prefixes=args.shared_prefixes,
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
         ignore_eos=args.ignore_eos,
