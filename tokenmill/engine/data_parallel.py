@@ -28,7 +28,7 @@ from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.replica import EngineReplica, ReplicaInfo, ReplicaReport
+from tokenmill.engine.replica import EngineReplica, ReplicaInfo, ReplicaReport, StatsSnapshot
 from tokenmill.engine.request import BlockHash
 from tokenmill.engine.router import NoReplicaError, Router
 from tokenmill.errors import InvalidRequestError, TokenmillError
@@ -60,7 +60,7 @@ def import_ray() -> Any:
 class _Replica:
     handle: Any  # the Ray actor
     up: bool = True
-    stats: EngineStats = field(default_factory=EngineStats)
+    stats: StatsSnapshot = field(default_factory=lambda: StatsSnapshot(-1, EngineStats()))
     decode_mode: str = "eager"
     error: str | None = None
     restarts: int = 0  # times it went down and came back
@@ -169,7 +169,7 @@ class DataParallelEngine:
 
     def replica_stats(self) -> list[EngineStats]:
         """Each replica's counters, as last polled."""
-        return [r.stats for r in self._replicas]
+        return [r.stats.stats for r in self._replicas]
 
     def replica_health(self) -> list[dict[str, Any]]:
         return [
@@ -206,6 +206,8 @@ class DataParallelEngine:
     def start_compile(self) -> None:
         for r in self._replicas:
             r.handle.start_compile.remote()
+            # until its next poll tells (eager where compilation is off)
+            r.decode_mode = "compiling"
 
     # ------------------------------------------------------------------ requests
 
@@ -343,11 +345,20 @@ class DataParallelEngine:
             if not r.up:
                 log.warning("engine replica %d is back", replica)
                 r.up, r.error = True, None
+                r.stats = StatsSnapshot(-1, EngineStats())  # a new process counts from 0
                 r.restarts += 1
                 self.router.set_up(replica, True)
-            r.stats, r.decode_mode = report.stats, report.decode_mode
+            r.decode_mode = report.decode_mode
             self.router.apply_events(replica, report.events)
-            self.router.set_kv_usage(replica, report.stats.kv_usage)
+        self._update_stats(replica, report.stats)
+
+    def _update_stats(self, replica: int, snapshot: StatsSnapshot) -> None:
+        """Keep the replica's latest counters (polls and final outputs race each other)."""
+        with self._lock:
+            r = self._replicas[replica]
+            if snapshot.seq > r.stats.seq:
+                r.stats = snapshot
+                self.router.set_kv_usage(replica, snapshot.stats.kv_usage)
 
 
 class _ReplicaGone(Exception):
@@ -437,6 +448,10 @@ class ReplicaStream:
             self.finished = True
             self._release()
             raise item
+        if isinstance(item, tuple):  # the final output, with the replica's counters
+            item, snapshot = item
+            assert self.replica is not None
+            self.engine._update_stats(self.replica, snapshot)
         if self.prompt is not None:
             item.prompt = self.prompt  # the replica got token ids
         self._delivered = True

@@ -5,11 +5,14 @@ needs no Ray. The actor owns an `AsyncLLMEngine` and serves, over Ray's async ac
 `generate` (a streaming generator: None once the engine has accepted the request, then its
 outputs; a refusal or failure comes as an exception item, never raised, so that the caller gets
 the engine's own exception rather than Ray's wrapper), `abort`, and `poll` (the engine's
-counters and the prefix-cache changes since the last poll, for the router).
+counters and the prefix-cache changes since the last poll, for the router). A request's final
+output comes with the engine's counters too (a `StatsSnapshot`), so that a client that sees a
+request finish sees it counted in /metrics.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -36,10 +39,18 @@ class ReplicaInfo:
 
 
 @dataclass
+class StatsSnapshot:
+    """The engine's counters at one moment; a higher seq is a later moment."""
+
+    seq: int
+    stats: EngineStats
+
+
+@dataclass
 class ReplicaReport:
     """What the client polls: the engine's counters and its prefix-cache changes."""
 
-    stats: EngineStats
+    stats: StatsSnapshot
     events: list[CacheEvent]
     decode_mode: str
     healthy: bool
@@ -59,6 +70,10 @@ class EngineReplica:
             return engine
 
         self.engine = AsyncLLMEngine(build)
+        self._snapshots = itertools.count()
+
+    def _snapshot(self) -> StatsSnapshot:
+        return StatsSnapshot(next(self._snapshots), replace(self.engine.stats()))
 
     def info(self) -> ReplicaInfo:
         cfg = self.engine.engine.config
@@ -77,7 +92,7 @@ class EngineReplica:
         request_id: str,
         priority: int,
         extra_key: str | None,
-    ) -> AsyncIterator[RequestOutput | Exception | None]:
+    ) -> AsyncIterator[RequestOutput | tuple[RequestOutput, StatsSnapshot] | Exception | None]:
         try:
             stream = await self.engine.add_request(
                 prompt_token_ids, params, request_id, priority, extra_key
@@ -89,7 +104,7 @@ class EngineReplica:
         async with stream:  # a cancelled call (the client went away) aborts the request
             try:
                 async for out in stream:
-                    yield out
+                    yield (out, self._snapshot()) if out.finished else out
             except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it
                 yield exc
 
@@ -102,7 +117,7 @@ class EngineReplica:
         if engine.is_healthy:
             events = await engine.call(lambda e: e.kv.block_pool.drain_events())
         return ReplicaReport(
-            stats=replace(engine.stats()),
+            stats=self._snapshot(),
             events=events,
             decode_mode=engine.decode_mode,
             healthy=engine.is_healthy,
