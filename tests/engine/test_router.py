@@ -96,6 +96,7 @@ def test_down_replicas_are_skipped_and_forgotten() -> None:
     router.set_up(0, True)
     router.started(1)
     assert router.choose(hashes(PREFIX_A)) == 0 and not router.replicas[0].cached
+    assert router.choose(hashes(PREFIX_A), exclude={0}) == 1  # 0 failed the request already
     router.set_up(0, False)
     router.set_up(1, False)
     with pytest.raises(NoReplicaError):

@@ -289,16 +289,10 @@ class DataParallelEngine:
 
     def _route(self, block_hashes: list[BlockHash], exclude: set[int]) -> int:
         with self._lock:
-            saved = [(i, self.router.replicas[i].up) for i in exclude]
-            for i, _ in saved:
-                self.router.replicas[i].up = False
             try:
-                replica = self.router.choose(block_hashes)
+                replica = self.router.choose(block_hashes, exclude)
             except NoReplicaError:
                 raise EngineDeadError("no engine replica is up to serve the request") from None
-            finally:
-                for i, up in saved:
-                    self.router.replicas[i].up = up
             self.router.started(replica, block_hashes)
             return replica
 

@@ -18,7 +18,7 @@ Policies:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.engine.block_pool import CacheEvent
@@ -99,10 +99,10 @@ class Router:
         view = self.replicas[replica]
         return max(view.requests / self.capacity, view.kv_usage)
 
-    def choose(self, block_hashes: Sequence[BlockHash] = ()) -> int:
-        """The replica for a request whose prompt has these full-block hashes; raises
-        NoReplicaError when none is up."""
-        up = [i for i, view in enumerate(self.replicas) if view.up]
+    def choose(self, block_hashes: Sequence[BlockHash] = (), exclude: Collection[int] = ()) -> int:
+        """The replica for a request whose prompt has these full-block hashes, other than those
+        in exclude (which failed it already); raises NoReplicaError when none is up."""
+        up = [i for i, view in enumerate(self.replicas) if view.up and i not in exclude]
         if not up:
             raise NoReplicaError("no engine replica is up")
         if self.policy == "round-robin":
