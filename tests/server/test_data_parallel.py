@@ -33,6 +33,8 @@ from tests.server.test_openai_api import (  # noqa: F401 - collected and run aga
     test_streamed_completion_equals_non_streamed,
 )
 from tokenmill.engine.data_parallel import DataParallelEngine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.sample import SamplingParams
 from tokenmill.server.app import ServerConfig
 
 ray = pytest.importorskip(
@@ -45,9 +47,10 @@ REPLICA_OPTIONS = dict(num_kv_blocks=256, max_model_len=512, dtype="fp32", compi
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    """One small local Ray for the module: two CPUs, no dashboard, a small object store."""
+    """One small local Ray for the module: no dashboard, a small object store, and four logical
+    CPUs (the server's two replicas, and the disaggregated engine's two, of one thread each)."""
     ray.init(
-        num_cpus=2,
+        num_cpus=4,
         include_dashboard=False,
         object_store_memory=100 << 20,
         logging_level="warning",
@@ -164,6 +167,36 @@ def test_closed_streams_free_their_replica(http, server) -> None:
         ),
         what="the aborted requests to leave the replicas",
     )
+
+
+def test_pd_disaggregation_matches_a_single_engine(ray_instance, tiny_model_dir, offline) -> None:  # noqa: F811
+    engine = DataParallelEngine(
+        tiny_model_dir, 2, REPLICA_OPTIONS, num_threads=1, pd_disaggregation=True
+    )
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 5, PROMPT + " and then " * 20]
+
+    async def run() -> list[RequestOutput]:
+        finals = []
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0, max_tokens=12)
+            async for out in engine.generate(prompt, params, f"pd-{i}"):
+                final = out
+            finals.append(final)
+        return finals
+
+    try:
+        finals = asyncio.run(asyncio.wait_for(run(), 60))
+        for prompt, final in zip(prompts, finals):
+            ids = engine.tokenize(prompt)
+            ref = offline(ids, SamplingParams(temperature=0, max_tokens=12))
+            assert final.outputs[0].token_ids == ref.outputs[0].token_ids
+            # the decode replica found the prefill replica's blocks in its prefix cache
+            assert final.num_cached_tokens == (len(ids) - 1) // 16 * 16 > 0
+        prefill, decode = engine.replica_stats()
+        assert prefill.prompt_tokens == sum(len(engine.tokenize(p)) for p in prompts)
+        assert decode.prefix_cache_hits == sum(f.num_cached_tokens for f in finals)
+    finally:
+        engine.shutdown()
 
 
 async def _stream_one(url: str, i: int) -> str:

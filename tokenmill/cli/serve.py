@@ -11,6 +11,7 @@ import sys
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
 from tokenmill.cli.common import add_kv_cache_dtype_arg, add_quantization_args
 from tokenmill.engine.speculative import SpeculativeConfig
+from tokenmill.errors import TokenmillError
 from tokenmill.parsers.reasoning import REASONING_PARSERS
 from tokenmill.parsers.tool_calls import TOOL_PARSERS
 
@@ -205,6 +206,13 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
         "local Ray instance; MODEL must be a path that every node can read",
     )
     p.add_argument(
+        "--pd-disaggregation",
+        action="store_true",
+        help="prefill/decode disaggregation: replica 0 prefills every prompt and hands its KV "
+        "blocks, through Ray's object store, to the replica that decodes it (one of the others; "
+        "needs --data-parallel-size 2 or more)",
+    )
+    p.add_argument(
         "--threads-per-replica",
         type=int,
         default=None,
@@ -225,6 +233,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.pd_disaggregation and args.data_parallel_size < 2:
+        raise TokenmillError(
+            "--pd-disaggregation needs --data-parallel-size 2 or more (one prefill replica, the "
+            "rest decode)"
+        )
     if args.data_parallel_size != 1:
         import_ray()  # before the model is fetched: say what to install first
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
@@ -243,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             router=args.router,
             ray_address=args.ray_address,
             num_threads=args.threads_per_replica,
+            pd_disaggregation=args.pd_disaggregation,
         )
     else:
         async_engine = AsyncLLMEngine(

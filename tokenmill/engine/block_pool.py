@@ -195,6 +195,16 @@ class BlockPool:
                 if self.events is not None:
                     self.events.append((True, block_hash))
 
+    def publish(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Put one block, whose contents were written outside a step (a KV transfer), in the
+        prefix cache under this hash; the hash must not be cached yet."""
+        if not self.enable_caching or block_hash in self.cached:
+            raise ValueError("prefix caching is off, or the block is cached already")
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.append((True, block_hash))
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content (e.g. after a weight update); refused while any block is in
         use, since running sequences would go on to cache blocks computed before the reset."""

@@ -42,6 +42,7 @@ log = logging.getLogger("tokenmill.engine")
 # Object store of a Ray instance started here: outputs are small, and the machine is shared.
 LOCAL_OBJECT_STORE_BYTES = 128 << 20
 POLL_INTERVAL_S = 0.1
+PREFILL_REPLICA = 0  # with prefill/decode disaggregation
 
 
 def import_ray() -> Any:
@@ -76,14 +77,29 @@ class DataParallelEngine:
         router: str = "prefix",
         ray_address: str | None = None,
         num_threads: int | None = None,
+        pd_disaggregation: bool = False,
     ) -> None:
         """model: a model path (the same path on every node of a cluster); engine_options:
         `LLMEngine` overrides for every replica; router: a policy of `Router`; ray_address:
         an existing Ray cluster to join (None: the one this process is connected to, else a
         local one started here); num_threads: torch threads per replica (default: this
-        machine's cores shared out among the replicas)."""
+        machine's cores shared out among the replicas); pd_disaggregation: replica 0 prefills
+        every prompt and hands its KV blocks to the replica that decodes it (one of the others),
+        through Ray's object store."""
         if num_replicas < 1:
             raise InvalidRequestError("the data-parallel size must be at least 1")
+        if pd_disaggregation and num_replicas < 2:
+            raise InvalidRequestError(
+                "prefill/decode disaggregation needs a data-parallel size of at least 2 (one "
+                "prefill replica, the rest decode)"
+            )
+        options = dict(engine_options or {})
+        if pd_disaggregation and options.get("speculative_config") is not None:
+            raise InvalidRequestError(
+                "prefill/decode disaggregation does not move a draft model's KV cache: drop "
+                "speculative decoding, or the disaggregation"
+            )
+        self.pd_disaggregation = pd_disaggregation
         ray = self._ray = import_ray()
         self._owns_ray = False
         if not ray.is_initialized():
@@ -102,8 +118,7 @@ class DataParallelEngine:
             num_cpus=threads, max_restarts=-1, max_task_retries=0
         )
         self._replicas = [
-            _Replica(actor.remote(str(model), dict(engine_options or {}), threads))
-            for _ in range(num_replicas)
+            _Replica(actor.remote(str(model), options, threads)) for _ in range(num_replicas)
         ]
         try:
             infos: list[ReplicaInfo] = ray.get([r.handle.info.remote() for r in self._replicas])
@@ -287,14 +302,18 @@ class DataParallelEngine:
         if not self.is_healthy:
             raise EngineDeadError(f"the engine stopped: {self.error}")
 
-    def _route(self, block_hashes: list[BlockHash], exclude: set[int]) -> int:
+    def _route(self, block_hashes: list[BlockHash], exclude: set[int]) -> tuple[int, int]:
+        """The replica for a request, and how many of its leading blocks the replica holds."""
+        if self.pd_disaggregation:
+            exclude = exclude | {PREFILL_REPLICA}  # it only prefills
         with self._lock:
             try:
                 replica = self.router.choose(block_hashes, exclude)
             except NoReplicaError:
                 raise EngineDeadError("no engine replica is up to serve the request") from None
+            cached = self.router.replicas[replica].cached_prefix(block_hashes)
             self.router.started(replica, block_hashes)
-            return replica
+            return replica, cached
 
     def _finished(self, replica: int, request_id: str) -> None:
         with self._lock:
@@ -391,8 +410,11 @@ class ReplicaStream:
         """Queue the request on a replica the router picks (not one of exclude), moving on to
         another while the one picked turns out dead."""
         while True:
-            replica = self.engine._route(self.block_hashes, exclude)
+            replica, cached = self.engine._route(self.block_hashes, exclude)
             handle = self.engine._replicas[replica].handle
+            self.replica = replica
+            if self.engine.pd_disaggregation and cached < len(self.block_hashes):
+                await self._prefill_elsewhere(replica)
             self._gen = handle.generate.options(num_returns="streaming").remote(
                 self.prompt_token_ids, self.params, self.request_id, self.priority, self.extra_key
             )
@@ -408,6 +430,26 @@ class ReplicaStream:
                 self._release()
                 raise first
             return
+
+    async def _prefill_elsewhere(self, replica: int) -> None:
+        """With prefill/decode disaggregation, for a prompt the decode replica lacks: have the
+        prefill replica run it and the decode replica take its KV blocks. Where the handoff
+        fails (a replica died), the decode replica prefills the prompt itself."""
+        engine = self.engine
+        prefiller = engine._replicas[PREFILL_REPLICA]
+        if not prefiller.up:
+            return
+        kv = prefiller.handle.prefill.remote(
+            self.prompt_token_ids, f"{self.request_id}-prefill", self.priority, self.extra_key
+        )
+        try:
+            # the decode replica reads the blocks from the object store: they never pass here
+            await engine._replicas[replica].handle.import_prefix.remote(kv)
+        except Exception as exc:  # noqa: BLE001 - the decode replica computes the prompt itself
+            # (a dead decode replica fails the generate call that follows, which is retried)
+            log.warning(
+                "prefill of %s on replica %d failed: %r", self.request_id, PREFILL_REPLICA, exc
+            )
 
     async def _next(self) -> Any:
         ray = self.engine._ray

@@ -22,8 +22,10 @@ import torch
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.block_pool import CacheEvent
+from tokenmill.engine.kv_transfer import PrefixKV, export_prefix, import_prefix
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request import Sequence
 from tokenmill.sample import SamplingParams
 
 
@@ -107,6 +109,24 @@ class EngineReplica:
                     yield (out, self._snapshot()) if out.finished else out
             except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it
                 yield exc
+
+    async def prefill(
+        self, prompt_token_ids: list[int], request_id: str, priority: int, extra_key: str | None
+    ) -> PrefixKV:
+        """Run the prompt (one token generated, then dropped) and export the K/V of its full
+        blocks (prefill/decode disaggregation: this replica prefills, another decodes)."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        async for _ in self.engine.generate(
+            prompt_token_ids, params, request_id, priority, extra_key
+        ):
+            pass
+        block_size = self.engine.engine.config.block_size
+        hashes = Sequence("prefill", prompt_token_ids, block_size=block_size, extra_key=extra_key)
+        return await self.engine.call(lambda e: export_prefix(e, hashes.block_hashes))
+
+    async def import_prefix(self, kv: PrefixKV) -> int:
+        """Publish a prefilled prompt's blocks in this replica's prefix cache."""
+        return await self.engine.call(lambda e: import_prefix(e, kv))
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
