@@ -32,6 +32,7 @@ from tests.server.test_openai_api import (  # noqa: F401 - collected and run aga
     test_stop_and_stop_reason,
     test_streamed_completion_equals_non_streamed,
 )
+from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.data_parallel import DataParallelEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.sample import SamplingParams
@@ -192,11 +193,48 @@ def test_pd_disaggregation_matches_a_single_engine(ray_instance, tiny_model_dir,
             assert final.outputs[0].token_ids == ref.outputs[0].token_ids
             # the decode replica found the prefill replica's blocks in its prefix cache
             assert final.num_cached_tokens == (len(ids) - 1) // 16 * 16 > 0
-        prefill, decode = engine.replica_stats()
-        assert prefill.prompt_tokens == sum(len(engine.tokenize(p)) for p in prompts)
-        assert decode.prefix_cache_hits == sum(f.num_cached_tokens for f in finals)
+        assert engine.replica_stats()[1].prefix_cache_hits == sum(
+            f.num_cached_tokens for f in finals
+        )
+        prompt_tokens = sum(len(engine.tokenize(p)) for p in prompts)
+        _wait_for(  # the prefill replica's counters come with its next poll
+            lambda: engine.replica_stats()[0].prompt_tokens == prompt_tokens,
+            what="the prefill replica to count the prompts",
+        )
     finally:
         engine.shutdown()
+
+
+def test_requests_without_output_move_when_their_replica_dies(ray_instance, tiny_model_dir) -> None:
+    """One sequence at a time per replica: the requests queued behind it have no output yet, so
+    they go to the other replica when theirs dies; only the running one fails."""
+    options = REPLICA_OPTIONS | {"max_num_seqs": 1}
+    engine = DataParallelEngine(tiny_model_dir, 2, options, router="round-robin", num_threads=1)
+    pid = engine.replica_pid(0)
+
+    started = asyncio.Event()  # the first token arrived: replica 0 has a running request
+
+    async def one(i: int) -> str:
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        try:
+            async for out in engine.generate(f"{i} {PROMPT}", params, f"q{i}"):
+                started.set()
+                final = out
+        except EngineDeadError:
+            return "failed"
+        return "done" if final.outputs[0].finish_reason == "length" else "cut"
+
+    async def run() -> list[str]:
+        tasks = [asyncio.create_task(one(i)) for i in range(6)]  # three on each replica
+        await started.wait()
+        os.kill(pid, signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+    try:
+        outcomes = asyncio.run(asyncio.wait_for(run(), 90))
+    finally:
+        engine.shutdown()
+    assert outcomes.count("failed") <= 1 and outcomes.count("done") >= 5, outcomes
 
 
 async def _stream_one(url: str, i: int) -> str:
