@@ -100,6 +100,11 @@ class DataParallelEngine:
                 "speculative decoding, or the disaggregation"
             )
         self.pd_disaggregation = pd_disaggregation
+        # here first: a bad model path fails before any replica starts
+        self._config, tokenizer = open_model_info(model)
+        if tokenizer is None:
+            raise InvalidRequestError(f"{model}: the model has no tokenizer")
+        self._tokenizer = tokenizer
         ray = self._ray = import_ray()
         self._owns_ray = False
         if not ray.is_initialized():
@@ -126,10 +131,6 @@ class DataParallelEngine:
             self.shutdown()
             raise
         self.infos = infos
-        self._config, tokenizer = open_model_info(model)
-        if tokenizer is None:
-            raise InvalidRequestError(f"{model}: the model has no tokenizer")
-        self._tokenizer = tokenizer
         first = infos[0]
         self.input_processor = InputProcessor(
             tokenizer, self._config.vocab_size, first.max_model_len, first.block_size
@@ -331,21 +332,27 @@ class DataParallelEngine:
     # ------------------------------------------------------------------ polling (its thread)
 
     def _poll_loop(self) -> None:
-        ray = self._ray
         while not self._stop.wait(POLL_INTERVAL_S):
-            for i, r in enumerate(self._replicas):
-                if r.pending is None:
-                    r.pending = r.handle.poll.remote()
-                ready, _ = ray.wait([r.pending], timeout=0)
-                if not ready:
-                    continue
-                ref, r.pending = r.pending, None
-                try:
-                    report: ReplicaReport = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - the actor died: Ray restarts it
-                    self._went_down(i, f"its process died ({type(exc).__name__})")
-                    continue
-                self._apply(i, report)
+            try:
+                self._poll_once()
+            except Exception:  # noqa: BLE001 - keep polling: routing depends on it
+                log.exception("polling the engine replicas failed")
+
+    def _poll_once(self) -> None:
+        ray = self._ray
+        for i, r in enumerate(self._replicas):
+            if r.pending is None:
+                r.pending = r.handle.poll.remote()
+            ready, _ = ray.wait([r.pending], timeout=0)
+            if not ready:
+                continue
+            ref, r.pending = r.pending, None
+            try:
+                report: ReplicaReport = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the actor died: Ray restarts it
+                self._went_down(i, f"its process died ({type(exc).__name__})")
+                continue
+            self._apply(i, report)
 
     def _apply(self, replica: int, report: ReplicaReport) -> None:
         r = self._replicas[replica]
@@ -505,7 +512,10 @@ class ReplicaStream:
     def close(self) -> None:
         """Stop listening; aborts the request if it has not finished. Idempotent."""
         if not self.finished and self._gen is not None:
-            self.engine._ray.cancel(self._gen)  # the replica's generator exits, aborting it
+            try:
+                self.engine._ray.cancel(self._gen)  # the replica's generator exits, aborting it
+            except Exception:  # noqa: BLE001 - its replica is gone, and the request with it
+                pass
         self.finished = True
         self._release()
 
