@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         "--cache-prefixes",
         type=float,
         default=None,
-        help="system prompts one replica's KV cache holds, besides the requests in flight "
-        "(default: half of --shared-prefixes, plus one)",
+        help="system prompts one replica's KV cache holds, besides the user turns of the "
+        "requests in flight (default: half of --shared-prefixes)",
     )
     p.add_argument("--port", type=int, default=8768)
     p.add_argument("--tokenmill-args", default="", help="extra `tokenmill serve` flags")
@@ -80,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     path = common.resolve_model(args.model)
     slug = common.model_slug(args.model)
     out = Path(args.out) if args.out else common.RESULTS / f"router-{slug}.json"
-    cache_prefixes = args.cache_prefixes or args.shared_prefixes / 2 + 1
-    request_len = args.prefix_len + args.question_len + args.output_len
-    in_flight = args.concurrency * (request_len + BLOCK_SIZE)
-    kv_tokens = int(cache_prefixes * args.prefix_len) + in_flight
+    # Prefix routing gives each replica half the system prompts, which then all stay cached;
+    # round-robin gives each all of them, to be evicted in turn. The requests in flight share
+    # their system prompt's cached blocks, so only their own turns take room besides.
+    cache_prefixes = args.cache_prefixes or args.shared_prefixes / 2
+    turn = args.question_len + args.output_len + 2 * BLOCK_SIZE
+    kv_tokens = int(cache_prefixes * args.prefix_len) + args.concurrency * turn
     kv_gib = kv_cache_gib(path, kv_tokens)
     data: dict[str, object] = {
         "benchmark": "router",
