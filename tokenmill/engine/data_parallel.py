@@ -4,8 +4,10 @@ The server holds one `DataParallelEngine` as it would hold an `AsyncLLMEngine`: 
 add_request / generate / abort, tokenizer, model_config, stats and health. Requests are
 tokenized, validated and hashed into prefix-cache blocks here, in the serving process, by the
 engine's own `InputProcessor` (and `Sequence` hashing); a `Router` picks a replica, and the
-replica (`EngineReplica`) gets token ids and streams its outputs back through a Ray streaming
-generator. A background thread polls every replica for its counters and prefix-cache events.
+replica (`EngineReplica`) gets token ids. One task per replica on the server's event loop takes
+the outputs of all its requests in one batch per call (`EngineReplica.take`) and hands each to
+its request's stream. A background thread polls every replica for its counters and prefix-cache
+events.
 
 A replica whose process dies is restarted by Ray (`max_restarts`); its requests that had no
 output yet are sent to another replica, the others fail at once with `EngineDeadError` (503).
@@ -42,6 +44,9 @@ log = logging.getLogger("tokenmill.engine")
 # Object store of a Ray instance started here: outputs are small, and the machine is shared.
 LOCAL_OBJECT_STORE_BYTES = 128 << 20
 POLL_INTERVAL_S = 0.1
+# How long a take waits for outputs before answering with none: bounds how long a pump task
+# outlives its event loop's requests.
+TAKE_TIMEOUT_S = 1.0
 PREFILL_REPLICA = 0  # with prefill/decode disaggregation
 
 
@@ -66,6 +71,8 @@ class _Replica:
     error: str | None = None
     restarts: int = 0  # times it went down and came back
     pending: Any = None  # the poll in flight (an ObjectRef)
+    streams: dict[str, ReplicaStream] = field(default_factory=dict)  # its requests, by id
+    taken: int = -1  # seq of the last output taken from it
 
 
 class DataParallelEngine:
@@ -139,6 +146,8 @@ class DataParallelEngine:
         self._lock = threading.Lock()  # the router and the replicas' state: poller and loop
         self._streams: dict[str, ReplicaStream] = {}
         self._stop = threading.Event()
+        self._pump_loop: asyncio.AbstractEventLoop | None = None  # where the pump tasks run
+        self._pump_tasks: list[asyncio.Task] = []
         self._poller = threading.Thread(target=self._poll_loop, name="tokenmill-dp-poll")
         self._poller.daemon = True
         self._poller.start()
@@ -243,6 +252,7 @@ class DataParallelEngine:
             self.input_processor.process, request_id, prompt, params, priority, extra_key=extra_key
         )
         request = await asyncio.to_thread(process) if params.structured_outputs else process()
+        self._ensure_pumps()
         stream = ReplicaStream(
             self,
             request_id,
@@ -289,6 +299,9 @@ class DataParallelEngine:
         poller = getattr(self, "_poller", None)
         if poller is not None:
             poller.join(timeout)
+        for task in getattr(self, "_pump_tasks", []):
+            if self._pump_loop is not None and not self._pump_loop.is_closed():
+                self._pump_loop.call_soon_threadsafe(task.cancel)
         for r in self._replicas:
             try:
                 self._ray.kill(r.handle, no_restart=True)
@@ -296,6 +309,42 @@ class DataParallelEngine:
                 pass
         if self._owns_ray:
             self._ray.shutdown()
+
+    # ------------------------------------------------------------------ outputs (the loop's)
+
+    def _ensure_pumps(self) -> None:
+        """One output pump per replica, on the running event loop (new ones for a new loop)."""
+        loop = asyncio.get_running_loop()
+        if self._pump_loop is loop:
+            return
+        for task in self._pump_tasks:
+            if not task.get_loop().is_closed():
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        self._pump_loop = loop
+        self._pump_tasks = [loop.create_task(self._pump(i)) for i in range(len(self._replicas))]
+
+    async def _pump(self, replica: int) -> None:
+        """Take the replica's outputs and hand them to their streams; when the replica dies,
+        fail its streams at once."""
+        ray = self._ray
+        r = self._replicas[replica]
+        while not self._stop.is_set():
+            try:
+                items = await r.handle.take.remote(r.taken, TAKE_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                why = f"engine replica {replica} died: {type(exc).__name__}"
+                self._went_down(replica, why)
+                r.taken = -1  # the restarted process numbers its outputs from 0
+                for stream in list(r.streams.values()):
+                    stream.queue.put_nowait(_ReplicaGone(why))
+                await asyncio.sleep(POLL_INTERVAL_S)
+                continue
+            for seq, request_id, item in items:
+                if seq > r.taken:
+                    r.taken = seq
+                    stream = r.streams.get(request_id)
+                    if stream is not None:
+                        stream.queue.put_nowait(item)
 
     # ------------------------------------------------------------------ routing (the loop's)
 
@@ -320,6 +369,7 @@ class DataParallelEngine:
         with self._lock:
             self.router.finished(replica)
         self._streams.pop(request_id, None)
+        self._replicas[replica].streams.pop(request_id, None)
 
     def _went_down(self, replica: int, why: str) -> None:
         with self._lock:
@@ -409,7 +459,8 @@ class ReplicaStream:
         self.extra_key = extra_key
         self.block_hashes = block_hashes
         self.replica: int | None = None
-        self._gen: Any = None  # Ray's ObjectRefGenerator
+        # outputs from the replica's pump; a fresh queue for each replica tried
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self._delivered = False  # an output reached the caller: no retry elsewhere
 
@@ -422,20 +473,25 @@ class ReplicaStream:
             self.replica = replica
             if self.engine.pd_disaggregation and cached < len(self.block_hashes):
                 await self._prefill_elsewhere(replica)
-            self._gen = handle.generate.options(num_returns="streaming").remote(
-                self.prompt_token_ids, self.params, self.request_id, self.priority, self.extra_key
-            )
-            self.replica = replica
+            self.queue = asyncio.Queue()
+            self.engine._replicas[replica].streams[self.request_id] = self
+            ray = self.engine._ray
             try:
-                first = await self._next()
-            except _ReplicaGone as gone:
+                refused = await handle.submit.remote(
+                    self.prompt_token_ids,
+                    self.params,
+                    self.request_id,
+                    self.priority,
+                    self.extra_key,
+                )
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 self._release()
-                self.engine._went_down(replica, str(gone))
+                self.engine._went_down(replica, f"engine replica {replica} died: {exc!r}")
                 exclude.add(replica)
                 continue
-            if isinstance(first, Exception):
+            if refused is not None:
                 self._release()
-                raise first
+                raise refused
             return
 
     async def _prefill_elsewhere(self, replica: int) -> None:
@@ -458,25 +514,15 @@ class ReplicaStream:
                 "prefill of %s on replica %d failed: %r", self.request_id, PREFILL_REPLICA, exc
             )
 
-    async def _next(self) -> Any:
-        ray = self.engine._ray
-        try:
-            ref = await self._gen.__anext__()
-            return await ref
-        except StopAsyncIteration:
-            raise _ReplicaGone("the replica ended the stream early") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise _ReplicaGone(f"engine replica {self.replica} died: {type(exc).__name__}") from exc
-
     def __aiter__(self) -> ReplicaStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self._next()
-        except _ReplicaGone as gone:
+        item = await self.queue.get()
+        if isinstance(item, _ReplicaGone):
+            gone = item
             failed = self.replica
             assert failed is not None
             self._release()
@@ -511,11 +557,9 @@ class ReplicaStream:
 
     def close(self) -> None:
         """Stop listening; aborts the request if it has not finished. Idempotent."""
-        if not self.finished and self._gen is not None:
-            try:
-                self.engine._ray.cancel(self._gen)  # the replica's generator exits, aborting it
-            except Exception:  # noqa: BLE001 - its replica is gone, and the request with it
-                pass
+        if not self.finished and self.replica is not None:
+            handle = self.engine._replicas[self.replica].handle
+            handle.abort.remote(self.request_id)  # a dead replica drops it with the request
         self.finished = True
         self._release()
 

@@ -2,29 +2,30 @@
 
 A plain class: `DataParallelEngine` makes it an actor with `ray.remote`, so importing this module
 needs no Ray. The actor owns an `AsyncLLMEngine` and serves, over Ray's async actor calls:
-`generate` (a streaming generator: None once the engine has accepted the request, then its
-outputs; a refusal or failure comes as an exception item, never raised, so that the caller gets
-the engine's own exception rather than Ray's wrapper), `abort`, and `poll` (the engine's
-counters and the prefix-cache changes since the last poll, for the router). A request's final
-output comes with the engine's counters too (a `StatsSnapshot`), so that a client that sees a
-request finish sees it counted in /metrics.
+`submit` (queue a request; a refusal comes back as the engine's own exception, returned rather
+than raised, so that the caller gets it rather than Ray's wrapper), `take` (the outputs of all
+its requests since the caller's last take, in one batch: one call per engine step for every
+stream, where a Ray streaming generator per request costs a call per stream per step), `abort`,
+and `poll` (the engine's counters and the prefix-cache changes since the last poll, for the
+router). A request's final output comes with the engine's counters too (a `StatsSnapshot`), so
+that a client that sees a request finish sees it counted in /metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.async_engine import AsyncLLMEngine, RequestStream
 from tokenmill.engine.block_pool import CacheEvent
 from tokenmill.engine.kv_transfer import PrefixKV, export_prefix, import_prefix
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
-from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Sequence
 from tokenmill.sample import SamplingParams
 
@@ -73,6 +74,11 @@ class EngineReplica:
 
         self.engine = AsyncLLMEngine(build)
         self._snapshots = itertools.count()
+        # (seq, request id, output or error), kept until a take acknowledges them
+        self._outbox: list[tuple[int, str, Any]] = []
+        self._seq = itertools.count()
+        self._posted: asyncio.Event | None = None  # made on the actor's event loop
+        self._pumps: dict[str, asyncio.Task] = {}
 
     def _snapshot(self) -> StatsSnapshot:
         return StatsSnapshot(next(self._snapshots), replace(self.engine.stats()))
@@ -87,28 +93,57 @@ class EngineReplica:
             pid=os.getpid(),
         )
 
-    async def generate(
+    async def submit(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
         priority: int,
         extra_key: str | None,
-    ) -> AsyncIterator[RequestOutput | tuple[RequestOutput, StatsSnapshot] | Exception | None]:
+    ) -> Exception | None:
+        """Queue a request; its outputs come through `take`. Returns why the engine refused it,
+        or None."""
         try:
             stream = await self.engine.add_request(
                 prompt_token_ids, params, request_id, priority, extra_key
             )
         except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it
-            yield exc
-            return
-        yield None
-        async with stream:  # a cancelled call (the client went away) aborts the request
-            try:
+            return exc
+        self._pumps[request_id] = asyncio.create_task(self._pump(request_id, stream))
+        return None
+
+    async def _pump(self, request_id: str, stream: RequestStream) -> None:
+        try:
+            async with stream:  # cancelled (aborted by the client): the request is aborted
                 async for out in stream:
-                    yield (out, self._snapshot()) if out.finished else out
-            except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it
-                yield exc
+                    self._post(request_id, (out, self._snapshot()) if out.finished else out)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            self._post(request_id, exc)
+        finally:
+            self._pumps.pop(request_id, None)
+
+    def _post(self, request_id: str, item: Any) -> None:
+        self._outbox.append((next(self._seq), request_id, item))
+        self._event().set()
+
+    def _event(self) -> asyncio.Event:
+        if self._posted is None:
+            self._posted = asyncio.Event()
+        return self._posted
+
+    async def take(self, after: int, timeout: float) -> list[tuple[int, str, Any]]:
+        """The outputs posted after seq `after` (those up to it are acknowledged and dropped),
+        waiting up to timeout seconds for one."""
+        self._outbox = [item for item in self._outbox if item[0] > after]
+        posted = self._event()
+        if not self._outbox:
+            posted.clear()
+            try:
+                await asyncio.wait_for(posted.wait(), timeout)
+            except asyncio.TimeoutError:
+                return []
+            await asyncio.sleep(0)  # the other streams of the same step post theirs
+        return list(self._outbox)
 
     async def prefill(
         self, prompt_token_ids: list[int], request_id: str, priority: int, extra_key: str | None
@@ -129,7 +164,11 @@ class EngineReplica:
         return await self.engine.call(lambda e: import_prefix(e, kv))
 
     async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
+        task = self._pumps.pop(request_id, None)
+        if task is not None:
+            task.cancel()  # leaves the stream's `async with`, which aborts the request
+        else:
+            await self.engine.abort(request_id)
 
     async def poll(self) -> ReplicaReport:
         engine = self.engine
