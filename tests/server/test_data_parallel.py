@@ -35,6 +35,7 @@ from tests.server.test_openai_api import (  # noqa: F401 - collected and run aga
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.data_parallel import DataParallelEngine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams
 from tokenmill.server.app import ServerConfig
 
@@ -235,6 +236,11 @@ def test_requests_without_output_move_when_their_replica_dies(ray_instance, tiny
     finally:
         engine.shutdown()
     assert outcomes.count("failed") <= 1 and outcomes.count("done") >= 5, outcomes
+
+
+def test_too_few_cluster_cpus_is_an_error_not_a_wait(ray_instance, tiny_model_dir) -> None:
+    with pytest.raises(InvalidRequestError, match="has 4 CPUs.*need 6"):
+        DataParallelEngine(tiny_model_dir, 2, REPLICA_OPTIONS, num_threads=3)
 
 
 async def _stream_one(url: str, i: int) -> str:

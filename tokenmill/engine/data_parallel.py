@@ -107,6 +107,11 @@ class DataParallelEngine:
                 "speculative decoding, or the disaggregation"
             )
         self.pd_disaggregation = pd_disaggregation
+        self._replicas: list[_Replica] = []
+        self._stop = threading.Event()  # set by shutdown
+        self._pump_loop: asyncio.AbstractEventLoop | None = None  # where the pump tasks run
+        self._pump_tasks: list[asyncio.Task] = []
+        self._poller: threading.Thread | None = None
         # here first: a bad model path fails before any replica starts
         self._config, tokenizer = open_model_info(model)
         if tokenizer is None:
@@ -114,10 +119,12 @@ class DataParallelEngine:
         self._tokenizer = tokenizer
         ray = self._ray = import_ray()
         self._owns_ray = False
+        threads = num_threads or max(1, (os.cpu_count() or 1) // num_replicas)
         if not ray.is_initialized():
             if ray_address is None:
                 ray.init(
-                    num_cpus=os.cpu_count() or 1,
+                    # Ray's CPUs are counted, not enforced: room for every replica asked for
+                    num_cpus=max(os.cpu_count() or 1, threads * num_replicas),
                     include_dashboard=False,
                     object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                     logging_level=logging.WARNING,
@@ -125,7 +132,14 @@ class DataParallelEngine:
             else:
                 ray.init(address=ray_address, logging_level=logging.WARNING)
             self._owns_ray = True
-        threads = num_threads or max(1, (os.cpu_count() or 1) // num_replicas)
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < threads * num_replicas:
+            self.shutdown()
+            raise InvalidRequestError(
+                f"the Ray cluster has {cpus:g} CPUs, and {num_replicas} replicas of {threads} "
+                f"threads need {threads * num_replicas}: lower --threads-per-replica or "
+                "--data-parallel-size, or add nodes"
+            )
         actor = ray.remote(EngineReplica).options(
             num_cpus=threads, max_restarts=-1, max_task_retries=0
         )
@@ -145,9 +159,6 @@ class DataParallelEngine:
         self.router = Router(num_replicas, router, capacity=first.max_num_seqs)
         self._lock = threading.Lock()  # the router and the replicas' state: poller and loop
         self._streams: dict[str, ReplicaStream] = {}
-        self._stop = threading.Event()
-        self._pump_loop: asyncio.AbstractEventLoop | None = None  # where the pump tasks run
-        self._pump_tasks: list[asyncio.Task] = []
         self._poller = threading.Thread(target=self._poll_loop, name="tokenmill-dp-poll")
         self._poller.daemon = True
         self._poller.start()
@@ -296,10 +307,9 @@ class DataParallelEngine:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        poller = getattr(self, "_poller", None)
-        if poller is not None:
-            poller.join(timeout)
-        for task in getattr(self, "_pump_tasks", []):
+        if self._poller is not None:
+            self._poller.join(timeout)
+        for task in self._pump_tasks:
             if self._pump_loop is not None and not self._pump_loop.is_closed():
                 self._pump_loop.call_soon_threadsafe(task.cancel)
         for r in self._replicas:
