@@ -127,3 +127,8 @@ def test_serve_data_parallel_without_ray_says_what_to_install(
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     assert main(["serve", str(tiny_model_dir), "--data-parallel-size", "2"]) == 1
     assert "pip install 'tokenmill[ray]'" in capsys.readouterr().err
+
+
+def test_serve_pd_disaggregation_needs_two_replicas(tiny_model_dir, capsys) -> None:
+    assert main(["serve", str(tiny_model_dir), "--pd-disaggregation"]) == 1
+    assert "--data-parallel-size 2 or more" in capsys.readouterr().err
