@@ -163,6 +163,13 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument(
         "--protect-metrics", action="store_true", help="require the API key on /metrics too"
     )
+    p.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse requests with fields the API does not know, as OpenAI does (default: "
+        "ignore them with a warning, as vLLM does: clients send vendor fields such as "
+        "llama.cpp's cache_prompt)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--compile",
@@ -213,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             request_timeout=args.request_timeout,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            strict_request_fields=args.strict_request_fields,
         ),
     )
     print(

@@ -110,8 +110,9 @@ async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONR
     if first.get("type") == "json_invalid":
         return APIError(400, "The request body is not valid JSON.").response()
     if first.get("type") == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
-        return APIError(400, message, param=param).response()
+        names = first.get("ctx", {}).get("names", "")
+        param = ".".join(filter(None, [param, names]))
+        return APIError(400, first["msg"], param=param).response()
     # 400 as OpenAI and vLLM answer a body of the wrong shape, not FastAPI's 422
     message = "; ".join(f"{_location(e)}: {e['msg']}" for e in errors[:5])
     return APIError(400, message, param=param).response()

@@ -9,12 +9,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.formatting import sse
+from tokenmill.server.protocol import STRICT_REQUEST_FIELDS
 from tokenmill.server.state import ServerConfig
 
 
 class GuardMiddleware:
     """A plain ASGI middleware: it adds no task or stream of its own, so the cancellation of a
-    request at shutdown passes straight through it to the route."""
+    request at shutdown passes straight through it to the route, and the request's validation
+    sees the context it sets (`STRICT_REQUEST_FIELDS`)."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app = app
@@ -26,6 +28,7 @@ class GuardMiddleware:
         refusal = self._refusal(scope)
         if refusal is not None:
             return await refusal.response()(scope, receive, send)
+        STRICT_REQUEST_FIELDS.set(self.config.strict_request_fields)
         started = event_stream = False
 
         async def tracking_send(message: Message) -> None:

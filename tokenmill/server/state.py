@@ -23,6 +23,7 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds from arrival to the end of generation
     tool_call_parser: str | None = None  # a name in TOOL_PARSERS; None: the chat template's
     reasoning_parser: str | None = None  # a name in REASONING_PARSERS; None: no reasoning split
+    strict_request_fields: bool = False  # refuse unknown request fields (else ignore them)
 
 
 @dataclass
