@@ -27,7 +27,7 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         refusal = self._refusal(scope)
         if refusal is not None:
-            return await refusal.response()(scope, receive, send)
+            return await refusal.response(scope["path"])(scope, receive, send)
         STRICT_REQUEST_FIELDS.set(self.config.strict_request_fields)
         started = event_stream = False
 
@@ -49,7 +49,7 @@ class GuardMiddleware:
             message = "the server is shutting down"
             if not started:
                 error = APIError(503, message, type_="service_unavailable")
-                await error.response()(scope, receive, send)
+                await error.response(scope["path"])(scope, receive, send)
                 return
             tail = b""  # end the body cleanly, with an in-band error event when it is a stream
             if event_stream:
@@ -60,7 +60,7 @@ class GuardMiddleware:
         """The error that refuses this request before it reaches a route, if any."""
         config, path = self.config, scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        protected = path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize")
         protected |= path == "/health" and config.protect_health
         protected |= path == "/metrics" and config.protect_metrics
         if config.api_key and protected and not _authorized(headers, config.api_key):
