@@ -103,7 +103,12 @@ def _with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineCo
     return replace(config, **overrides)
 
 
-def _load(model: str | Path | None, cfg: EngineConfig, progress: bool) -> LoadedModel:
+def _load(
+    model: str | Path | None,
+    cfg: EngineConfig,
+    progress: bool,
+    head_rows: list[int] | None = None,
+) -> LoadedModel:
     from tokenmill.catalog import resolve_model
 
     path = resolve_model(model, models_dir=cfg.models_dir, progress=progress)
@@ -114,6 +119,7 @@ def _load(model: str | Path | None, cfg: EngineConfig, progress: bool) -> Loaded
         quantization=cfg.quantization,
         dense_min_tokens=cfg.dense_min_tokens,
         batch_invariant=cfg.batch_invariant,
+        head_rows=head_rows,
     )
 
 
@@ -159,6 +165,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         # the draft model: its own KV pool, addressed by the target's block tables
         self.drafter: ModelRunner | None = None
+        self.draft_vocab: torch.Tensor | None = None  # see _draft_runner
         if self.speculative is not None and self.speculative.model is not None:
             self.drafter = self._draft_runner(self.speculative.model, num_blocks, progress)
         self.scheduler = Scheduler(
@@ -283,7 +290,14 @@ class LLMEngine:
 
     def _draft_runner(self, model: str, num_blocks: int, progress: bool) -> ModelRunner:
         cfg = self.config
-        draft = _load(model, cfg, progress)
+        tokenizer = self.tokenizer
+        vocab = self.speculative.draft_vocab(
+            self.loaded.config.vocab_size,
+            set(tokenizer.stop_token_ids) | set(tokenizer.added_token_ids()),
+        )
+        # the draft's head computes these ids' logits only; drafts map back through it
+        self.draft_vocab = None if vocab is None else torch.tensor(vocab)
+        draft = _load(model, cfg, progress, head_rows=vocab)
         probe = "def f(x):\n    return x + 1  # héllo, 世界"
         if draft.config.vocab_size != self.loaded.config.vocab_size or (
             draft.tokenizer is None or draft.tokenizer.encode(probe) != self.tokenizer.encode(probe)
@@ -318,7 +332,7 @@ class LLMEngine:
             tables,
             argmax_only=True,
         )
-        drafts = [[token] for token in greedy_ids(logits).tolist()]
+        drafts = [[token] for token in self._draft_ids(logits)]
         for j in range(1, max(len(s.draft_token_ids) for s in seqs)):
             going = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
             logits = self.drafter.last_token_logits(
@@ -327,11 +341,16 @@ class LLMEngine:
                 [tables[i] for i in going],
                 argmax_only=True,
             )
-            for i, token in zip(going, greedy_ids(logits).tolist()):
+            for i, token in zip(going, self._draft_ids(logits)):
                 drafts[i].append(token)
         for seq, tokens in zip(seqs, drafts):
             seq.draft_token_ids = tokens
             seq.draft_computed = seq.num_tokens + len(tokens) - 1
+
+    def _draft_ids(self, logits: torch.Tensor) -> list[int]:
+        """The draft model's greedy tokens from its head's logits."""
+        ids = greedy_ids(logits)
+        return (ids if self.draft_vocab is None else self.draft_vocab[ids]).tolist()
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         if self.drafter is not None:

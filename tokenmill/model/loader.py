@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,6 +103,7 @@ def load_model(
     quantization: str = "auto",
     dense_min_tokens: int | None = None,
     batch_invariant: bool = True,
+    head_rows: Sequence[int] | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer from a GGUF file or an HF directory.
 
@@ -119,6 +120,8 @@ def load_model(
     so they keep no dense copies: a copy's float matmul rounds differently from the packed kernel;
     dense fp32 layers and a tied fp32 head multiply through `tokenmill::dense_linear`
     (`DenseLinear`), whose kernels are then built here if need be.
+    head_rows: the output head computes the logits of these token ids only, in this order (a
+    draft model's reduced vocabulary, see `SpeculativeConfig.draft_vocab_size`).
     """
     if batch_invariant and dense_min_tokens:
         raise ValueError(
@@ -153,6 +156,7 @@ def load_model(
         quantization,
         0 if batch_invariant else dense_min_tokens,
         batch_invariant,
+        head_rows,
     )
     model = builder.build(weights, progress)
     return LoadedModel(
@@ -221,11 +225,13 @@ class _Builder:
         quantization: str,
         dense_min_tokens: int | None,
         batch_invariant: bool,
+        head_rows: Sequence[int] | None = None,
     ) -> None:
         self.config, self.dtype, self.path = config, dtype, path
         self.quantization = quantization
         self.dense_min_tokens = dense_min_tokens
         self.batch_invariant = batch_invariant
+        self.head_rows = head_rows
 
     def build(self, weights: Iterator[tuple[str, Weight]], progress: bool) -> Transformer:
         expected = checkpoint_shapes(self.config)
@@ -264,7 +270,11 @@ class _Builder:
         embed = state.pop("embed.weight")
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
-        if head is not None:
+        if self.head_rows is not None:  # its own layer of those rows, tied or not
+            rows = _select_rows(embed if head is None else head, self.head_rows)
+            model.lm_head = self.linear([rows], [None], x_block=COARSE_X_BLOCK)
+            _release([head] if head is not None else [])
+        elif head is not None:
             model.lm_head = self.linear([head], [None], x_block=COARSE_X_BLOCK)
         elif keep_quantized or self.quantization in ("int8", "int4"):
             # tied, but the head needs its own packed form
@@ -354,6 +364,14 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts stacked by rows; a single part as it is (a copy of a 262k-row head would double
     its memory while loading)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _select_rows(weight: Weight, rows: Sequence[int]) -> Weight:
+    """These rows of a checkpoint tensor, in this order (a GGML tensor's stay quantized)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    if isinstance(weight, GGMLWeight):
+        return GGMLWeight(weight.data[index], weight.qtype, (len(rows), *weight.shape[1:]))
+    return weight[index]
 
 
 def _release(weights: list[Weight]) -> None:

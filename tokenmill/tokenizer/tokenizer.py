@@ -179,6 +179,10 @@ class Tokenizer:
                 return token_id
         return None
 
+    def added_token_ids(self) -> list[int]:
+        """The ids of every added token (the special tokens and such as "<tool_call>")."""
+        return list(self._backend.get_added_tokens_decoder())
+
     def id_to_piece(self, id: int) -> str:
         """The vocabulary entry for `id` as stored (e.g. "▁Hello" or "ĠHello"), not decoded text."""
         if not 0 <= id < self.vocab_size:
