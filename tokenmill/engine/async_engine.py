@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
@@ -67,6 +68,11 @@ class AsyncLLMEngine:
     @property
     def model_config(self) -> ModelConfig:
         return self.engine.loaded.config
+
+    @property
+    def model_path(self) -> Path:
+        """The model's file or directory."""
+        return self.engine.loaded.path
 
     @property
     def max_model_len(self) -> int:

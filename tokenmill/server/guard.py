@@ -61,6 +61,7 @@ class GuardMiddleware:
         config, path = self.config, scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         protected = path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize")
+        protected &= path != "/api/version"  # public, as /version is
         protected |= path == "/health" and config.protect_health
         protected |= path == "/metrics" and config.protect_metrics
         if config.api_key and protected and not _authorized(headers, config.api_key):

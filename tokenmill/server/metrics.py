@@ -135,15 +135,15 @@ class RequestTimer:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.start = self.last = time.perf_counter()
-        self.first = True
+        self.first_token_at: float | None = None  # time.perf_counter() of the first token
 
     def tokens(self, count: int) -> None:
         if count <= 0:
             return
         now = time.perf_counter()
-        if self.first:
+        if self.first_token_at is None:
             self.metrics.ttft.observe(now - self.start)
-            self.first = False
+            self.first_token_at = now
         else:
             per_token = (now - self.last) / count
             for _ in range(count):
