@@ -16,7 +16,16 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.server.errors import install_exception_handlers
 from tokenmill.server.guard import GuardMiddleware
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.routes import admin, anthropic, models, ollama, openai, tokenize, web
+from tokenmill.server.routes import (
+    admin,
+    anthropic,
+    models,
+    ollama,
+    openai,
+    responses,
+    tokenize,
+    web,
+)
 from tokenmill.server.state import ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "build_app"]
@@ -35,7 +44,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         )
     app.add_middleware(GuardMiddleware, config=config)
     install_exception_handlers(app)
-    routers = (admin, models, web, tokenize, openai, anthropic, ollama)
+    routers = (admin, models, web, tokenize, openai, anthropic, ollama, responses)
     for module in routers:
         app.include_router(module.router)
     return app

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from tokenmill.engine.outputs import RequestOutput, TokenLogprobs
 from tokenmill.errors import InvalidRequestError
@@ -18,8 +20,22 @@ from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.state import ServerState
 from tokenmill.server.tool_calling import ChoiceParser, ToolPlan, plan_tools, template_messages
 
+RequestT = TypeVar("RequestT", bound=BaseModel)
 # Prompt tokens searched for an opened reasoning block (the template's generation prompt)
 REASONING_PROMPT_TAIL = 16
+
+
+def translated(model: type[RequestT], body: dict[str, Any]) -> RequestT:
+    """Another API's request translated into `model` (a chat completion or completion request);
+    what does not validate is the client's error, named by the OpenAI field it became."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc']) or 'request'}: {e['msg']}"
+            for e in exc.errors()[:5]
+        )
+        raise InvalidRequestError(f"invalid request ({problems})") from None
 
 
 @dataclass

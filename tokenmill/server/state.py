@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.response_store import ResponseStore
 
 
 @dataclass
@@ -33,6 +34,7 @@ class ServerState:
     engine: AsyncLLMEngine
     config: ServerConfig
     metrics: ServerMetrics
+    responses: ResponseStore = field(default_factory=ResponseStore)  # of /v1/responses
 
     def check_model(self, name: str | None) -> None:
         """Refuse a request for a model this server does not serve (None: the served one)."""

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_setup
+from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_setup, translated
 from tokenmill.server.errors import api_error
 from tokenmill.server.generation import RequestRun
 from tokenmill.server.protocol import ChatCompletionRequest, _Strict
@@ -98,7 +98,7 @@ class MessagesRequest(_Strict):
                 body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[
                     choice.type
                 ]
-        return ChatCompletionRequest.model_validate(body)
+        return translated(ChatCompletionRequest, body)
 
 
 def _text(content: str | list[dict[str, Any]], where: str) -> str:

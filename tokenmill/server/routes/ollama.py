@@ -27,7 +27,7 @@ from pydantic import Field
 from tokenmill import __version__
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_setup
+from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_setup, translated
 from tokenmill.server.errors import APIError, api_error
 from tokenmill.server.generation import RequestRun
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Strict
@@ -93,9 +93,10 @@ class ChatRequest(_Generation):
     def chat_request(self) -> ChatCompletionRequest:
         messages = [_chat_message(m, i) for i, m in enumerate(self.messages)]
         usage = {"include_usage": True} if self.stream else None
-        return ChatCompletionRequest.model_validate(
+        return translated(
+            ChatCompletionRequest,
             {**self.fields(), "messages": messages, "tools": self.tools or None}
-            | {"stream": self.stream, "stream_options": usage}
+            | {"stream": self.stream, "stream_options": usage},
         )
 
 
@@ -259,14 +260,14 @@ async def generate(req: GenerateRequest, raw: Request, state: State) -> dict | S
     request_id = _request_id()
     counts = _Counts(time.perf_counter())
     if req.raw:
-        completion = CompletionRequest.model_validate({**req.fields(), "prompt": req.prompt})
+        completion = translated(CompletionRequest, {**req.fields(), "prompt": req.prompt})
         params = completion.sampling_params(completion.max_tokens, None)
         run = await RequestRun.start(state, [req.prompt], params, request_id, 0)
     else:
         messages = [{"role": "user", "content": req.prompt}]
         if req.system:
             messages.insert(0, {"role": "system", "content": req.system})
-        chat = ChatCompletionRequest.model_validate({**req.fields(), "messages": messages})
+        chat = translated(ChatCompletionRequest, {**req.fields(), "messages": messages})
         setup = chat_setup(chat, state)
         run = await RequestRun.start(state, [setup.prompt_ids], setup.params, request_id, 0)
     if req.stream:
