@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
 from tokenmill.cli.common import add_kv_cache_dtype_arg, add_quantization_args
@@ -59,7 +61,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-prefix-caching", action="store_true", help="disable automatic prefix caching"
     )
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority", "fair"],
+        help="fcfs: in arrival order; priority: by the requests' priority, then arrival; fair: "
+        "tenants (an --api-keys-file key's tenant, else the request's user field) share the "
+        "steps' tokens by virtual token counters, so one tenant's flood cannot starve another "
+        "(default: fcfs)",
+    )
     p.add_argument(
         "--speculative-config",
         default=None,
@@ -117,6 +127,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "--api-key",
         default=None,
         help="require this key as a Bearer token on /v1/* (default: $TOKENMILL_API_KEY)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help='more keys, each with its tenant: a JSON object {"KEY": "TENANT", ...}; any of '
+        "them (or --api-key) is accepted, and the fair policy shares by their tenants",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -213,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         ServerConfig(
             name,
             api_key=api_key,
+            api_keys=_read_api_keys(args.api_keys_file),
             max_body_bytes=args.max_request_bytes,
             protect_health=args.protect_health,
             protect_metrics=args.protect_metrics,
@@ -247,3 +266,20 @@ def run(args: argparse.Namespace) -> int:
     finally:
         async_engine.shutdown()
     return 0 if server.started else 1
+
+
+def _read_api_keys(path: Path | None) -> dict[str, str]:
+    """The keys file's {key: tenant} map; SystemExit saying what is wrong with the file."""
+    if path is None:
+        return {}
+    try:
+        keys = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"tokenmill serve: cannot read --api-keys-file {path}: {exc}") from None
+    if not isinstance(keys, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in keys.items()
+    ):
+        raise SystemExit(
+            f'tokenmill serve: --api-keys-file {path} must hold a JSON object {{"KEY": "TENANT"}}'
+        )
+    return keys

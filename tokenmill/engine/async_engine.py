@@ -218,6 +218,7 @@ class AsyncLLMEngine:
         request_id: str,
         priority: int = 0,
         extra_key: str | None = None,
+        tenant: str = "",
     ) -> RequestStream:
         """Queue a request; raises here (not later) if the engine refuses it.
 
@@ -234,6 +235,7 @@ class AsyncLLMEngine:
             params,
             priority,
             extra_key=extra_key,
+            tenant=tenant,
         )
         request = await asyncio.to_thread(process) if params.structured_outputs else process()
         stream = RequestStream(self, request_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,8 @@ class EngineStats:
     spec_num_drafts: int = 0  # speculative steps of a sequence: drafts verified
     spec_num_draft_tokens: int = 0  # tokens drafted and verified
     spec_num_accepted_tokens: int = 0  # drafted tokens the target accepted
+    # the fair policy's virtual token counters of the tenants with requests in the engine
+    tenant_served_tokens: dict[str, float] = field(default_factory=dict)
 
 
 def _with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
@@ -206,14 +208,16 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         extra_key: str | None = None,
+        tenant: str = "",
     ) -> str:
         """Process and queue a request; returns its id (one is made up for None). Raises
-        InvalidRequestError for anything unservable, QueueFullError when the queue is full."""
+        InvalidRequestError for anything unservable, QueueFullError when the queue is full.
+        tenant: who sent it, for the fair scheduling policy."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         self.enqueue(
             self.input_processor.process(
-                request_id, prompt, params, priority, arrival_time, extra_key
+                request_id, prompt, params, priority, arrival_time, extra_key, tenant
             )
         )
         return request_id
@@ -535,6 +539,7 @@ class LLMEngine:
     def _update_stats(self) -> None:
         s = self.stats
         s.num_running = len(self.scheduler.running)
+        s.tenant_served_tokens = dict(self.scheduler.served)
         s.num_waiting = len(self.scheduler.waiting)
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_cache_queries = self.kv.prefix_cache_queries

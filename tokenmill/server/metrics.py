@@ -91,6 +91,15 @@ class _EngineCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        served = GaugeMetricFamily(
+            "tokenmill:tenant_served_tokens",
+            "Fair scheduling: the virtual token counter of each tenant with requests in the "
+            "engine (prompt tokens, plus output tokens weighted 2).",
+            labels=["tenant"],
+        )
+        for tenant, value in s.tenant_served_tokens.items():
+            served.add_metric([tenant], value)
+        yield served
 
 
 class ServerMetrics:

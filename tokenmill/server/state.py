@@ -17,6 +17,7 @@ from tokenmill.server.response_store import ResponseStore
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)  # more keys, each to its tenant
     max_body_bytes: int = 16 << 20
     protect_health: bool = False  # require the API key on /health too
     protect_metrics: bool = False  # and on /metrics
@@ -42,6 +43,12 @@ class ServerState:
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
+
+
+def tenant(request: Request, user: str | None) -> str:
+    """Who sent a request, for fair scheduling: its API key's tenant (see `ServerConfig.api_keys`),
+    else the request's `user` field, else "" (everyone anonymous alike)."""
+    return getattr(request.state, "tenant", "") or user or ""
 
 
 def server_state(request: Request) -> ServerState:

@@ -23,7 +23,7 @@ from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_set
 from tokenmill.server.errors import api_error
 from tokenmill.server.generation import RequestRun
 from tokenmill.server.protocol import ChatCompletionRequest, _Strict
-from tokenmill.server.state import State
+from tokenmill.server.state import State, tenant
 
 router = APIRouter()
 PATH = "/v1/messages"
@@ -165,7 +165,10 @@ async def messages(req: MessagesRequest, raw: Request, state: State) -> dict | S
     chat = req.chat_request()
     setup = chat_setup(chat, state)
     message_id = f"msg_{uuid.uuid4().hex}"
-    run = await RequestRun.start(state, [setup.prompt_ids], setup.params, message_id, 0)
+    user = (req.metadata or {}).get("user_id")
+    run = await RequestRun.start(
+        state, [setup.prompt_ids], setup.params, message_id, 0, tenant(raw, user)
+    )
     head = {
         "id": message_id,
         "type": "message",

@@ -31,7 +31,7 @@ from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_set
 from tokenmill.server.errors import APIError, api_error
 from tokenmill.server.generation import RequestRun
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Strict
-from tokenmill.server.state import ServerState, State
+from tokenmill.server.state import ServerState, State, tenant
 
 router = APIRouter()
 # Ollama's sampling defaults, where a request's options leave them out
@@ -239,7 +239,9 @@ async def chat(req: ChatRequest, raw: Request, state: State) -> dict | Streaming
     chat = req.chat_request()
     setup = chat_setup(chat, state)
     counts = _Counts(time.perf_counter())
-    run = await RequestRun.start(state, [setup.prompt_ids], setup.params, _request_id(), 0)
+    run = await RequestRun.start(
+        state, [setup.prompt_ids], setup.params, _request_id(), 0, tenant(raw, None)
+    )
     if req.stream:
         return _ndjson(_chat_lines(run, chat, setup, req.model, counts))
     (final,) = await run.finals(raw.is_disconnected)
@@ -262,14 +264,16 @@ async def generate(req: GenerateRequest, raw: Request, state: State) -> dict | S
     if req.raw:
         completion = translated(CompletionRequest, {**req.fields(), "prompt": req.prompt})
         params = completion.sampling_params(completion.max_tokens, None)
-        run = await RequestRun.start(state, [req.prompt], params, request_id, 0)
+        run = await RequestRun.start(state, [req.prompt], params, request_id, 0, tenant(raw, None))
     else:
         messages = [{"role": "user", "content": req.prompt}]
         if req.system:
             messages.insert(0, {"role": "system", "content": req.system})
         chat = translated(ChatCompletionRequest, {**req.fields(), "messages": messages})
         setup = chat_setup(chat, state)
-        run = await RequestRun.start(state, [setup.prompt_ids], setup.params, request_id, 0)
+        run = await RequestRun.start(
+            state, [setup.prompt_ids], setup.params, request_id, 0, tenant(raw, None)
+        )
     if req.stream:
         return _ndjson(_generate_lines(run, req.model, counts))
     (final,) = await run.finals(raw.is_disconnected)

@@ -27,7 +27,7 @@ from tokenmill.server.formatting import (
 )
 from tokenmill.server.generation import RequestRun
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tokenmill.server.state import State
+from tokenmill.server.state import State, tenant
 from tokenmill.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -46,7 +46,9 @@ async def completions(
         "created": int(time.time()),
         "model": state.config.served_model_name,
     }
-    run = await RequestRun.start(state, req.prompts(), params, request_id, req.priority)
+    run = await RequestRun.start(
+        state, req.prompts(), params, request_id, req.priority, tenant(raw, req.user)
+    )
     if req.stream:
         return _event_stream(_completion_chunks(run, base, req.n, _include_usage(req)))
     finals = await run.finals(raw.is_disconnected)
@@ -60,7 +62,9 @@ async def chat(req: ChatCompletionRequest, raw: Request, state: State) -> dict |
     setup = chat_setup(req, state)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     base = {"id": request_id, "created": int(time.time()), "model": state.config.served_model_name}
-    run = await RequestRun.start(state, [setup.prompt_ids], setup.params, request_id, req.priority)
+    run = await RequestRun.start(
+        state, [setup.prompt_ids], setup.params, request_id, req.priority, tenant(raw, req.user)
+    )
     if req.stream:
         chunk_base = {**base, "object": "chat.completion.chunk"}
         return _event_stream(chat_chunks(run, chunk_base, req, setup))

@@ -28,7 +28,7 @@ from tokenmill.server.formatting import sse
 from tokenmill.server.generation import RequestRun
 from tokenmill.server.protocol import ChatCompletionRequest, _Strict
 from tokenmill.server.response_store import StoredResponse
-from tokenmill.server.state import State
+from tokenmill.server.state import State, tenant
 
 router = APIRouter()
 
@@ -262,7 +262,9 @@ async def create(req: ResponsesRequest, raw: Request, state: State) -> dict | St
     setup = chat_setup(chat, state)
     response_id = f"resp_{uuid.uuid4().hex}"
     created = int(time.time())
-    run = await RequestRun.start(state, [setup.prompt_ids], setup.params, response_id, 0)
+    run = await RequestRun.start(
+        state, [setup.prompt_ids], setup.params, response_id, 0, tenant(raw, req.user)
+    )
     model = state.config.served_model_name
 
     def finish(body: dict[str, Any]) -> dict[str, Any]:
