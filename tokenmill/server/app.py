@@ -16,7 +16,7 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.server.errors import install_exception_handlers
 from tokenmill.server.guard import GuardMiddleware
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.routes import admin, models, openai, tokenize, web
+from tokenmill.server.routes import admin, embeddings, models, openai, tokenize, web
 from tokenmill.server.state import ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "build_app"]
@@ -35,6 +35,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         )
     app.add_middleware(GuardMiddleware, config=config)
     install_exception_handlers(app)
-    for router in (admin.router, models.router, web.router, tokenize.router, openai.router):
-        app.include_router(router)
+    routers = (admin, models, web, tokenize, openai, embeddings)
+    for module in routers:
+        app.include_router(module.router)
     return app

@@ -44,6 +44,7 @@ async def completions(
     req: CompletionRequest, raw: Request, state: State
 ) -> dict | StreamingResponse:
     state.check_model(req.model)
+    state.check_generates()
     params = _completion_params(req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     base = {
@@ -63,6 +64,7 @@ async def completions(
 @router.post("/v1/chat/completions", response_model=None)
 async def chat(req: ChatCompletionRequest, raw: Request, state: State) -> dict | StreamingResponse:
     state.check_model(req.model)
+    state.check_generates()
     setup = _chat_setup(req, state)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     base = {"id": request_id, "created": int(time.time()), "model": state.config.served_model_name}
