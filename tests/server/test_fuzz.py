@@ -57,6 +57,7 @@ EXPECTED_ROUTES = {
     ("POST", "/detokenize"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/embeddings"),
 }
 
 pytestmark = pytest.mark.timeout(300)
