@@ -181,7 +181,60 @@ def test_openai_client_raises_on_unknown_model(bert_server) -> None:
         _client(bert_server).embeddings.create(model="nope", input="fox")
 
 
-def test_generative_model_refuses_embeddings(http) -> None:
-    r = http.post("/v1/embeddings", json={"input": "hello"})
-    assert r.status_code == 400
-    assert "does not serve embeddings" in r.json()["error"]["message"]
+# ---------------------------------------------------------------- a generative (decoder) model
+
+
+def _decoder_reference(folder, ids: list[list[int]], pooling: str) -> torch.Tensor:
+    """transformers' final hidden states of each sequence alone, pooled and L2-normalized."""
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for seq in ids:
+            hidden = model(torch.tensor([seq])).last_hidden_state[0]
+            rows.append(hidden[-1] if pooling == "last" else hidden.mean(dim=0))
+    return torch.nn.functional.normalize(torch.stack(rows), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def mean_pooling_server(tiny_model_dir, one_torch_thread):
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.model.loader import load_model
+
+    engine = LLMEngine(
+        load_model(tiny_model_dir, progress=False),
+        num_kv_blocks=64,
+        max_model_len=128,
+        embedding_pooling="mean",
+        kv_cache_dtype="float32",  # as transformers computes: no float16 rounding of K and V
+    )
+    running = RunningServer(engine, ServerConfig("tiny", api_key=API_KEY))
+    yield running
+    running.stop()
+
+
+def _decoder_ids(server: RunningServer, count: int) -> list[list[int]]:
+    return [httpx_ids(server, t) for t in _texts(count, 40, seed=4)]
+
+
+def test_decoder_last_token_pooling(server, tiny_model_dir) -> None:
+    ids = _decoder_ids(server, 6)
+    client = _client(server)
+    got = client.embeddings.create(model="tiny", input=ids, encoding_format="float")
+    vectors = torch.tensor([d.embedding for d in got.data])
+    # this server's KV cache is float16 (the default for an fp32 model): close, not equal
+    expected = _decoder_reference(tiny_model_dir, ids, "last")
+    assert torch.nn.functional.cosine_similarity(vectors, expected).min() >= 0.9999
+    alone = client.embeddings.create(model="tiny", input=ids[2], encoding_format="float")
+    assert alone.data[0].embedding == got.data[2].embedding
+    assert got.usage.prompt_tokens == sum(len(t) for t in ids)
+
+
+def test_decoder_mean_pooling(mean_pooling_server, tiny_model_dir) -> None:
+    ids = _decoder_ids(mean_pooling_server, 4)
+    got = _client(mean_pooling_server).embeddings.create(
+        model="tiny", input=ids, encoding_format="float"
+    )
+    vectors = torch.tensor([d.embedding for d in got.data])
+    assert (vectors - _decoder_reference(tiny_model_dir, ids, "mean")).abs().max() <= 1e-4

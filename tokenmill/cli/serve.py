@@ -170,6 +170,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "ignore them with a warning, as vLLM does: clients send vendor fields such as "
         "llama.cpp's cache_prompt)",
     )
+    p.add_argument(
+        "--embedding-pooling",
+        default="last",
+        choices=["last", "mean"],
+        help="how /v1/embeddings pools a generative model's final hidden states (L2-normalized "
+        "after): its last token or the mean of its tokens (default: last; an encoder pools as "
+        "its sentence-transformers config says)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--compile",
@@ -208,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
                 max_queue_len=args.max_queue_len,
                 compile=args.compile,
                 defer_compile=True,  # started by ListeningServer once the socket is open
+                embedding_pooling=args.embedding_pooling,
                 **engine_options(args),
             )
         )

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.embedding import EmbeddingEngine, EmbeddingInput
+from tokenmill.engine.embedding import EmbeddingEngine, EmbeddingInput, prepare_inputs
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError, TokenmillError
@@ -287,17 +287,23 @@ class AsyncLLMEngine:
         self, inputs: list[EmbeddingInput], truncate: int | None = None
     ) -> tuple[torch.Tensor, int]:
         """Embed texts or token id lists on the engine thread; returns the float32 vectors
-        (num_inputs, dimensions) and the number of tokens embedded. Raises InvalidRequestError
-        for input the model cannot take and for a model that does not serve embeddings."""
+        (num_inputs, dimensions) and the number of tokens embedded. An encoder pools as its
+        sentence-transformers config says; a decoder pools its final hidden states as
+        `EngineConfig.embedding_pooling` says. Raises InvalidRequestError for input the model
+        cannot take."""
         self._check_alive()
         engine = self.engine
-        if not isinstance(engine, EmbeddingEngine):
-            raise InvalidRequestError(
-                "this model does not serve embeddings: serve an embedding model such as "
-                "all-minilm-l6-v2"
-            )
         # tokenized here, off the engine thread, as `add_request` does: it is stateless
-        ids = engine.prepare(inputs, truncate)
+        if isinstance(engine, EmbeddingEngine):
+            ids = engine.prepare(inputs, truncate)
+        else:
+            ids = prepare_inputs(
+                inputs,
+                lambda text, cut: engine.tokenizer.encode(text)[:cut],
+                engine.loaded.config.vocab_size,
+                engine.max_model_len,
+                truncate,
+            )
         vectors = await asyncio.wrap_future(self._submit(lambda: engine.embed(ids)))
         return vectors, sum(len(t) for t in ids)
 

@@ -8,6 +8,7 @@ text's vector is the same whatever else shares its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,40 +54,14 @@ class EmbeddingEngine:
     # ------------------------------------------------------------------ embedding
 
     def prepare(self, inputs: list[EmbeddingInput], truncate: int | None = None) -> list[list[int]]:
-        """Token ids of each input (a text, or token ids taken as they are), checked against the
-        model: stateless, so it runs on any thread. `truncate` cuts each input to that many
-        tokens (-1: the model's limit); without it, a longer input is refused."""
-        if not inputs:
-            raise InvalidRequestError("input must not be empty", param="input")
-        limit = self.max_model_len
-        if truncate is not None and truncate != -1 and not 1 <= truncate <= limit:
-            raise InvalidRequestError(
-                f"truncate_prompt_tokens must be -1 or between 1 and {limit}, got {truncate}",
-                param="truncate_prompt_tokens",
-            )
-        cut = limit if truncate == -1 else truncate
-        return [self._input_ids(item, i, cut) for i, item in enumerate(inputs)]
-
-    def _input_ids(self, item: EmbeddingInput, index: int, cut: int | None) -> list[int]:
-        if isinstance(item, str):
-            ids = self.tokenizer.encode_framed(item, cut)
-        else:
-            vocab = self.config.vocab_size
-            if bad := [t for t in item if not 0 <= t < vocab]:
-                raise InvalidRequestError(
-                    f"input[{index}]: token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                    param="input",
-                )
-            ids = list(item[:cut]) if cut else list(item)
-        if not ids:
-            raise InvalidRequestError(f"input[{index}] has no tokens", param="input")
-        if len(ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"input[{index}] has {len(ids)} tokens, more than this model's limit of "
-                f"{self.max_model_len}; shorten it, or send truncate_prompt_tokens to cut it",
-                param="input",
-            )
-        return ids
+        """Token ids of each input, framed as the encoder expects (see `prepare_inputs`)."""
+        return prepare_inputs(
+            inputs,
+            self.tokenizer.encode_framed,
+            self.config.vocab_size,
+            self.max_model_len,
+            truncate,
+        )
 
     def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
         """One float32 vector per sequence, in input order (num_seqs, dimensions). Sequences of
@@ -106,3 +81,45 @@ class EmbeddingEngine:
         self.stats.prompt_tokens += sum(len(t) for t in token_ids)
         self.stats.tokens_computed += sum(len(t) for t in token_ids)
         return out
+
+
+def prepare_inputs(
+    inputs: list[EmbeddingInput],
+    tokenize: Callable[[str, int | None], list[int]],
+    vocab_size: int,
+    max_len: int,
+    truncate: int | None = None,
+) -> list[list[int]]:
+    """Token ids of each input (a text, tokenized by `tokenize(text, cut)`, or token ids taken as
+    they are), checked against the model: stateless, so it runs on any thread. `truncate` cuts
+    each input to that many tokens (-1: `max_len`); without it, a longer input is refused."""
+    if not inputs:
+        raise InvalidRequestError("input must not be empty", param="input")
+    if truncate is not None and truncate != -1 and not 1 <= truncate <= max_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens must be -1 or between 1 and {max_len}, got {truncate}",
+            param="truncate_prompt_tokens",
+        )
+    cut = max_len if truncate == -1 else truncate
+    prepared = []
+    for index, item in enumerate(inputs):
+        if isinstance(item, str):
+            ids = tokenize(item, cut)
+        else:
+            if bad := [t for t in item if not 0 <= t < vocab_size]:
+                raise InvalidRequestError(
+                    f"input[{index}]: token id {bad[0]} is outside the vocabulary "
+                    f"[0, {vocab_size})",
+                    param="input",
+                )
+            ids = list(item[:cut]) if cut else list(item)
+        if not ids:
+            raise InvalidRequestError(f"input[{index}] has no tokens", param="input")
+        if len(ids) > max_len:
+            raise InvalidRequestError(
+                f"input[{index}] has {len(ids)} tokens, more than this model's limit of "
+                f"{max_len}; shorten it, or send truncate_prompt_tokens to cut it",
+                param="input",
+            )
+        prepared.append(ids)
+    return prepared
