@@ -131,7 +131,10 @@ class AsyncLLMEngine:
                 raise InvalidRequestError(
                     "this model serves embeddings only: tokenize a prompt, not messages"
                 )
-            return self.engine.tokenizer.encode_framed(prompt)
+            tokenizer = self.engine.tokenizer
+            if add_special_tokens:  # framed as `embed` frames a text ([CLS] ... [SEP])
+                return tokenizer.encode_framed(prompt)
+            return tokenizer.encode(prompt, add_bos=False)
         return self.engine.input_processor.tokenize(
             prompt, messages, add_special_tokens, add_generation_prompt, chat_template_kwargs, tools
         )

@@ -1,4 +1,5 @@
-"""/v1/embeddings: OpenAI's embeddings API over an encoder model (see `EmbeddingEngine`)."""
+"""/v1/embeddings: OpenAI's embeddings API, from an encoder (see `EmbeddingEngine`) or from a
+generative model's pooled final hidden states (see `LLMEngine.embed`)."""
 
 from __future__ import annotations
 
