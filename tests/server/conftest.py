@@ -12,6 +12,7 @@ import torch
 import uvicorn
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.embedding import EmbeddingEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.app import ServerConfig, build_app
 
@@ -26,7 +27,7 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: LLMEngine | EmbeddingEngine, config: ServerConfig) -> None:
         self.async_engine = AsyncLLMEngine(engine)
         self.app = build_app(self.async_engine, config)
         self.port = free_port()

@@ -66,6 +66,7 @@ EXPECTED_ROUTES = {
     ("GET", "/api/tags"),
     ("GET", "/api/ps"),
     ("GET", "/api/version"),
+    ("POST", "/v1/embeddings"),
 }
 
 pytestmark = pytest.mark.timeout(300)

@@ -160,3 +160,25 @@ def test_tool_calls_come_back_with_argument_objects(qwen, stream: bool) -> None:
     ]
     answer = qwen.chat("qwen", messages=history, options=options)
     assert answer.message.content.strip() and not answer.message.tool_calls
+
+
+def test_embed_gives_the_openai_routes_vectors(minilm_dir) -> None:
+    from tokenmill.engine.embedding import EmbeddingEngine
+
+    running = RunningServer(EmbeddingEngine(minilm_dir), ServerConfig("minilm"))
+    try:
+        client = ollama.Client(host=running.url)
+        texts = ["The sky is blue.", "Tokens stream to the client one by one, " * 3]
+        result = client.embed("minilm", input=texts)
+        expected = openai.OpenAI(base_url=f"{running.url}/v1", api_key="x").embeddings.create(
+            model="minilm", input=texts
+        )
+        assert result.embeddings == [d.embedding for d in expected.data]
+        assert result.prompt_eval_count == expected.usage.prompt_tokens
+        assert client.embed("minilm", input=texts[0]).embeddings == result.embeddings[:1]
+        assert client.show("minilm").capabilities == ["embedding"]
+        with pytest.raises(ollama.ResponseError) as info:
+            client.chat("minilm", messages=ASK, stream=False)
+        assert info.value.status_code == 400 and "embeddings only" in info.value.error
+    finally:
+        running.stop()

@@ -188,6 +188,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "ignore them with a warning, as vLLM does: clients send vendor fields such as "
         "llama.cpp's cache_prompt)",
     )
+    p.add_argument(
+        "--embedding-pooling",
+        default="last",
+        choices=["last", "mean"],
+        help="how /v1/embeddings pools a generative model's final hidden states (L2-normalized "
+        "after): its last token or the mean of its tokens (default: last; an encoder pools as "
+        "its sentence-transformers config says)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--compile",
@@ -206,7 +214,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.engine.embedding import EmbeddingEngine
     from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.model.encoder import is_encoder_dir
     from tokenmill.server.app import ServerConfig, build_app
     from tokenmill.server.listening import ListeningServer
 
@@ -214,16 +224,20 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
-    async_engine = AsyncLLMEngine(
-        lambda: LLMEngine(  # loaded on the thread that runs it: see AsyncLLMEngine
-            path,
-            progress=sys.stderr.isatty(),
-            max_queue_len=args.max_queue_len,
-            compile=args.compile,
-            defer_compile=True,  # started by ListeningServer once the socket is open
-            **engine_options(args),
+    if is_encoder_dir(path):  # an encoder (BERT, sentence-transformers): embeddings only
+        async_engine = AsyncLLMEngine(lambda: EmbeddingEngine(path))
+    else:
+        async_engine = AsyncLLMEngine(
+            lambda: LLMEngine(  # loaded on the thread that runs it: see AsyncLLMEngine
+                path,
+                progress=sys.stderr.isatty(),
+                max_queue_len=args.max_queue_len,
+                compile=args.compile,
+                defer_compile=True,  # started by ListeningServer once the socket is open
+                embedding_pooling=args.embedding_pooling,
+                **engine_options(args),
+            )
         )
-    )
     name = args.served_model_name or args.model or DEFAULT_MODEL
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
     app = build_app(
@@ -242,9 +256,14 @@ def run(args: argparse.Namespace) -> int:
             strict_request_fields=args.strict_request_fields,
         ),
     )
+    what = (
+        "embeddings only"
+        if async_engine.embeddings_only
+        else f"{async_engine.num_kv_blocks} KV blocks"
+    )
     print(
         f"tokenmill: serving {name} ({path.name}, {async_engine.max_model_len} tokens of context, "
-        f"{async_engine.num_kv_blocks} KV blocks) at http://{args.host}:{args.port}",
+        f"{what}) at http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )

@@ -34,6 +34,7 @@ from tokenmill.engine.speculative import (
 from tokenmill.engine.step_batch import StepBatch
 from tokenmill.engine.structured_output import allows_only
 from tokenmill.errors import InvalidRequestError, QueueFullError
+from tokenmill.model.encoder import pool
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
 from tokenmill.sample.sampler import SamplerOutput, greedy_ids
@@ -73,6 +74,8 @@ class EngineConfig:
     # speculative decoding (see engine/speculative.py): vLLM's --speculative-config, as JSON text,
     # a dict or a SpeculativeConfig; None: off
     speculative_config: str | dict | SpeculativeConfig | None = None
+    # /v1/embeddings from a decoder: its final hidden states pooled by "last" token or "mean"
+    embedding_pooling: str = "last"
 
 
 @dataclass
@@ -235,6 +238,34 @@ class LLMEngine:
             self.scheduler.add_sequence(seq)
         self._requests[request.request_id] = request
         self.stats.prompt_tokens += len(request.prompt_token_ids)
+
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """L2-normalized float32 embeddings of each sequence (num_seqs, hidden): its final hidden
+        states pooled as `EngineConfig.embedding_pooling` says. Runs between steps, one sequence
+        per forward pass, in KV blocks borrowed from the pool and given back at once; raises
+        QueueFullError when running requests hold too many blocks for a sequence."""
+        pooling = self.config.embedding_pooling
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {pooling!r}")
+        mode = "lasttoken" if pooling == "last" else "mean"  # `pool`'s names
+        rows = []
+        for ids in token_ids:
+            need = -(-len(ids) // self.kv.block_size)
+            if need > self.kv.num_free_blocks:
+                raise QueueFullError(
+                    f"the KV cache has {self.kv.num_free_blocks} free blocks, {need} needed to "
+                    "embed this input; retry when running requests finish"
+                )
+            blocks = self.kv.block_pool.get_new_blocks(need)
+            try:
+                table = [b.block_id for b in blocks]
+                hidden = self.runner.hidden_states([ids], [len(ids)], [table])
+            finally:
+                self.kv.block_pool.free_blocks(reversed(blocks))
+            rows.append(pool(hidden, [len(ids)], mode, normalize=True))
+            self.stats.tokens_computed += len(ids)
+        self.stats.prompt_tokens += sum(len(t) for t in token_ids)
+        return torch.cat(rows)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks return to the pool. Unknown ids are ignored."""

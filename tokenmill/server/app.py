@@ -19,6 +19,7 @@ from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.routes import (
     admin,
     anthropic,
+    embeddings,
     models,
     ollama,
     openai,
@@ -44,7 +45,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         )
     app.add_middleware(GuardMiddleware, config=config)
     install_exception_handlers(app)
-    routers = (admin, models, web, tokenize, openai, anthropic, ollama, responses)
+    routers = (admin, models, web, tokenize, openai, anthropic, ollama, responses, embeddings)
     for module in routers:
         app.include_router(module.router)
     return app

@@ -57,6 +57,7 @@ class ChatSetup:
 def chat_setup(req: ChatCompletionRequest, state: ServerState) -> ChatSetup:
     """The prompt's token ids (the messages and tools rendered by the chat template), the engine
     parameters and the output's parsers, refusing what this server does not support."""
+    state.check_generates()
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise InvalidRequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
     engine = state.engine

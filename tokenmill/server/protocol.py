@@ -298,3 +298,15 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request, plus vLLM's `truncate_prompt_tokens`."""
+
+    model: str | None = None
+    # a text, texts, one list of token ids, or lists of token ids
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # cut each input to this many tokens (-1: limit)

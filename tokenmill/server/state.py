@@ -44,6 +44,16 @@ class ServerState:
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
 
+    def check_generates(self) -> None:
+        """Refuse a generation request when the model is an encoder (embeddings only)."""
+        if self.engine.embeddings_only:
+            raise APIError(
+                400,
+                f"this model serves embeddings only: `{self.config.served_model_name}` is an "
+                "encoder; use /v1/embeddings, or serve a generative model for completions",
+                code="embeddings_only",
+            )
+
 
 def tenant(request: Request, user: str | None) -> str:
     """Who sent a request, for fair scheduling: its API key's tenant (see `ServerConfig.api_keys`),

@@ -1,6 +1,6 @@
 """Ollama's API under /api/ (what Open WebUI and the `ollama` clients speak): /api/tags, /api/show,
-/api/ps, /api/version, /api/generate and /api/chat, streamed as NDJSON (one JSON object per line,
-Ollama's default) or answered whole with `"stream": false`.
+/api/ps, /api/version, /api/embed, /api/generate and /api/chat, streamed as NDJSON (one JSON
+object per line, Ollama's default) or answered whole with `"stream": false`.
 
 Chat requests, and generate requests that are not `raw`, run as the equivalent chat completion
 (`tokenmill.server.chat`); a raw generate request runs its prompt as it is. `options` map to the
@@ -108,6 +108,15 @@ class GenerateRequest(_Generation):
     images: list[str] | None = None
 
 
+class EmbedRequest(_Strict):
+    model: str
+    input: str | list[str] = Field(min_length=1)
+    truncate: bool = True  # Ollama's default: cut inputs to the model's context
+    keep_alive: str | int | float | None = None
+    options: dict[str, Any] | None = None
+    dimensions: int | None = None
+
+
 class ShowRequest(_Strict):
     model: str
     verbose: bool = False
@@ -200,7 +209,10 @@ async def show(req: ShowRequest, state: State) -> dict[str, Any]:
     _check_model(state, req.model)
     config = state.engine.model_config
     template = state.engine.tokenizer.chat_template or ""
-    capabilities = ["completion"] + (["tools"] if "tools" in template else [])
+    if state.engine.embeddings_only:
+        capabilities = ["embedding"]
+    else:
+        capabilities = ["completion"] + (["tools"] if "tools" in template else [])
     return {
         "license": "",
         "modelfile": "",
@@ -226,6 +238,27 @@ async def version() -> dict[str, str]:
 def _check_model(state: ServerState, name: str) -> None:
     if name not in (state.config.served_model_name, f"{state.config.served_model_name}:latest"):
         raise APIError(404, f"model '{name}' not found", type_="not_found_error")
+
+
+@router.post("/api/embed")
+async def embed(req: EmbedRequest, state: State) -> dict[str, Any]:
+    """Normalized embeddings of each input (see /v1/embeddings)."""
+    _check_model(state, req.model)
+    dimensions = state.engine.model_config.hidden_size
+    if req.dimensions is not None and req.dimensions != dimensions:
+        raise InvalidRequestError(
+            f"this model's embeddings have {dimensions} dimensions", param="dimensions"
+        )
+    inputs = [req.input] if isinstance(req.input, str) else list(req.input)
+    started = time.perf_counter()
+    vectors, tokens = await state.engine.embed(inputs, -1 if req.truncate else None)
+    return {
+        "model": req.model,
+        "embeddings": vectors.tolist(),
+        "total_duration": int((time.perf_counter() - started) * 1e9),
+        "load_duration": 0,
+        "prompt_eval_count": tokens,
+    }
 
 
 # ---------------------------------------------------------------------------- generation
@@ -262,6 +295,7 @@ async def generate(req: GenerateRequest, raw: Request, state: State) -> dict | S
     request_id = _request_id()
     counts = _Counts(time.perf_counter())
     if req.raw:
+        state.check_generates()
         completion = translated(CompletionRequest, {**req.fields(), "prompt": req.prompt})
         params = completion.sampling_params(completion.max_tokens, None)
         run = await RequestRun.start(state, [req.prompt], params, request_id, 0, tenant(raw, None))

@@ -38,6 +38,7 @@ async def completions(
     req: CompletionRequest, raw: Request, state: State
 ) -> dict | StreamingResponse:
     state.check_model(req.model)
+    state.check_generates()
     params = _completion_params(req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     base = {
