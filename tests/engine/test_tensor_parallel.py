@@ -201,3 +201,14 @@ def test_a_split_inside_a_block_is_refused() -> None:
     assert slice_columns(w, range(32, 64), "o_proj").dequantize().equal(w.dequantize()[:, 32:])
     with pytest.raises(ValueError, match="inside a Q4_0 block of 32"):
         slice_columns(w, range(16, 64), "o_proj")
+
+
+def test_generate_command_with_two_ranks(llama_3kv: Path, capsys) -> None:
+    from tokenmill.cli.main import main
+
+    outputs = []
+    for tp in ("1", "2"):
+        argv = ["generate", "-m", str(llama_3kv), "--dtype", "fp32", "--no-compile", "-n", "6"]
+        assert main([*argv, "--tensor-parallel-size", tp, "def add(a, b):"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[1] == outputs[0]
