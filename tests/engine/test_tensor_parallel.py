@@ -70,16 +70,16 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in final_outputs(engine, [(p, params) for p in prompts])]
 
 
-def _compare(path: Path, vocab: int, quantization: str, atol: float) -> None:
+def _compare(path: Path, vocab: int, quantization: str, atol: float, ranks: int = 2) -> None:
     prompts = _prompts(vocab, 16)
     results = {}
-    for tp in (1, 2):
+    for tp in (1, ranks):
         engine = _engine(path, tp, quantization)
         try:
             results[tp] = (_logits(engine, prompts), _greedy(engine, prompts))
         finally:
             engine.shutdown()
-    (logits1, greedy1), (logits2, greedy2) = results[1], results[2]
+    (logits1, greedy1), (logits2, greedy2) = results[1], results[ranks]
     for one, two in zip(logits1, logits2):
         torch.testing.assert_close(two, one, atol=atol, rtol=0)
     assert greedy2 == greedy1
@@ -94,6 +94,11 @@ def llama_3kv(tmp_path_factory) -> Path:
 
 def test_llama_with_uneven_heads_equals_one_rank(llama_3kv: Path) -> None:
     _compare(llama_3kv, 320, "none", atol=1e-4)
+
+
+def test_llama_over_three_ranks_equals_one_rank(llama_3kv: Path) -> None:
+    # one KV head each; the MLP's 128 columns split 43 + 43 + 42
+    _compare(llama_3kv, 320, "none", atol=1e-4, ranks=3)
 
 
 def test_gemma3_with_a_replicated_kv_head_equals_one_rank(tmp_path: Path) -> None:
@@ -161,7 +166,11 @@ def test_workers_exit_when_the_driver_raises(llama_3kv: Path, tmp_path: Path) ->
     assert not any(psutil.pid_exists(pid) for pid in pids)
 
 
-def test_unsupported_combinations_are_refused(llama_3kv: Path) -> None:
+def test_unsupported_combinations_are_refused(llama_3kv: Path, tiny_loaded) -> None:
+    with pytest.raises(ValueError, match="rather than a loaded model"):
+        LLMEngine(tiny_loaded, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        LLMEngine(str(llama_3kv), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
         LLMEngine(str(llama_3kv), tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="draft model"):

@@ -146,7 +146,7 @@ class LLMEngine:
         self.config = cfg = _with_overrides(config or EngineConfig(), overrides)
         self.speculative = SpeculativeConfig.parse(cfg.speculative_config)
         self.executor: TPExecutor | None = None
-        if cfg.tensor_parallel_size > 1:
+        if cfg.tensor_parallel_size != 1:
             self.executor = self._start_workers(model, progress)
         try:
             self._build_runner(model, progress)
@@ -187,6 +187,10 @@ class LLMEngine:
         """Check that tensor parallelism serves this configuration and start its workers."""
         cfg = self.config
         check_backend(cfg.distributed_executor_backend)
+        if cfg.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {cfg.tensor_parallel_size}"
+            )
         if isinstance(model, LoadedModel):
             raise ValueError(
                 "tensor parallelism loads each rank's shard itself: pass the model's name or "
