@@ -221,3 +221,29 @@ def test_generate_command_with_two_ranks(llama_3kv: Path, capsys) -> None:
         assert main([*argv, "--tensor-parallel-size", tp, "def add(a, b):"]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[1] == outputs[0]
+
+
+def test_async_engine_serves_and_stops_its_workers(llama_3kv: Path) -> None:
+    """As `serve` runs it: the engine built on the engine thread, its workers stopped when the
+    engine loop ends."""
+    import asyncio
+
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+
+    async_engine = AsyncLLMEngine(lambda: _engine(llama_3kv, 2))
+    pids = async_engine.engine.executor.pids
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def run() -> list[int]:
+        outs = [out async for out in async_engine.generate([5, 6, 7], params, "r")]
+        return outs[-1].outputs[0].token_ids
+
+    tokens = asyncio.run(run())
+    async_engine.shutdown(timeout=30)
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+    engine = _engine(llama_3kv, 1)
+    assert tokens == _greedy_one(engine, [5, 6, 7], params)
+
+
+def _greedy_one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return final_outputs(engine, [(prompt, params)])[0].token_ids
