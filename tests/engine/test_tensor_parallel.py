@@ -166,6 +166,25 @@ def test_workers_exit_when_the_driver_raises(llama_3kv: Path, tmp_path: Path) ->
     assert not any(psutil.pid_exists(pid) for pid in pids)
 
 
+def test_workers_exit_when_the_driver_is_killed(llama_3kv: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import time
+        from tokenmill.llm import LLM
+        llm = LLM({str(llama_3kv)!r}, dtype="fp32", num_kv_blocks=16, tensor_parallel_size=2)
+        print(*llm.engine.executor.pids, flush=True)
+        time.sleep(300)
+        """
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in driver.stdout.readline().split()]
+    driver.kill()  # no atexit, no finalizers: the worker sees its group close
+    driver.wait()
+    workers = [psutil.Process(pid) for pid in pids]
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive
+
+
 def test_unsupported_combinations_are_refused(llama_3kv: Path, tiny_loaded) -> None:
     with pytest.raises(ValueError, match="rather than a loaded model"):
         LLMEngine(tiny_loaded, tensor_parallel_size=2)

@@ -218,7 +218,11 @@ def _worker(rank: int, size: int, spec: WorkerSpec, ready: Any) -> None:
         loaded, num_blocks=box[0], block_size=spec.block_size, kv_cache_dtype=spec.kv_cache_dtype
     )
     while True:
-        dist.broadcast_object_list(box, src=0)
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as exc:  # the driver's end of the group closed: it is gone
+            log.warning("tensor-parallel worker %d: the driver is gone, exiting (%s)", rank, exc)
+            return
         if box[0] is None:
             break
         runner.hidden_states(*box[0])
