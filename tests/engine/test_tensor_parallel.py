@@ -266,3 +266,26 @@ def test_async_engine_serves_and_stops_its_workers(llama_3kv: Path) -> None:
 
 def _greedy_one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
     return final_outputs(engine, [(prompt, params)])[0].token_ids
+
+
+def test_a_head_split_inside_a_block_is_refused_at_load(tmp_path: Path) -> None:
+    """4 KV heads of 16 over 3 ranks: 2 + 1 + 1, so rank 1's o_proj columns are 32..48, inside
+    Q4_0's block 32..64."""
+    import copy
+
+    from tokenmill.errors import InvalidRequestError
+    from tokenmill.model.loader import load_model
+    from tokenmill.model.sharding import Shard
+
+    config = copy.deepcopy(HF_CONFIGS["llama"])
+    config.num_key_value_heads = 4
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp_path / "model.gguf"
+    _write_gguf(path, hf.eval(), "llama", Q.Q4_0)
+    assert load_model(path, dtype="fp32", progress=False, shard=Shard(0, 3)).config.num_heads == 2
+    with pytest.raises(InvalidRequestError, match="layers.0.attn.o_proj: .* inside a Q4_0 block"):
+        load_model(path, dtype="fp32", progress=False, shard=Shard(1, 3))
+    # dequantized weights split anywhere
+    dense = load_model(path, dtype="fp32", quantization="none", progress=False, shard=Shard(1, 3))
+    assert dense.config.num_heads == 1

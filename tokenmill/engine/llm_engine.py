@@ -188,16 +188,16 @@ class LLMEngine:
         cfg = self.config
         check_backend(cfg.distributed_executor_backend)
         if cfg.tensor_parallel_size < 1:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"tensor_parallel_size must be at least 1, got {cfg.tensor_parallel_size}"
             )
         if isinstance(model, LoadedModel):
-            raise ValueError(
+            raise InvalidRequestError(
                 "tensor parallelism loads each rank's shard itself: pass the model's name or "
                 "path rather than a loaded model"
             )
         if self.speculative is not None and self.speculative.model is not None:
-            raise ValueError(
+            raise InvalidRequestError(
                 "a draft model is not supported with tensor parallelism: drop the model from "
                 "--speculative-config (n-gram drafts work) or use --tensor-parallel-size 1"
             )

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tokenmill.errors import InvalidRequestError, TokenmillError
+
 log = logging.getLogger("tokenmill.engine")
 
 EXECUTOR_BACKENDS = ("mp",)
@@ -54,7 +56,7 @@ class WorkerSpec:
 
 def check_backend(backend: str) -> None:
     if backend not in EXECUTOR_BACKENDS:
-        raise ValueError(
+        raise InvalidRequestError(
             f"distributed executor backend {backend!r} is not supported: tensor parallelism "
             "runs its workers as local processes with --distributed-executor-backend mp "
             "(the default)"
@@ -90,7 +92,7 @@ class TPExecutor:
         """Start the N-1 workers, which load their shards meanwhile; `connect` waits for them.
         Sets this process's threads to its share of the cores (restored by `shutdown`)."""
         if dist.is_initialized():
-            raise RuntimeError(
+            raise TokenmillError(
                 "a torch.distributed process group already exists in this process: shut down the "
                 "other tensor-parallel engine first (one per process)"
             )
@@ -137,14 +139,14 @@ class TPExecutor:
                 dead = [p for p in self.processes if not p.is_alive()]
                 if dead:
                     self.shutdown(graceful=False)
-                    raise RuntimeError(
+                    raise TokenmillError(
                         f"tensor-parallel worker {dead[0].name} exited with code "
                         f"{dead[0].exitcode} while loading its shard; see its output above"
                     ) from None
                 continue
             if error is not None:
                 self.shutdown(graceful=False)
-                raise RuntimeError(f"tensor-parallel worker {rank} failed: {error}")
+                raise TokenmillError(f"tensor-parallel worker {rank} failed: {error}")
             waiting.discard(rank)
         dist.init_process_group(
             _backend(device),

@@ -327,10 +327,7 @@ class _Builder:
             align = 1  # dequantized before slicing
         elif self.quantization == "int4":
             align = max(align, 32)
-        try:
-            return layout(self.config, self.shard, align)
-        except ValueError as exc:
-            raise ModelFileError(self.path, str(exc)) from exc
+        return layout(self.config, self.shard, align)
 
     def _shard_parts(
         self,

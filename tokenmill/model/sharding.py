@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from gguf import GGML_QUANT_SIZES
 
+from tokenmill.errors import InvalidRequestError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.quant import GGMLWeight
 
@@ -61,7 +62,7 @@ def head_ranges(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[rang
         kv = _split(num_kv_heads, size)
         return [(range(r.start * group, r.stop * group), r) for r in kv]
     if size % num_kv_heads or group % (size // num_kv_heads):
-        raise ValueError(
+        raise InvalidRequestError(
             f"{num_kv_heads} KV heads with {num_heads} query heads cannot be shared by "
             f"{size} ranks: with fewer KV heads than ranks, the ranks must be a multiple of the "
             "KV heads and each KV head's query heads must split evenly among its ranks; choose "
@@ -82,7 +83,7 @@ def ffn_ranges(intermediate: int, size: int, align: int) -> list[range]:
     (the down projection's quantization block), as even as that allows."""
     units, rest = divmod(intermediate, align)
     if rest or units < size:
-        raise ValueError(
+        raise InvalidRequestError(
             f"the MLP's {intermediate} intermediate columns cannot be split over {size} ranks "
             f"in whole quantization blocks of {align}; choose a smaller --tensor-parallel-size"
         )
@@ -131,7 +132,7 @@ def slice_columns(
         return w[:, cols.start : cols.stop]
     block, type_size = GGML_QUANT_SIZES[w.qtype]
     if cols.start % block or cols.stop % block:
-        raise ValueError(
+        raise InvalidRequestError(
             f"{name}: tensor parallelism splits its {w.shape[1]} columns at "
             f"{cols.start}..{cols.stop}, inside a {w.qtype.name} block of {block} columns; choose "
             "a --tensor-parallel-size whose head split falls on block boundaries, or load with "
