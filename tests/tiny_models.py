@@ -49,10 +49,14 @@ def build_tiny_model(
     added_tokens: list[str] | None = None,
     chat_template: str = CHATML,
     tie_word_embeddings: bool = False,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    hidden_size: int = 64,
 ) -> Path:
     """Save a tiny model of the given family plus tokenizer files into `path` (an HF directory).
     added_tokens (such as "<think>") are whole tokens of their own after the trained ones;
-    tie_word_embeddings: llama's output head is the embedding table (gemma3's always is)."""
+    tie_word_embeddings: llama's output head is the embedding table (gemma3's always is);
+    num_heads, num_kv_heads, hidden_size: the attention's shape (gemma3's heads are 16 wide)."""
     path.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(vocab_size, added_tokens or [])
     tok.save(str(path / "tokenizer.json"))
@@ -69,11 +73,11 @@ def build_tiny_model(
     )
     common = dict(
         vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=128,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=1024,
         initializer_range=0.3,
         eos_token_id=tok.token_to_id("<|im_end|>"),

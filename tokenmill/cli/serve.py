@@ -11,7 +11,12 @@ import sys
 from pathlib import Path
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
-from tokenmill.cli.common import add_kv_cache_dtype_arg, add_quantization_args
+from tokenmill.cli.common import (
+    add_kv_cache_dtype_arg,
+    add_parallel_args,
+    add_quantization_args,
+    parallel_options,
+)
 from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.parsers.reasoning import REASONING_PARSERS
 from tokenmill.parsers.tool_calls import TOOL_PARSERS
@@ -80,6 +85,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4}\' with a draft model of the same vocabulary (default: '
         "off)",
     )
+    add_parallel_args(p)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -90,6 +96,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "batch_invariant": args.batch_invariant,
         "models_dir": args.models_dir,
         "max_model_len": args.max_model_len,
+        **parallel_options(args),
         "kv_cache_memory": int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,
         "block_size": args.block_size,
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -204,7 +211,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         help="decode through compiled graphs, built on a background thread once the server "
         "listens while eager steps serve (minutes of every core the first time, seconds once "
         "cached; outputs are the same either way; /health tells which runs). Default: on; "
-        "--no-compile stays eager",
+        "--no-compile stays eager. Off with --tensor-parallel-size above 1, whose steps run "
+        "eagerly",
     )
     add_engine_args(p)
     p.set_defaults(run=run)

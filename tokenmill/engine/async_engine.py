@@ -184,6 +184,8 @@ class AsyncLLMEngine:
                 (request_id, EngineDeadError(message)) for request_id in list(self._streams)
             )
             self._fail_pending_commands(exc)
+        finally:
+            self.engine.shutdown()  # on the thread that ran the collectives
 
     def _run_commands(self, block: bool) -> None:
         try:

@@ -33,9 +33,11 @@ from tokenmill.engine.speculative import (
 )
 from tokenmill.engine.step_batch import StepBatch
 from tokenmill.engine.structured_output import allows_only
+from tokenmill.engine.tp_executor import TPExecutor, check_backend
 from tokenmill.errors import InvalidRequestError, QueueFullError
 from tokenmill.model.encoder import pool
 from tokenmill.model.loader import LoadedModel, load_model
+from tokenmill.model.sharding import Shard
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
 from tokenmill.sample.sampler import SamplerOutput, greedy_ids
 
@@ -76,6 +78,10 @@ class EngineConfig:
     speculative_config: str | dict | SpeculativeConfig | None = None
     # /v1/embeddings from a decoder: its final hidden states pooled by "last" token or "mean"
     embedding_pooling: str = "last"
+    # ranks the model is split over (see engine/tp_executor.py): this process and N-1 workers,
+    # each with max(1, threads // N) threads; steps run eagerly (compile is off) when N > 1
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # how the workers run: "mp", local processes
 
 
 @dataclass
@@ -108,23 +114,31 @@ def _with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineCo
     return replace(config, **overrides)
 
 
+def _resolve(model: str | Path | None, cfg: EngineConfig, progress: bool) -> Path:
+    from tokenmill.catalog import resolve_model
+
+    return resolve_model(model, models_dir=cfg.models_dir, progress=progress)
+
+
+def _load_options(cfg: EngineConfig) -> dict[str, Any]:
+    return {
+        "dtype": cfg.dtype,
+        "quantization": cfg.quantization,
+        "dense_min_tokens": cfg.dense_min_tokens,
+        "batch_invariant": cfg.batch_invariant,
+    }
+
+
 def _load(
     model: str | Path | None,
     cfg: EngineConfig,
     progress: bool,
+    shard: Shard | None = None,
     head_rows: list[int] | None = None,
 ) -> LoadedModel:
-    from tokenmill.catalog import resolve_model
-
-    path = resolve_model(model, models_dir=cfg.models_dir, progress=progress)
+    path = _resolve(model, cfg, progress)
     return load_model(
-        path,
-        dtype=cfg.dtype,
-        progress=progress,
-        quantization=cfg.quantization,
-        dense_min_tokens=cfg.dense_min_tokens,
-        batch_invariant=cfg.batch_invariant,
-        head_rows=head_rows,
+        path, progress=progress, shard=shard, head_rows=head_rows, **_load_options(cfg)
     )
 
 
@@ -142,25 +156,19 @@ class LLMEngine:
         overrides of any of its fields (the caller's config is left as it is)."""
         self.config = cfg = _with_overrides(config or EngineConfig(), overrides)
         self.speculative = SpeculativeConfig.parse(cfg.speculative_config)
-        self.loaded = model if isinstance(model, LoadedModel) else _load(model, cfg, progress)
-        if self.loaded.tokenizer is None:
-            raise InvalidRequestError(f"{self.loaded.path}: the model has no tokenizer")
-        self.tokenizer = self.loaded.tokenizer
-        mc = self.loaded.config
-        num_blocks = cfg.num_kv_blocks or blocks_for_budget(
-            cfg.kv_cache_memory, self.loaded, cfg.block_size, cfg.kv_cache_dtype
-        )
-        self.runner = ModelRunner(
-            self.loaded,
-            num_blocks=num_blocks,
-            block_size=cfg.block_size,
-            compile=bool(cfg.compile),
-            defer_compile=cfg.defer_compile,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-        )
-        # busy seconds left before compiling (compile None, no graphs cached), else None
+        self.executor: TPExecutor | None = None
+        if cfg.tensor_parallel_size != 1:
+            self.executor = self._start_workers(model, progress)
+        try:
+            self._build_runner(model, progress)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        cfg, mc, num_blocks = self.config, self.loaded.config, self.runner.cache.num_blocks
+        # busy seconds left before compiling (compile None, no graphs cached), else None;
+        # tensor-parallel steps run eagerly
         self._busy_before_compile: float | None = None
-        if cfg.compile is None:
+        if cfg.compile is None and self.executor is None:
             if self.runner.graphs_cached():
                 self.runner.compile_in_background()
             else:
@@ -186,6 +194,68 @@ class LLMEngine:
         self._aborted: list[Request] = []  # aborted since the last step, which reports them
         self._ids = itertools.count()
         self._kv_warmer = KVWarmer(self.runner.cache, self.kv.block_pool)
+
+    def _start_workers(self, model: str | Path | LoadedModel | None, progress: bool) -> TPExecutor:
+        """Check that tensor parallelism serves this configuration and start its workers."""
+        cfg = self.config
+        check_backend(cfg.distributed_executor_backend)
+        if cfg.tensor_parallel_size < 1:
+            raise InvalidRequestError(
+                f"tensor_parallel_size must be at least 1, got {cfg.tensor_parallel_size}"
+            )
+        if isinstance(model, LoadedModel):
+            raise InvalidRequestError(
+                "tensor parallelism loads each rank's shard itself: pass the model's name or "
+                "path rather than a loaded model"
+            )
+        if self.speculative is not None and self.speculative.model is not None:
+            raise InvalidRequestError(
+                "a draft model is not supported with tensor parallelism: drop the model from "
+                "--speculative-config (n-gram drafts work) or use --tensor-parallel-size 1"
+            )
+        if cfg.compile:
+            log.warning("tensor-parallel steps run eagerly: compiled decode graphs stay off")
+        path = _resolve(model, cfg, progress)
+        return TPExecutor(
+            cfg.tensor_parallel_size,
+            str(path),
+            _load_options(cfg),
+            cfg.block_size,
+            cfg.kv_cache_dtype,
+        )
+
+    def _build_runner(self, model: str | Path | LoadedModel | None, progress: bool) -> None:
+        """Load the model (this rank's shard under tensor parallelism) and build its runner."""
+        cfg, executor = self.config, self.executor
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+        else:
+            shard = None if executor is None else Shard(0, executor.size)
+            self.loaded = _load(model, cfg, progress, shard)
+        if self.loaded.tokenizer is None:
+            raise InvalidRequestError(f"{self.loaded.path}: the model has no tokenizer")
+        self.tokenizer = self.loaded.tokenizer
+        num_blocks = cfg.num_kv_blocks or blocks_for_budget(
+            cfg.kv_cache_memory, self.loaded, cfg.block_size, cfg.kv_cache_dtype
+        )
+        self.runner = ModelRunner(
+            self.loaded,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            compile=bool(cfg.compile) and executor is None,
+            defer_compile=cfg.defer_compile,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            on_step=None if executor is None else executor.send_step,
+        )
+        if executor is not None:
+            executor.connect(num_blocks, self.loaded.model.device)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent). graceful False: terminate
+        them, as after a failed step, when the ranks are out of step."""
+        if self.executor is not None:
+            self.executor.shutdown(graceful)
+            self.executor = None
 
     # ------------------------------------------------------------------ requests
 
@@ -298,6 +368,12 @@ class LLMEngine:
             try:
                 self._run(sched, touched)
             except Exception as exc:  # noqa: BLE001 - fail this batch only, keep the engine serving
+                if self.executor is not None:
+                    self.shutdown(graceful=False)
+                    raise RuntimeError(
+                        "a tensor-parallel step failed and left the ranks out of step; the "
+                        "workers are stopped: start a new engine"
+                    ) from exc
                 log.exception(
                     "step failed; failing the %d sequences of its batch", len(sched.sequences)
                 )
