@@ -25,6 +25,11 @@ def qwen_coder_05b_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    return pull("all-minilm-l6-v2", progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from tests.tiny_models import build_tiny_model
 

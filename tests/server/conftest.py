@@ -13,6 +13,7 @@ import uvicorn
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.data_parallel import DataParallelEngine
+from tokenmill.engine.embedding import EmbeddingEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.app import ServerConfig, build_app
 
@@ -28,10 +29,13 @@ def free_port() -> int:
 
 class RunningServer:
     def __init__(
-        self, engine: LLMEngine | AsyncLLMEngine | DataParallelEngine, config: ServerConfig
+        self, engine: LLMEngine | EmbeddingEngine | DataParallelEngine, config: ServerConfig
     ) -> None:
-        """engine: an engine to run, or a running one (this server then shuts it down)."""
-        self.async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
+        """engine: an engine to run, or running data-parallel replicas (which this server then
+        shuts down)."""
+        self.async_engine = (
+            engine if isinstance(engine, DataParallelEngine) else AsyncLLMEngine(engine)
+        )
         self.app = build_app(self.async_engine, config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

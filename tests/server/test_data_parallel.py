@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer
@@ -34,6 +35,7 @@ from tests.server.test_openai_api import (  # noqa: F401 - collected and run aga
 )
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.data_parallel import DataParallelEngine
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams
@@ -129,6 +131,15 @@ def test_metrics_have_a_replica_label_and_health_lists_replicas(client, http) ->
     health = http.get("/health").json()
     assert health["status"] == "ok"
     assert [r["status"] for r in health["replicas"]] == ["ok", "ok"]
+
+
+def test_embeddings_come_from_a_replica(http, tiny_loaded) -> None:
+    resp = http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": [PROMPT, "Paris is"]})
+    assert resp.status_code == 200, resp.text
+    got = [item["embedding"] for item in resp.json()["data"]]
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=256, max_model_len=512)
+    ids = [engine.tokenizer.encode(text) for text in (PROMPT, "Paris is")]
+    assert torch.allclose(torch.tensor(got), engine.embed(ids), atol=1e-5)
 
 
 def test_shared_prefix_requests_go_to_one_replica(client, server) -> None:  # noqa: F811

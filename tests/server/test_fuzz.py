@@ -57,6 +57,16 @@ EXPECTED_ROUTES = {
     ("POST", "/detokenize"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("POST", "/api/chat"),
+    ("POST", "/api/generate"),
+    ("POST", "/api/show"),
+    ("GET", "/api/tags"),
+    ("GET", "/api/ps"),
+    ("GET", "/api/version"),
+    ("POST", "/v1/embeddings"),
 }
 
 pytestmark = pytest.mark.timeout(300)
@@ -105,14 +115,10 @@ def _problems(case, response) -> list[str]:
     content_type = _header(response, "content-type")
     if status >= 400:
         try:
-            error = response.json()["error"]
+            body = response.json()
         except Exception:  # noqa: BLE001
-            return [f"{status} without an OpenAI error body: {response.text[:300]!r}"]
-        if (
-            not isinstance(error, dict)
-            or set(error) != ERROR_KEYS
-            or not isinstance(error["message"], str)
-        ):
+            return [f"{status} without a JSON error body: {response.text[:300]!r}"]
+        if not _is_error_body(case.path, body):
             return [f"{status} with a malformed error body: {response.text[:300]!r}"]
         if status >= 500 or status in (401,):
             return [f"unexpected {status}: {response.text[:300]!r}"]
@@ -133,14 +139,41 @@ def _problems(case, response) -> list[str]:
             except ValueError as exc:
                 problems.append(f"stream chunk is not strict JSON ({exc}): {line[:300]!r}")
                 continue
-            if "error" in chunk:
+            if "error" in chunk or chunk.get("type") == "error":
                 problems.append(f"in-band stream error: {line[:300]!r}")
         return problems
-    try:
-        _strict_json(response.text)
-    except ValueError as exc:
-        return [f"200 body is not strict JSON ({exc}): {response.text[:300]!r}"]
+    if content_type.startswith("application/x-ndjson"):  # Ollama's streams
+        lines = response.text.splitlines()
+    else:
+        lines = [response.text]
+    for line in lines:
+        try:
+            body = _strict_json(line)
+        except ValueError as exc:
+            return [f"200 body is not strict JSON ({exc}): {line[:300]!r}"]
+        if isinstance(body, dict) and "error" in body and case.path.startswith("/api/"):
+            return [f"in-band stream error: {line[:300]!r}"]
     return []
+
+
+def _is_error_body(path: str, body) -> bool:
+    """Whether body is an error in the shape of the API that serves path."""
+    if not isinstance(body, dict):
+        return False
+    if path.startswith("/v1/messages"):  # Anthropic's
+        error = body.get("error")
+        return (
+            body.get("type") == "error"
+            and isinstance(error, dict)
+            and set(error) == {"type", "message"}
+            and isinstance(error["message"], str)
+        )
+    if path.startswith("/api/"):  # Ollama's
+        return set(body) == {"error"} and isinstance(body["error"], str)
+    error = body.get("error")
+    return (
+        isinstance(error, dict) and set(error) == ERROR_KEYS and isinstance(error["message"], str)
+    )
 
 
 def _fuzz(operations, url: str, mode) -> list[str]:

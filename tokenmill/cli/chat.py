@@ -15,7 +15,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from tokenmill.catalog import DEFAULT_MODEL
-from tokenmill.cli.common import add_compile_arg, add_model_args, load_from_args
+from tokenmill.cli.common import (
+    add_compile_arg,
+    add_model_args,
+    add_parallel_args,
+    engine_from_args,
+)
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import TokenmillError
 from tokenmill.sample import SamplingParams
@@ -52,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     )
     add_model_args(p)
     add_compile_arg(p)
+    add_parallel_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument(
         "--temperature",
@@ -286,13 +292,20 @@ def run(args: argparse.Namespace) -> int:
     params.validate()
     if args.ctx is not None and args.ctx < 2:
         raise TokenmillError(f"--ctx must be at least 2 tokens, got {args.ctx}")
-    loaded = load_from_args(args)
-    if loaded.tokenizer.chat_template is None:
-        raise TokenmillError(
-            f"{loaded.path.name} has no chat template, so it cannot chat; "
-            "use `tokenmill generate` to complete plain text"
-        )
-    engine = LLMEngine(loaded, max_num_seqs=1, max_model_len=args.ctx, compile=args.compile)
+    engine = engine_from_args(args, max_num_seqs=1, max_model_len=args.ctx, compile=args.compile)
+    try:
+        if engine.tokenizer.chat_template is None:
+            raise TokenmillError(
+                f"{engine.loaded.path.name} has no chat template, so it cannot chat; "
+                "use `tokenmill generate` to complete plain text"
+            )
+        return _converse(engine, params, args)
+    finally:
+        engine.shutdown()
+
+
+def _converse(engine: LLMEngine, params: SamplingParams, args: argparse.Namespace) -> int:
+    """Read messages and answer them until the user leaves; returns the exit status."""
     session = ChatSession(engine, params, args.system)
     if sys.stdin.isatty():
         try:

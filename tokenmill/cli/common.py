@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
-from tokenmill.engine.llm_engine import COMPILE_AFTER_BUSY_S
+from tokenmill.engine.llm_engine import COMPILE_AFTER_BUSY_S, LLMEngine
+from tokenmill.engine.tp_executor import EXECUTOR_BACKENDS
 from tokenmill.errors import TokenmillError
 from tokenmill.model.attention import KV_CACHE_DTYPES
 from tokenmill.model.loader import LoadedModel, load_model
@@ -79,7 +81,53 @@ def add_compile_arg(parser: argparse.ArgumentParser) -> None:
         help="decode through compiled graphs, built or loaded on a background thread while eager "
         "steps run (outputs are the same either way). Default: at once where an earlier run "
         f"(such as `serve`) cached them, else after {COMPILE_AFTER_BUSY_S:.0f} s of work; "
-        "--compile builds them now, --no-compile stays eager",
+        "--compile builds them now, --no-compile stays eager. Off with "
+        "--tensor-parallel-size above 1, whose steps run eagerly",
+    )
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size and --distributed-executor-backend, for the commands that run the
+    batching engine."""
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model's heads and MLP over this many processes (this one and N-1 "
+        "workers), each with 1/N of the threads; steps then run eagerly, without compiled "
+        "decode graphs (default: 1, one process)",
+    )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        default="mp",
+        choices=EXECUTOR_BACKENDS,
+        help="how tensor-parallel workers run: mp, local processes (default: mp)",
+    )
+
+
+def parallel_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_executor_backend": args.distributed_executor_backend,
+    }
+
+
+def engine_from_args(args: argparse.Namespace, **options: Any) -> LLMEngine:
+    """The engine of the command line's model: loaded here, or with --tensor-parallel-size above 1
+    by each rank (its own shard). The caller shuts it down (`LLMEngine.shutdown`)."""
+    if args.tensor_parallel_size == 1:
+        return LLMEngine(load_from_args(args), **options)
+    progress = sys.stderr.isatty()
+    return LLMEngine(
+        resolve_model(args.model, models_dir=args.models_dir, progress=progress),
+        progress=progress,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        dense_min_tokens=args.dense_min_tokens,
+        batch_invariant=args.batch_invariant,
+        **parallel_options(args),
+        **options,
     )
 
 

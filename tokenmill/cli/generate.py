@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokenmill.cli.common import add_compile_arg, add_model_args, load_from_args, read_text_arg
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.cli.common import (
+    add_compile_arg,
+    add_model_args,
+    add_parallel_args,
+    engine_from_args,
+    read_text_arg,
+)
 from tokenmill.sample import SamplingParams, StructuredOutputs
 
 
@@ -19,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("prompt", help="text to continue")
     add_model_args(p)
     add_compile_arg(p)
+    add_parallel_args(p)
     p.add_argument(
         "--max-tokens", "-n", type=int, default=64, help="most tokens to generate (default: 64)"
     )
@@ -76,14 +82,17 @@ def run(args: argparse.Namespace) -> int:
         structured_outputs=structured_outputs(args),
     )
     params.validate()
-    engine = LLMEngine(load_from_args(args), max_num_seqs=1, compile=args.compile)
-    prompt: str | list[int] = args.prompt
-    if args.chat:
-        prompt = engine.tokenize(messages=[{"role": "user", "content": args.prompt}])
-    engine.add_request("cli", prompt, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(out.outputs[0].text_delta)
-            sys.stdout.flush()
+    engine = engine_from_args(args, max_num_seqs=1, compile=args.compile)
+    try:
+        prompt: str | list[int] = args.prompt
+        if args.chat:
+            prompt = engine.tokenize(messages=[{"role": "user", "content": args.prompt}])
+        engine.add_request("cli", prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sys.stdout.write(out.outputs[0].text_delta)
+                sys.stdout.flush()
+    finally:
+        engine.shutdown()
     sys.stdout.write("\n")
     return 0

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
-from tokenmill.cli.common import add_kv_cache_dtype_arg, add_quantization_args
+from tokenmill.cli.common import (
+    add_kv_cache_dtype_arg,
+    add_parallel_args,
+    add_quantization_args,
+    parallel_options,
+)
 from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.parsers.reasoning import REASONING_PARSERS
@@ -60,7 +67,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-prefix-caching", action="store_true", help="disable automatic prefix caching"
     )
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority", "fair"],
+        help="fcfs: in arrival order; priority: by the requests' priority, then arrival; fair: "
+        "tenants (an --api-keys-file key's tenant, else the request's user field) share the "
+        "steps' tokens by virtual token counters, so one tenant's flood cannot starve another "
+        "(default: fcfs)",
+    )
     p.add_argument(
         "--speculative-config",
         default=None,
@@ -71,6 +86,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4}\' with a draft model of the same vocabulary (default: '
         "off)",
     )
+    add_parallel_args(p)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -81,6 +97,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "batch_invariant": args.batch_invariant,
         "models_dir": args.models_dir,
         "max_model_len": args.max_model_len,
+        **parallel_options(args),
         "kv_cache_memory": int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,
         "block_size": args.block_size,
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -118,6 +135,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "--api-key",
         default=None,
         help="require this key as a Bearer token on /v1/* (default: $TOKENMILL_API_KEY)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help='more keys, each with its tenant: a JSON object {"KEY": "TENANT", ...}; any of '
+        "them (or --api-key) is accepted, and the fair policy shares by their tenants",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -164,6 +189,21 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument(
         "--protect-metrics", action="store_true", help="require the API key on /metrics too"
     )
+    p.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse requests with fields the API does not know, as OpenAI does (default: "
+        "ignore them with a warning, as vLLM does: clients send vendor fields such as "
+        "llama.cpp's cache_prompt)",
+    )
+    p.add_argument(
+        "--embedding-pooling",
+        default="last",
+        choices=["last", "mean"],
+        help="how /v1/embeddings pools a generative model's final hidden states (L2-normalized "
+        "after): its last token or the mean of its tokens (default: last; an encoder pools as "
+        "its sentence-transformers config says)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--compile",
@@ -172,7 +212,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         help="decode through compiled graphs, built on a background thread once the server "
         "listens while eager steps serve (minutes of every core the first time, seconds once "
         "cached; outputs are the same either way; /health tells which runs). Default: on; "
-        "--no-compile stays eager",
+        "--no-compile stays eager. Off with --tensor-parallel-size above 1, whose steps run "
+        "eagerly",
     )
     add_engine_args(p)
     add_data_parallel_args(p)
@@ -226,7 +267,9 @@ def run(args: argparse.Namespace) -> int:
 
     from tokenmill.engine.async_engine import AsyncLLMEngine
     from tokenmill.engine.data_parallel import DataParallelEngine, import_ray
+    from tokenmill.engine.embedding import EmbeddingEngine
     from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.model.encoder import is_encoder_dir
     from tokenmill.server.app import ServerConfig, build_app
     from tokenmill.server.listening import ListeningServer
 
@@ -239,16 +282,28 @@ def run(args: argparse.Namespace) -> int:
             "rest decode)"
         )
     if args.data_parallel_size != 1:
+        if args.tensor_parallel_size != 1:
+            raise TokenmillError(
+                "--data-parallel-size and --tensor-parallel-size do not combine yet: pick one"
+            )
         import_ray()  # before the model is fetched: say what to install first
     path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
     options = dict(
         max_queue_len=args.max_queue_len,
         compile=args.compile,
         defer_compile=True,  # started by ListeningServer once the socket is open
+        embedding_pooling=args.embedding_pooling,
         **engine_options(args),
     )
     async_engine: AsyncLLMEngine | DataParallelEngine
-    if args.data_parallel_size != 1:
+    if is_encoder_dir(path):  # an encoder (BERT, sentence-transformers): embeddings only
+        if args.data_parallel_size != 1:
+            raise TokenmillError(
+                f"{path.name} is an encoder (embeddings only): --data-parallel-size serves "
+                "generative models"
+            )
+        async_engine = AsyncLLMEngine(lambda: EmbeddingEngine(path))
+    elif args.data_parallel_size != 1:
         async_engine = DataParallelEngine(
             path,
             args.data_parallel_size,
@@ -270,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
         ServerConfig(
             name,
             api_key=api_key,
+            api_keys=_read_api_keys(args.api_keys_file),
             max_body_bytes=args.max_request_bytes,
             protect_health=args.protect_health,
             protect_metrics=args.protect_metrics,
@@ -277,16 +333,19 @@ def run(args: argparse.Namespace) -> int:
             request_timeout=args.request_timeout,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            strict_request_fields=args.strict_request_fields,
         ),
     )
-    replicas = (
-        f", {args.data_parallel_size} replicas, {args.router} router"
-        if args.data_parallel_size > 1
-        else ""
+    what = (
+        "embeddings only"
+        if async_engine.embeddings_only
+        else f"{async_engine.num_kv_blocks} KV blocks"
     )
+    if args.data_parallel_size > 1:
+        what += f", {args.data_parallel_size} replicas, {args.router} router"
     print(
         f"tokenmill: serving {name} ({path.name}, {async_engine.max_model_len} tokens of context, "
-        f"{async_engine.num_kv_blocks} KV blocks{replicas}) at http://{args.host}:{args.port}",
+        f"{what}) at http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )
@@ -308,3 +367,20 @@ def run(args: argparse.Namespace) -> int:
     finally:
         async_engine.shutdown()
     return 0 if server.started else 1
+
+
+def _read_api_keys(path: Path | None) -> dict[str, str]:
+    """The keys file's {key: tenant} map; SystemExit saying what is wrong with the file."""
+    if path is None:
+        return {}
+    try:
+        keys = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"tokenmill serve: cannot read --api-keys-file {path}: {exc}") from None
+    if not isinstance(keys, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in keys.items()
+    ):
+        raise SystemExit(
+            f'tokenmill serve: --api-keys-file {path} must hold a JSON object {{"KEY": "TENANT"}}'
+        )
+    return keys

@@ -18,12 +18,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from tokenmill.engine.embedding import EmbeddingEngine, EmbeddingInput, prepare_inputs
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.encoder import EncoderConfig
 from tokenmill.sample import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -34,10 +39,13 @@ class EngineDeadError(TokenmillError):
     """The engine loop crashed; no request can be served until the process restarts."""
 
 
+AnyEngine = LLMEngine | EmbeddingEngine
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+    def __init__(self, engine: AnyEngine | Callable[[], AnyEngine]) -> None:
         """engine: a built engine, or a function that builds one on the engine thread (raising here
-        if it fails).
+        if it fails). An `EmbeddingEngine` (encoder-only model) serves `embed` only.
 
         Pass the function where speed matters: the model should be loaded by the thread that runs
         it. OpenMP (libgomp) keeps a pool of worker threads for every thread that has started
@@ -53,7 +61,7 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(
             target=self._loop, args=(engine, built), name="tokenmill-engine", daemon=True
         )
-        self.engine: LLMEngine  # set on the engine thread, before it serves anything
+        self.engine: AnyEngine  # set on the engine thread, before it serves anything
         self._thread.start()
         built.result()  # raises what building the engine raised
 
@@ -65,8 +73,22 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
-    def model_config(self) -> ModelConfig:
+    def embeddings_only(self) -> bool:
+        """Whether the model is an encoder: it serves `embed`, not generation."""
+        return isinstance(self.engine, EmbeddingEngine)
+
+    @property
+    def model_config(self) -> ModelConfig | EncoderConfig:
+        if isinstance(self.engine, EmbeddingEngine):
+            return self.engine.config
         return self.engine.loaded.config
+
+    @property
+    def model_path(self) -> Path:
+        """The model's file or directory."""
+        if isinstance(self.engine, EmbeddingEngine):
+            return self.engine.path
+        return self.engine.loaded.path
 
     @property
     def max_model_len(self) -> int:
@@ -74,12 +96,15 @@ class AsyncLLMEngine:
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.engine.kv.num_total_blocks
+        return 0 if isinstance(self.engine, EmbeddingEngine) else self.engine.kv.num_total_blocks
 
     @property
     def decode_mode(self) -> str:
         """'compiled', 'compiling' or 'eager' (see `ModelRunner.decode_mode`): 'compiling' while
-        the draft model's graphs (speculative decoding) are still being built, too."""
+        the draft model's graphs (speculative decoding) are still being built, too; 'eager' for
+        an encoder."""
+        if isinstance(self.engine, EmbeddingEngine):
+            return "eager"
         mode = self.engine.runner.decode_mode
         drafter = self.engine.drafter
         return "compiling" if drafter is not None and drafter.decode_mode == "compiling" else mode
@@ -98,7 +123,9 @@ class AsyncLLMEngine:
 
     def start_compile(self) -> None:
         """Start the decode-graph compilation that the engine deferred (see
-        `EngineConfig.defer_compile`)."""
+        `EngineConfig.defer_compile`); an encoder compiles nothing."""
+        if isinstance(self.engine, EmbeddingEngine):
+            return
         self.engine.runner.start_compile()
         if self.engine.drafter is not None:
             self.engine.drafter.start_compile()
@@ -115,6 +142,15 @@ class AsyncLLMEngine:
         """Token ids of a text prompt, or of chat messages (and tools) rendered with the model's
         chat template, as `add_request` tokenizes them (see `InputProcessor.tokenize`). Raises
         InvalidRequestError for input that cannot be tokenized."""
+        if isinstance(self.engine, EmbeddingEngine):
+            if messages is not None or prompt is None:
+                raise InvalidRequestError(
+                    "this model serves embeddings only: tokenize a prompt, not messages"
+                )
+            tokenizer = self.engine.tokenizer
+            if add_special_tokens:  # framed as `embed` frames a text ([CLS] ... [SEP])
+                return tokenizer.encode_framed(prompt)
+            return tokenizer.encode(prompt, add_bos=False)
         return self.engine.input_processor.tokenize(
             prompt, messages, add_special_tokens, add_generation_prompt, chat_template_kwargs, tools
         )
@@ -125,9 +161,9 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _loop(self, engine: LLMEngine | Callable[[], LLMEngine], built: Future) -> None:
+    def _loop(self, engine: AnyEngine | Callable[[], AnyEngine], built: Future) -> None:
         try:
-            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            self.engine = engine if isinstance(engine, AnyEngine) else engine()
         except BaseException as exc:  # noqa: BLE001 - raised again by __init__
             built.set_exception(exc)
             return
@@ -156,6 +192,8 @@ class AsyncLLMEngine:
                 (request_id, EngineDeadError(message)) for request_id in list(self._streams)
             )
             self._fail_pending_commands(exc)
+        finally:
+            self.engine.shutdown()  # on the thread that ran the collectives
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -220,6 +258,7 @@ class AsyncLLMEngine:
         request_id: str,
         priority: int = 0,
         extra_key: str | None = None,
+        tenant: str = "",
     ) -> RequestStream:
         """Queue a request; raises here (not later) if the engine refuses it.
 
@@ -236,6 +275,7 @@ class AsyncLLMEngine:
             params,
             priority,
             extra_key=extra_key,
+            tenant=tenant,
         )
         request = await asyncio.to_thread(process) if params.structured_outputs else process()
         stream = RequestStream(self, request_id)
@@ -265,6 +305,30 @@ class AsyncLLMEngine:
         self._streams.pop(request_id, None)
         if not finished and self.error is None:
             self._commands.put((lambda: self.engine.abort_request(request_id), None))
+
+    async def embed(
+        self, inputs: list[EmbeddingInput], truncate: int | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Embed texts or token id lists on the engine thread; returns the float32 vectors
+        (num_inputs, dimensions) and the number of tokens embedded. An encoder pools as its
+        sentence-transformers config says; a decoder pools its final hidden states as
+        `EngineConfig.embedding_pooling` says. Raises InvalidRequestError for input the model
+        cannot take."""
+        self._check_alive()
+        engine = self.engine
+        # tokenized here, off the engine thread, as `add_request` does: it is stateless
+        if isinstance(engine, EmbeddingEngine):
+            ids = engine.prepare(inputs, truncate)
+        else:
+            ids = prepare_inputs(
+                inputs,
+                lambda text, cut: engine.tokenizer.encode(text)[:cut],
+                engine.loaded.config.vocab_size,
+                engine.max_model_len,
+                truncate,
+            )
+        vectors = await asyncio.wrap_future(self._submit(lambda: engine.embed(ids)))
+        return vectors, sum(len(t) for t in ids)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(lambda: self.engine.abort_request(request_id)))

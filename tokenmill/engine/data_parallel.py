@@ -26,7 +26,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.embedding import EmbeddingInput, prepare_inputs
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
@@ -107,6 +110,7 @@ class DataParallelEngine:
                 "speculative decoding, or the disaggregation"
             )
         self.pd_disaggregation = pd_disaggregation
+        self._model_path = Path(model)
         self._replicas: list[_Replica] = []
         self._stop = threading.Event()  # set by shutdown
         self._pump_loop: asyncio.AbstractEventLoop | None = None  # where the pump tasks run
@@ -178,6 +182,15 @@ class DataParallelEngine:
         return self._config
 
     @property
+    def embeddings_only(self) -> bool:
+        """False: replicas serve generative models (and their embeddings), not encoders."""
+        return False
+
+    @property
+    def model_path(self) -> Path:
+        return self._model_path
+
+    @property
     def max_model_len(self) -> int:
         return self.infos[0].max_model_len
 
@@ -199,8 +212,14 @@ class DataParallelEngine:
         total = EngineStats()
         per = self.replica_stats()
         for f in fields(EngineStats):
-            setattr(total, f.name, sum(getattr(s, f.name) for s in per))
+            if f.name != "tenant_served_tokens":
+                setattr(total, f.name, sum(getattr(s, f.name) for s in per))
         total.kv_usage = total.kv_usage / len(per)
+        for s in per:  # a tenant's counters on every replica it has requests on
+            for tenant, value in s.tenant_served_tokens.items():
+                total.tenant_served_tokens[tenant] = (
+                    total.tenant_served_tokens.get(tenant, 0) + value
+                )
         return total
 
     def replica_stats(self) -> list[EngineStats]:
@@ -254,13 +273,20 @@ class DataParallelEngine:
         request_id: str,
         priority: int = 0,
         extra_key: str | None = None,
+        tenant: str = "",
     ) -> ReplicaStream:
         """Validate, route and queue a request; raises here if no replica can take it."""
         self._check_alive()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         process = functools.partial(
-            self.input_processor.process, request_id, prompt, params, priority, extra_key=extra_key
+            self.input_processor.process,
+            request_id,
+            prompt,
+            params,
+            priority,
+            extra_key=extra_key,
+            tenant=tenant,
         )
         request = await asyncio.to_thread(process) if params.structured_outputs else process()
         self._ensure_pumps()
@@ -273,6 +299,7 @@ class DataParallelEngine:
             priority,
             extra_key,
             request.sequences[0].block_hashes,
+            tenant,
         )
         await stream.start(set())
         self._streams[request_id] = stream
@@ -291,6 +318,26 @@ class DataParallelEngine:
         async with stream:
             async for out in stream:
                 yield out
+
+    async def embed(
+        self, inputs: list[EmbeddingInput], truncate: int | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """As `AsyncLLMEngine.embed`: tokenized here, embedded by the least-loaded replica."""
+        self._check_alive()
+        ids = prepare_inputs(
+            inputs,
+            lambda text, cut: self._tokenizer.encode(text)[:cut],
+            self._config.vocab_size,
+            self.max_model_len,
+            truncate,
+        )
+        with self._lock:
+            up = [i for i, r in enumerate(self._replicas) if r.up]
+            if not up:
+                raise EngineDeadError("no engine replica is up to serve the request")
+            replica = min(up, key=lambda i: self.router.load(i))
+        vectors = await self._replicas[replica].handle.call.remote(_Embed(ids))
+        return vectors, sum(len(t) for t in ids)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -441,6 +488,17 @@ class DataParallelEngine:
                 self.router.set_kv_usage(replica, snapshot.stats.kv_usage)
 
 
+@dataclass
+class _Embed:
+    """fn(engine) for `EngineReplica.call`: embed these token ids (a class, which pickles by
+    reference, rather than a closure)."""
+
+    ids: list[list[int]]
+
+    def __call__(self, engine: LLMEngine) -> torch.Tensor:
+        return engine.embed(self.ids)
+
+
 class _ReplicaGone(Exception):
     """The replica's process died under a request."""
 
@@ -459,6 +517,7 @@ class ReplicaStream:
         priority: int,
         extra_key: str | None,
         block_hashes: list[BlockHash],
+        tenant: str = "",
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -468,6 +527,7 @@ class ReplicaStream:
         self.priority = priority
         self.extra_key = extra_key
         self.block_hashes = block_hashes
+        self.tenant = tenant
         self.replica: int | None = None
         # outputs from the replica's pump; a fresh queue for each replica tried
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -493,6 +553,7 @@ class ReplicaStream:
                     self.request_id,
                     self.priority,
                     self.extra_key,
+                    self.tenant,
                 )
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 self._release()

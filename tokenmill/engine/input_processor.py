@@ -73,6 +73,7 @@ class InputProcessor:
         priority: int = 0,
         arrival_time: float | None = None,
         extra_key: str | None = None,
+        tenant: str = "",
     ) -> Request:
         """The request with its sequences, ready to queue; InvalidRequestError for anything the
         model cannot serve. A text prompt is tokenized; token ids are taken as they are."""
@@ -102,7 +103,7 @@ class InputProcessor:
         spec = params.structured_outputs
         matcher = self.grammars.matcher(spec) if spec is not None else None
         for index in range(params.n):
-            seq = self._sequence(request, index, arrival, priority, extra_key)
+            seq = self._sequence(request, index, arrival, priority, extra_key, tenant)
             if matcher is not None:  # each sequence advances its own
                 seq.matcher = matcher if index == 0 else matcher.deep_copy()
             request.sequences.append(seq)
@@ -129,7 +130,13 @@ class InputProcessor:
         return max_tokens
 
     def _sequence(
-        self, request: Request, index: int, arrival: float, priority: int, extra_key: str | None
+        self,
+        request: Request,
+        index: int,
+        arrival: float,
+        priority: int,
+        extra_key: str | None,
+        tenant: str,
     ) -> Sequence:
         params = request.params
         if params.seed is not None and params.n > 1:  # distinct but reproducible sequences
@@ -142,6 +149,7 @@ class InputProcessor:
             arrival_time=arrival,
             priority=priority,
             extra_key=extra_key,
+            tenant=tenant,
             block_size=self.block_size,
             request=request,
             index=index,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,11 @@ from tokenmill.engine.speculative import (
 )
 from tokenmill.engine.step_batch import StepBatch
 from tokenmill.engine.structured_output import allows_only
+from tokenmill.engine.tp_executor import TPExecutor, check_backend
 from tokenmill.errors import InvalidRequestError, QueueFullError
+from tokenmill.model.encoder import pool
 from tokenmill.model.loader import LoadedModel, load_model
+from tokenmill.model.sharding import Shard
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
 from tokenmill.sample.sampler import SamplerOutput, greedy_ids
 
@@ -73,6 +76,12 @@ class EngineConfig:
     # speculative decoding (see engine/speculative.py): vLLM's --speculative-config, as JSON text,
     # a dict or a SpeculativeConfig; None: off
     speculative_config: str | dict | SpeculativeConfig | None = None
+    # /v1/embeddings from a decoder: its final hidden states pooled by "last" token or "mean"
+    embedding_pooling: str = "last"
+    # ranks the model is split over (see engine/tp_executor.py): this process and N-1 workers,
+    # each with max(1, threads // N) threads; steps run eagerly (compile is off) when N > 1
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # how the workers run: "mp", local processes
 
 
 @dataclass
@@ -94,6 +103,8 @@ class EngineStats:
     spec_num_drafts: int = 0  # speculative steps of a sequence: drafts verified
     spec_num_draft_tokens: int = 0  # tokens drafted and verified
     spec_num_accepted_tokens: int = 0  # drafted tokens the target accepted
+    # the fair policy's virtual token counters of the tenants with requests in the engine
+    tenant_served_tokens: dict[str, float] = field(default_factory=dict)
 
 
 def _with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
@@ -103,17 +114,31 @@ def _with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineCo
     return replace(config, **overrides)
 
 
-def _load(model: str | Path | None, cfg: EngineConfig, progress: bool) -> LoadedModel:
+def _resolve(model: str | Path | None, cfg: EngineConfig, progress: bool) -> Path:
     from tokenmill.catalog import resolve_model
 
-    path = resolve_model(model, models_dir=cfg.models_dir, progress=progress)
+    return resolve_model(model, models_dir=cfg.models_dir, progress=progress)
+
+
+def _load_options(cfg: EngineConfig) -> dict[str, Any]:
+    return {
+        "dtype": cfg.dtype,
+        "quantization": cfg.quantization,
+        "dense_min_tokens": cfg.dense_min_tokens,
+        "batch_invariant": cfg.batch_invariant,
+    }
+
+
+def _load(
+    model: str | Path | None,
+    cfg: EngineConfig,
+    progress: bool,
+    shard: Shard | None = None,
+    head_rows: list[int] | None = None,
+) -> LoadedModel:
+    path = _resolve(model, cfg, progress)
     return load_model(
-        path,
-        dtype=cfg.dtype,
-        progress=progress,
-        quantization=cfg.quantization,
-        dense_min_tokens=cfg.dense_min_tokens,
-        batch_invariant=cfg.batch_invariant,
+        path, progress=progress, shard=shard, head_rows=head_rows, **_load_options(cfg)
     )
 
 
@@ -131,25 +156,19 @@ class LLMEngine:
         overrides of any of its fields (the caller's config is left as it is)."""
         self.config = cfg = _with_overrides(config or EngineConfig(), overrides)
         self.speculative = SpeculativeConfig.parse(cfg.speculative_config)
-        self.loaded = model if isinstance(model, LoadedModel) else _load(model, cfg, progress)
-        if self.loaded.tokenizer is None:
-            raise InvalidRequestError(f"{self.loaded.path}: the model has no tokenizer")
-        self.tokenizer = self.loaded.tokenizer
-        mc = self.loaded.config
-        num_blocks = cfg.num_kv_blocks or blocks_for_budget(
-            cfg.kv_cache_memory, self.loaded, cfg.block_size, cfg.kv_cache_dtype
-        )
-        self.runner = ModelRunner(
-            self.loaded,
-            num_blocks=num_blocks,
-            block_size=cfg.block_size,
-            compile=bool(cfg.compile),
-            defer_compile=cfg.defer_compile,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-        )
-        # busy seconds left before compiling (compile None, no graphs cached), else None
+        self.executor: TPExecutor | None = None
+        if cfg.tensor_parallel_size != 1:
+            self.executor = self._start_workers(model, progress)
+        try:
+            self._build_runner(model, progress)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        cfg, mc, num_blocks = self.config, self.loaded.config, self.runner.cache.num_blocks
+        # busy seconds left before compiling (compile None, no graphs cached), else None;
+        # tensor-parallel steps run eagerly
         self._busy_before_compile: float | None = None
-        if cfg.compile is None:
+        if cfg.compile is None and self.executor is None:
             if self.runner.graphs_cached():
                 self.runner.compile_in_background()
             else:
@@ -159,6 +178,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         # the draft model: its own KV pool, addressed by the target's block tables
         self.drafter: ModelRunner | None = None
+        self.draft_vocab: torch.Tensor | None = None  # see _draft_runner
         if self.speculative is not None and self.speculative.model is not None:
             self.drafter = self._draft_runner(self.speculative.model, num_blocks, progress)
         self.scheduler = Scheduler(
@@ -174,6 +194,68 @@ class LLMEngine:
         self._aborted: list[Request] = []  # aborted since the last step, which reports them
         self._ids = itertools.count()
         self._kv_warmer = KVWarmer(self.runner.cache, self.kv.block_pool)
+
+    def _start_workers(self, model: str | Path | LoadedModel | None, progress: bool) -> TPExecutor:
+        """Check that tensor parallelism serves this configuration and start its workers."""
+        cfg = self.config
+        check_backend(cfg.distributed_executor_backend)
+        if cfg.tensor_parallel_size < 1:
+            raise InvalidRequestError(
+                f"tensor_parallel_size must be at least 1, got {cfg.tensor_parallel_size}"
+            )
+        if isinstance(model, LoadedModel):
+            raise InvalidRequestError(
+                "tensor parallelism loads each rank's shard itself: pass the model's name or "
+                "path rather than a loaded model"
+            )
+        if self.speculative is not None and self.speculative.model is not None:
+            raise InvalidRequestError(
+                "a draft model is not supported with tensor parallelism: drop the model from "
+                "--speculative-config (n-gram drafts work) or use --tensor-parallel-size 1"
+            )
+        if cfg.compile:
+            log.warning("tensor-parallel steps run eagerly: compiled decode graphs stay off")
+        path = _resolve(model, cfg, progress)
+        return TPExecutor(
+            cfg.tensor_parallel_size,
+            str(path),
+            _load_options(cfg),
+            cfg.block_size,
+            cfg.kv_cache_dtype,
+        )
+
+    def _build_runner(self, model: str | Path | LoadedModel | None, progress: bool) -> None:
+        """Load the model (this rank's shard under tensor parallelism) and build its runner."""
+        cfg, executor = self.config, self.executor
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+        else:
+            shard = None if executor is None else Shard(0, executor.size)
+            self.loaded = _load(model, cfg, progress, shard)
+        if self.loaded.tokenizer is None:
+            raise InvalidRequestError(f"{self.loaded.path}: the model has no tokenizer")
+        self.tokenizer = self.loaded.tokenizer
+        num_blocks = cfg.num_kv_blocks or blocks_for_budget(
+            cfg.kv_cache_memory, self.loaded, cfg.block_size, cfg.kv_cache_dtype
+        )
+        self.runner = ModelRunner(
+            self.loaded,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            compile=bool(cfg.compile) and executor is None,
+            defer_compile=cfg.defer_compile,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            on_step=None if executor is None else executor.send_step,
+        )
+        if executor is not None:
+            executor.connect(num_blocks, self.loaded.model.device)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent). graceful False: terminate
+        them, as after a failed step, when the ranks are out of step."""
+        if self.executor is not None:
+            self.executor.shutdown(graceful)
+            self.executor = None
 
     # ------------------------------------------------------------------ requests
 
@@ -199,14 +281,16 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         extra_key: str | None = None,
+        tenant: str = "",
     ) -> str:
         """Process and queue a request; returns its id (one is made up for None). Raises
-        InvalidRequestError for anything unservable, QueueFullError when the queue is full."""
+        InvalidRequestError for anything unservable, QueueFullError when the queue is full.
+        tenant: who sent it, for the fair scheduling policy."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         self.enqueue(
             self.input_processor.process(
-                request_id, prompt, params, priority, arrival_time, extra_key
+                request_id, prompt, params, priority, arrival_time, extra_key, tenant
             )
         )
         return request_id
@@ -224,6 +308,34 @@ class LLMEngine:
             self.scheduler.add_sequence(seq)
         self._requests[request.request_id] = request
         self.stats.prompt_tokens += len(request.prompt_token_ids)
+
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """L2-normalized float32 embeddings of each sequence (num_seqs, hidden): its final hidden
+        states pooled as `EngineConfig.embedding_pooling` says. Runs between steps, one sequence
+        per forward pass, in KV blocks borrowed from the pool and given back at once; raises
+        QueueFullError when running requests hold too many blocks for a sequence."""
+        pooling = self.config.embedding_pooling
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {pooling!r}")
+        mode = "lasttoken" if pooling == "last" else "mean"  # `pool`'s names
+        rows = []
+        for ids in token_ids:
+            need = -(-len(ids) // self.kv.block_size)
+            if need > self.kv.num_free_blocks:
+                raise QueueFullError(
+                    f"the KV cache has {self.kv.num_free_blocks} free blocks, {need} needed to "
+                    "embed this input; retry when running requests finish"
+                )
+            blocks = self.kv.block_pool.get_new_blocks(need)
+            try:
+                table = [b.block_id for b in blocks]
+                hidden = self.runner.hidden_states([ids], [len(ids)], [table])
+            finally:
+                self.kv.block_pool.free_blocks(reversed(blocks))
+            rows.append(pool(hidden, [len(ids)], mode, normalize=True))
+            self.stats.tokens_computed += len(ids)
+        self.stats.prompt_tokens += sum(len(t) for t in token_ids)
+        return torch.cat(rows)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks return to the pool. Unknown ids are ignored."""
@@ -256,6 +368,12 @@ class LLMEngine:
             try:
                 self._run(sched, touched)
             except Exception as exc:  # noqa: BLE001 - fail this batch only, keep the engine serving
+                if self.executor is not None:
+                    self.shutdown(graceful=False)
+                    raise RuntimeError(
+                        "a tensor-parallel step failed and left the ranks out of step; the "
+                        "workers are stopped: start a new engine"
+                    ) from exc
                 log.exception(
                     "step failed; failing the %d sequences of its batch", len(sched.sequences)
                 )
@@ -283,7 +401,14 @@ class LLMEngine:
 
     def _draft_runner(self, model: str, num_blocks: int, progress: bool) -> ModelRunner:
         cfg = self.config
-        draft = _load(model, cfg, progress)
+        tokenizer = self.tokenizer
+        vocab = self.speculative.draft_vocab(
+            self.loaded.config.vocab_size,
+            set(tokenizer.stop_token_ids) | set(tokenizer.added_token_ids()),
+        )
+        # the draft's head computes these ids' logits only; drafts map back through it
+        self.draft_vocab = None if vocab is None else torch.tensor(vocab)
+        draft = _load(model, cfg, progress, head_rows=vocab)
         probe = "def f(x):\n    return x + 1  # héllo, 世界"
         if draft.config.vocab_size != self.loaded.config.vocab_size or (
             draft.tokenizer is None or draft.tokenizer.encode(probe) != self.tokenizer.encode(probe)
@@ -318,7 +443,7 @@ class LLMEngine:
             tables,
             argmax_only=True,
         )
-        drafts = [[token] for token in greedy_ids(logits).tolist()]
+        drafts = [[token] for token in self._draft_ids(logits)]
         for j in range(1, max(len(s.draft_token_ids) for s in seqs)):
             going = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
             logits = self.drafter.last_token_logits(
@@ -327,11 +452,16 @@ class LLMEngine:
                 [tables[i] for i in going],
                 argmax_only=True,
             )
-            for i, token in zip(going, greedy_ids(logits).tolist()):
+            for i, token in zip(going, self._draft_ids(logits)):
                 drafts[i].append(token)
         for seq, tokens in zip(seqs, drafts):
             seq.draft_token_ids = tokens
             seq.draft_computed = seq.num_tokens + len(tokens) - 1
+
+    def _draft_ids(self, logits: torch.Tensor) -> list[int]:
+        """The draft model's greedy tokens from its head's logits."""
+        ids = greedy_ids(logits)
+        return (ids if self.draft_vocab is None else self.draft_vocab[ids]).tolist()
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         if self.drafter is not None:
@@ -516,6 +646,7 @@ class LLMEngine:
     def _update_stats(self) -> None:
         s = self.stats
         s.num_running = len(self.scheduler.running)
+        s.tenant_served_tokens = dict(self.scheduler.served)
         s.num_waiting = len(self.scheduler.waiting)
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_cache_queries = self.kv.prefix_cache_queries

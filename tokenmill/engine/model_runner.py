@@ -15,6 +15,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,10 +71,14 @@ class ModelRunner:
         compile: bool = False,
         defer_compile: bool = False,
         kv_cache_dtype: str = "auto",
+        on_step: Callable[[list[list[int]], list[int], list[list[int]]], None] | None = None,
     ) -> None:
         """compile: build (or load) the compiled decode graphs on a background thread, from now on
         or, with defer_compile, from `start_compile`. kv_cache_dtype: see
-        `attention.resolve_kv_cache_dtype`."""
+        `attention.resolve_kv_cache_dtype`. on_step: called with each step's token ids, context
+        lengths and block tables before its forward pass (tensor parallelism's driver sends them
+        to the other ranks there; see engine/tp_executor.py, which runs without compile)."""
+        self.on_step = on_step
         # as configured on the thread that builds the runner
         self.max_threads = torch.get_num_threads()
         cfg = loaded.config
@@ -195,6 +200,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, AttentionBatch]:
         """The flat token tensor and the attention batch of a step; sets this thread's OpenMP
         threads to what the compiled kernels were built for."""
+        if self.on_step is not None:
+            self.on_step(token_ids, context_lens, block_tables)
         cache = self.cache.k[0]
         kernel_prompts = kernel_attends_prompts(
             self.loaded.dtype,

@@ -100,12 +100,13 @@ class EngineReplica:
         request_id: str,
         priority: int,
         extra_key: str | None,
+        tenant: str = "",
     ) -> Exception | None:
         """Queue a request; its outputs come through `take`. Returns why the engine refused it,
         or None."""
         try:
             stream = await self.engine.add_request(
-                prompt_token_ids, params, request_id, priority, extra_key
+                prompt_token_ids, params, request_id, priority, extra_key, tenant
             )
         except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it
             return exc

@@ -99,6 +99,7 @@ class Sequence:
     priority: int = 0
     extra_key: str | None = None
     block_size: int = 16
+    tenant: str = ""  # who sent it, for the fair policy's shares ("" : anonymous)
     # scheduling state
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

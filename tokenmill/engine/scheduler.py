@@ -8,27 +8,45 @@ continues with its next chunk); then waiting sequences are admitted while the bu
 sequence cap and the block pool allow. When the pool runs dry, the lowest-priority,
 latest-arrived running sequence is preempted: its blocks are freed and it is recomputed later
 (its full blocks usually come back as prefix-cache hits).
+
+The fair policy shares the steps' tokens between tenants (who sent a request: an API key's
+tenant or the request's `user`) by virtual token counters (Sheng et al., "Fairness in Serving
+Large Language Models", OSDI '24): each tenant's counter adds the prompt and output tokens it was
+served, weighted; waiting sequences are admitted from the tenant with the lowest counter, and
+when the sequence cap or the pool is full, a sequence of the tenant with the highest counter
+gives up its place to it. A tenant that joins (or comes back) starts at the lowest active
+counter, so idle time is not saved up against the others.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "priority", "fair")
+# Weights of a prompt and an output token in the fair policy's counters (the paper's: an output
+# token costs more to serve, and clients pay for it more)
+FAIR_PROMPT_WEIGHT = 1.0
+FAIR_OUTPUT_WEIGHT = 2.0
 
 
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"  # "fcfs" or "priority" (lower value first, then arrival)
+    # "fcfs", "priority" (lower value first, then arrival) or "fair" (between tenants)
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {self.policy!r} (choose fcfs or priority)")
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"unknown scheduling policy {self.policy!r} (choose {', '.join(POLICIES)})"
+            )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
 
@@ -94,16 +112,63 @@ class WaitingQueue:
         return self._size
 
 
+class FairWaitingQueue:
+    """Waiting sequences by tenant, each tenant's in arrival order; the front is the first of the
+    tenant with the lowest counter (then the earliest arrival)."""
+
+    def __init__(self, served: dict[str, float]) -> None:
+        self.served = served
+        self._queues: dict[str, WaitingQueue] = {}
+        self._size = 0
+
+    def _front_tenant(self) -> str | None:
+        fronts = {t: q.peek() for t, q in self._queues.items()}
+        fronts = {t: seq for t, seq in fronts.items() if seq is not None}
+        if not fronts:
+            return None
+        return min(fronts, key=lambda t: (self.served.get(t, 0.0), fronts[t].arrival_time))
+
+    def push(self, seq: Sequence) -> None:
+        self._queues.setdefault(seq.tenant, WaitingQueue("fcfs")).push(seq)
+        self._size += 1
+
+    def peek(self) -> Sequence | None:
+        tenant = self._front_tenant()
+        return None if tenant is None else self._queues[tenant].peek()
+
+    def pop(self) -> Sequence:
+        self._size -= 1
+        return self._queues[self._front_tenant()].pop()
+
+    def remove(self, seq: Sequence) -> None:
+        self._queues[seq.tenant].remove(seq)
+        self._size -= 1
+
+    def __len__(self) -> int:
+        return self._size
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting = WaitingQueue(config.policy)
+        self.fair = config.policy == "fair"
+        # the fair policy's virtual token counters of the tenants with unfinished sequences, and
+        # their numbers of unfinished sequences
+        self.served: dict[str, float] = {}
+        self._active: Counter[str] = Counter()
+        self.waiting: WaitingQueue | FairWaitingQueue = (
+            FairWaitingQueue(self.served) if self.fair else WaitingQueue(config.policy)
+        )
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}  # every unfinished sequence, by id
         self.num_preemptions = 0
 
     def add_sequence(self, seq: Sequence) -> None:
+        if self.fair and not self._active[seq.tenant]:  # (re)joining: lift to the lowest
+            active = [self.served.get(t, 0.0) for t in self._active]
+            self.served[seq.tenant] = min(active, default=0.0)
+        self._active[seq.tenant] += 1
         self.sequences[seq.seq_id] = seq
         self.waiting.push(seq)
 
@@ -122,11 +187,36 @@ class Scheduler:
         seq.status = status
         self.kv.free(seq, uncache=uncache)
         del self.sequences[seq.seq_id]
+        self._active[seq.tenant] -= 1
+        if not self._active[seq.tenant]:  # gone: a counter is kept for active tenants only
+            del self._active[seq.tenant]
+            self.served.pop(seq.tenant, None)
 
     def _victim(self) -> Sequence:
         if self.config.policy == "priority":
             return max(self.running, key=lambda s: (s.priority, s.arrival_time))
+        if self.fair:
+            return max(self.running, key=lambda s: (self.served.get(s.tenant, 0.0), s.arrival_time))
         return self.running[-1]
+
+    def _fair_victim(self, seq: Sequence) -> Sequence | None:
+        """The running sequence that gives up its place to waiting seq: the latest of the tenant
+        with the highest counter, if that counter is above seq's tenant's."""
+        others = [s for s in self.running if s.tenant != seq.tenant]
+        if not others:
+            return None
+        victim = max(others, key=lambda s: (self.served.get(s.tenant, 0.0), s.arrival_time))
+        below = self.served.get(seq.tenant, 0.0) < self.served.get(victim.tenant, 0.0)
+        return victim if below else None
+
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput, scheduled: set[str]) -> int:
+        """Take seq out of this step's batch if it is in it; returns the tokens given back."""
+        if seq.seq_id not in scheduled:
+            return 0
+        idx = out.sequences.index(seq)
+        out.sequences.pop(idx)
+        scheduled.discard(seq.seq_id)
+        return out.num_new_tokens.pop(idx)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -145,8 +235,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
 
-        # 1. running sequences, oldest first; preempt from the back when blocks run out
-        for seq in list(self.running):
+        # 1. running sequences, oldest first (fair: the least served tenants' first); preempt
+        # from the back when blocks run out
+        running = list(self.running)
+        if self.fair:
+            running.sort(key=lambda s: self.served.get(s.tenant, 0.0))
+        for seq in running:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if budget == 0:
@@ -164,11 +258,7 @@ class Scheduler:
                 seq.draft_token_ids.clear()  # drafts never cost a preemption
             while self.kv.allocate_slots(seq, num_new) is None:
                 victim = self._victim()
-                if victim.seq_id in scheduled:  # never take back what this step already gave
-                    idx = out.sequences.index(victim)
-                    budget += out.num_new_tokens.pop(idx)
-                    out.sequences.pop(idx)
-                    scheduled.discard(victim.seq_id)
+                budget += self._unschedule(victim, out, scheduled)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -179,17 +269,28 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= num_new
 
-        # 2. admit waiting sequences (none when this step had to preempt: the pool is full)
-        while not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 2. admit waiting sequences (none when this step had to preempt: the pool is full;
+        # fair: a sequence of a more served tenant gives up its place where one is needed)
+        while (self.fair or not out.preempted) and budget > 0:
             seq = self.waiting.peek()
             if seq is None:
                 break
+            if len(self.running) >= self.config.max_num_seqs:
+                given_back = self._make_room(seq, out, scheduled)
+                if given_back is None:
+                    break
+                budget += given_back
+                continue
             hits, num_hit_tokens = [], 0
             if seq.params.prompt_logprobs is None:  # those need every prompt token's logits
                 hits, num_hit_tokens = self.kv.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - num_hit_tokens, budget)
             if self.kv.allocate_slots(seq, num_new, hits, num_hit_tokens) is None:
-                break
+                given_back = self._make_room(seq, out, scheduled)
+                if given_back is None:
+                    break
+                budget += given_back
+                continue
             self.waiting.pop()
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_hit_tokens
@@ -200,4 +301,28 @@ class Scheduler:
             out.num_new_tokens.append(num_new)
             scheduled.add(seq.seq_id)
             budget -= num_new
+        if self.fair:
+            self._count_served(out)
         return out
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput, scheduled: set[str]) -> int | None:
+        """Fair policy: preempt the sequence that gives up its place to waiting seq; returns the
+        step's tokens it had (None where no sequence gives way)."""
+        victim = self._fair_victim(seq) if self.fair else None
+        if victim is None:
+            return None
+        given_back = self._unschedule(victim, out, scheduled)
+        self._preempt(victim, out)
+        return given_back
+
+    def _count_served(self, out: SchedulerOutput) -> None:
+        """Add the step's tokens to their tenants' counters: prompt tokens (prefill chunks,
+        recomputation included) and output tokens (decodes and drafts), weighted."""
+        for seq, num_new in zip(out.sequences, out.num_new_tokens):
+            prompt = max(
+                min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens)
+                - seq.num_computed_tokens,
+                0,
+            )
+            weighted = prompt * FAIR_PROMPT_WEIGHT + (num_new - prompt) * FAIR_OUTPUT_WEIGHT
+            self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + weighted

@@ -34,19 +34,27 @@ SPECULATION_MAX_BATCH = 8
 # after each verification in a row that accepted nothing, since a step that verifies drafts runs
 # eagerly while plain decode steps run through the compiled graphs
 SPECULATION_MAX_PAUSE = 16
+# Token ids a draft model's output head computes by default, below the special tokens, which it
+# always computes: byte-level BPE vocabularies number their tokens in merge order, roughly by
+# frequency, so the first ids cover most of what a target writes while the head reads a fraction
+# of a large vocabulary's rows (EAGLE-3's and FR-Spec's reduced draft vocabulary); a token the
+# draft cannot propose is one draft rejected, never a different output
+DRAFT_VOCAB_SIZE = 32768
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `--speculative-config`: {"method": "ngram", "num_speculative_tokens": K,
     "prompt_lookup_min": 1, "prompt_lookup_max": 4}, or {"model": "<alias or path>",
-    "num_speculative_tokens": K} (method "draft_model")."""
+    "num_speculative_tokens": K, "draft_vocab_size": V} (method "draft_model"; the draft's head
+    computes the first V token ids and the special tokens, null: every token)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None  # the draft model
+    draft_vocab_size: int | None = DRAFT_VOCAB_SIZE
 
     @classmethod
     def parse(
@@ -66,7 +74,7 @@ class SpeculativeConfig:
         if "model" in value:
             value = {"method": "draft_model", **value}
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        known.add("model")
+        known |= {"model", "draft_vocab_size"}
         if unknown := sorted(set(value) - known):
             raise InvalidRequestError(
                 f"unknown speculative config key {unknown[0]!r} (known: {', '.join(sorted(known))})"
@@ -85,7 +93,19 @@ class SpeculativeConfig:
             )
         if config.num_speculative_tokens < 1:
             raise InvalidRequestError("num_speculative_tokens must be at least 1")
+        if config.draft_vocab_size is not None and config.draft_vocab_size < 1:
+            raise InvalidRequestError(
+                "draft_vocab_size must be at least 1 (or null for the whole vocabulary)"
+            )
         return config
+
+    def draft_vocab(self, vocab_size: int, special_ids: set[int]) -> list[int] | None:
+        """The token ids a draft model's head computes, in order: the first draft_vocab_size
+        ids, then the special tokens past them; None for the whole vocabulary."""
+        if self.draft_vocab_size is None or self.draft_vocab_size >= vocab_size:
+            return None
+        first = self.draft_vocab_size
+        return list(range(first)) + sorted(i for i in special_ids if first <= i < vocab_size)
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to min(num_speculative_tokens, limit) drafts to follow token_ids."""

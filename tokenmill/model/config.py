@@ -86,6 +86,9 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)  # per layer FULL_/SLIDING_ATTENTION
     tie_word_embeddings: bool = False
+    # ranks whose partial outputs of o_proj and the MLP are summed (see model/sharding.py); the
+    # head and intermediate counts above are then this rank's share; 1: no collectives
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.layer_types:

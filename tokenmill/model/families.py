@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeSettings
+from tokenmill.model.encoder import ENCODER_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ def _family(name: str, source: str) -> Family:
 def config_from_hf(hf: Any) -> ModelConfig:
     """Map a transformers `PretrainedConfig` onto `ModelConfig`."""
     model_type = getattr(hf, "model_type", None)
+    if model_type in ENCODER_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is an encoder: it serves embeddings "
+            "(`tokenmill serve` and /v1/embeddings), not generation"
+        )
     if model_type not in HF_MODEL_TYPES:
         known = ", ".join(sorted(HF_MODEL_TYPES))
         raise ValueError(

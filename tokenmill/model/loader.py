@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,14 +21,27 @@ from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     FINE_X_BLOCK,
+    INT4_EXACT,
+    INT5_EXACT,
     QuantEmbedding,
     QuantLinear,
     dense_crossover,
     dense_packed_form,
+    int4_rows_layout,
     is_large_int8,
     merge_packed,
     packed_form,
     takes_tiles,
+)
+from tokenmill.model.sharding import (
+    Shard,
+    ShardLayout,
+    block_elements,
+    layout,
+    sharded_config,
+    slice_columns,
+    slice_packed,
+    slice_rows,
 )
 from tokenmill.model.transformer import Transformer
 
@@ -55,6 +68,7 @@ class LoadedModel:
     dtype: torch.dtype
     # whether every row is computed alike whatever its batch (see `load_model`)
     batch_invariant: bool = True
+    shard: Shard | None = None  # the tensor-parallel rank this model is a shard of
 
 
 def preferred_dtype() -> torch.dtype:
@@ -103,6 +117,8 @@ def load_model(
     quantization: str = "auto",
     dense_min_tokens: int | None = None,
     batch_invariant: bool = True,
+    head_rows: Sequence[int] | None = None,
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer from a GGUF file or an HF directory.
 
@@ -119,6 +135,10 @@ def load_model(
     so they keep no dense copies: a copy's float matmul rounds differently from the packed kernel;
     dense fp32 layers and a tied fp32 head multiply through `tokenmill::dense_linear`
     (`DenseLinear`), whose kernels are then built here if need be.
+    head_rows: the output head computes the logits of these token ids only, in this order (a
+    draft model's reduced vocabulary, see `SpeculativeConfig.draft_vocab_size`).
+    shard: load only this tensor-parallel rank's share of the weights (see model/sharding.py); the
+    returned config then holds the rank's own head and intermediate counts.
     """
     if batch_invariant and dense_min_tokens:
         raise ValueError(
@@ -142,15 +162,18 @@ def load_model(
         quantization,
         0 if batch_invariant else dense_min_tokens,
         batch_invariant,
+        head_rows,
+        shard,
     )
     model = builder.build(weights, progress)
     return LoadedModel(
         model=model,
-        config=config,
+        config=model.config,
         tokenizer=tokenizer,
         path=path,
         dtype=dtype,
         batch_invariant=batch_invariant,
+        shard=shard,
     )
 
 
@@ -234,11 +257,15 @@ class _Builder:
         quantization: str,
         dense_min_tokens: int | None,
         batch_invariant: bool,
+        head_rows: Sequence[int] | None = None,
+        shard: Shard | None = None,
     ) -> None:
         self.config, self.dtype, self.path = config, dtype, path
         self.quantization = quantization
         self.dense_min_tokens = dense_min_tokens
         self.batch_invariant = batch_invariant
+        self.head_rows = head_rows
+        self.shard = shard
 
     def build(self, weights: Iterator[tuple[str, Weight]], progress: bool) -> Transformer:
         expected = checkpoint_shapes(self.config)
@@ -265,19 +292,29 @@ class _Builder:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ModelFileError(self.path, f"missing tensors: {', '.join(missing[:3])}{more}")
 
+        lay = self._layout(state)
+        config = self.config if lay is None else sharded_config(self.config, lay, self.shard.size)
         with torch.device("meta"):
-            model = Transformer(self.config)
+            model = Transformer(config)
         for i, layer in enumerate(model.layers):
             for target, parts in FUSED.items():
                 ws = [state.pop(f"layers.{i}.{p}.weight") for p in parts]
                 bs = [state.pop(f"layers.{i}.{p}.bias", None) for p in parts]
+                cols = None
+                if lay is not None:
+                    ws, bs, cols = self._shard_parts(target, ws, bs, lay)
                 owner, attr = target.split(".")
                 x_block = FINE_X_BLOCK if target == "mlp.down_proj" else COARSE_X_BLOCK
-                setattr(getattr(layer, owner), attr, self.linear(ws, bs, x_block))
+                name = f"layers.{i}.{target}"
+                setattr(getattr(layer, owner), attr, self.linear(ws, bs, x_block, cols, name))
         embed = state.pop("embed.weight")
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
-        if head is not None:
+        if self.head_rows is not None:  # its own layer of those rows, tied or not
+            rows = _select_rows(embed if head is None else head, self.head_rows)
+            model.lm_head = self.linear([rows], [None], x_block=COARSE_X_BLOCK)
+            _release([head] if head is not None else [])
+        elif head is not None:
             model.lm_head = self.linear([head], [None], x_block=COARSE_X_BLOCK)
         elif keep_quantized or self.quantization in ("int8", "int4"):
             # tied, but the head needs its own packed form
@@ -302,11 +339,53 @@ class _Builder:
             raise ModelFileError(self.path, f"no weights for {', '.join(left[:3])}")
         return model.eval().requires_grad_(False)
 
+    def _layout(self, state: dict[str, Weight]) -> ShardLayout | None:
+        """This rank's share (None unsharded); the MLP splits on the down projections' largest
+        quantization block (32 for --quantization int4, whose groups are 32 columns)."""
+        if self.shard is None:
+            return None
+        downs = [w for name, w in state.items() if name.endswith("mlp.down_proj.weight")]
+        align = max(block_elements(w) for w in downs)
+        if self.quantization == "none":
+            align = 1  # dequantized before slicing
+        elif self.quantization == "int4":
+            align = max(align, 32)
+        return layout(self.config, self.shard, align)
+
+    def _shard_parts(
+        self,
+        target: str,
+        weights: list[Weight],
+        biases: list[torch.Tensor | None],
+        lay: ShardLayout,
+    ) -> tuple[list[Weight], list[torch.Tensor | None], range | None]:
+        """This rank's rows of a column-parallel projection (qkv, gate/up), or the whole weights
+        of a row-parallel one (o_proj, down_proj) and the columns to keep (sliced in `linear`,
+        which knows the packed form); a row-parallel bias is added on rank 0 only."""
+        d = self.config.head_dim
+        q = range(lay.q_heads.start * d, lay.q_heads.stop * d)
+        if target == "attn.qkv_proj":
+            kv = range(lay.kv_heads.start * d, lay.kv_heads.stop * d)
+            parts = [q, kv, kv]
+        elif target == "mlp.gate_up_proj":
+            parts = [lay.ffn, lay.ffn]
+        else:
+            bias = biases if self.shard.rank == 0 else [None]
+            return weights, bias, q if target == "attn.o_proj" else lay.ffn
+        rows = [slice_rows(w, r) for w, r in zip(weights, parts)]
+        return rows, [None if b is None else slice_rows(b, r) for b, r in zip(biases, parts)], None
+
     def linear(
-        self, weights: list[Weight], biases: list[torch.Tensor | None], x_block: int
+        self,
+        weights: list[Weight],
+        biases: list[torch.Tensor | None],
+        x_block: int,
+        cols: range | None = None,
+        name: str = "",
     ) -> nn.Module:
         """One module computing the concatenated outputs of these checkpoint projections (x_block:
-        see `QuantLinear`)."""
+        see `QuantLinear`); cols: only these input columns (a row-parallel shard), named `name`
+        in errors."""
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat(
@@ -314,21 +393,24 @@ class _Builder:
             )
             bias = bias.to(self.dtype)
         rows = sum(w.shape[0] for w in weights)
-        cols = weights[0].shape[1]
         q = self.quantization
         quantize = q in ("int8", "int4") or (
             q == "gguf" and all(isinstance(w, GGMLWeight) for w in weights)
         )
+        if cols is not None and quantize and q == "gguf" and all(map(_packs_per_block, weights)):
+            weights = [slice_columns(w, cols, name) for w in weights]  # whole blocks of the file
+            cols = None
+        keep = slice(None) if cols is None else slice(cols.start, cols.stop)
+        num_cols = weights[0].shape[1] if cols is None else len(cols)
         if not quantize:
             invariant = self.batch_invariant and self.dtype == torch.float32
             if invariant:  # built before the first step, as for packed layers
                 invariant_kernel_builds()
             layer = (DenseLinear if invariant else nn.Linear)(
-                cols, rows, bias=bias is not None, device="meta"
+                num_cols, rows, bias=bias is not None, device="meta"
             )
-            layer.weight = nn.Parameter(
-                _cat_rows([_dense(w, self.dtype) for w in weights]), requires_grad=False
-            )
+            dense = _cat_rows([_dense(w, self.dtype) for w in weights])[:, keep]
+            layer.weight = nn.Parameter(dense.contiguous(), requires_grad=False)
             if bias is not None:
                 layer.bias = nn.Parameter(bias, requires_grad=False)
             return layer
@@ -338,20 +420,24 @@ class _Builder:
             kind, data = merge_packed(
                 [dense_packed_form(_dense(w, torch.float32), q) for w in weights]
             )
-        tiles = takes_tiles(rows, cols)
+        if cols is not None:  # packed whole: an int8 form's scale is its whole row's
+            data = slice_packed(kind, data, cols)
+        tiles = takes_tiles(rows, num_cols)
         threshold = (
             self.dense_min_tokens
             if self.dense_min_tokens is not None
             else dense_crossover(kind, self.dtype, tiles)
         )
-        if is_large_int8(kind, rows * cols):
+        if is_large_int8(kind, rows * num_cols):
             # an output head: tiles or dequantized chunks serve every batch (see QuantLinear)
             threshold = 0
-        dense = _cat_rows([_dense(w, self.dtype) for w in weights]) if threshold > 0 else None
+        dense = None
+        if threshold > 0:
+            dense = _cat_rows([_dense(w, self.dtype) for w in weights])[:, keep].contiguous()
         _release(weights)
         return QuantLinear(
             rows,
-            cols,
+            num_cols,
             self.dtype,
             **{kind: data},
             bias=bias,
@@ -363,10 +449,26 @@ class _Builder:
         )
 
 
+def _packs_per_block(w: Weight) -> bool:
+    """Whether a GGUF weight's packed form keeps each quantization block as it is (exact int4 or
+    5-bit groups; see `packed_form`), so a slice of its blocks packs as that part of the whole."""
+    return isinstance(w, GGMLWeight) and (
+        w.qtype in INT4_EXACT or (w.qtype in INT5_EXACT and int4_rows_layout())
+    )
+
+
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts stacked by rows; a single part as it is (a copy of a 262k-row head would double
     its memory while loading)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _select_rows(weight: Weight, rows: Sequence[int]) -> Weight:
+    """These rows of a checkpoint tensor, in this order (a GGML tensor's stay quantized)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    if isinstance(weight, GGMLWeight):
+        return GGMLWeight(weight.data[index], weight.qtype, (len(rows), *weight.shape[1:]))
+    return weight[index]
 
 
 def _release(weights: list[Weight]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -134,6 +135,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # o_proj is row-parallel under tensor parallelism: its partial sums are all-reduced
+        self.reduce = cfg.tensor_parallel_size > 1
 
     def forward(
         self,
@@ -155,7 +158,14 @@ class Attention(nn.Module):
         out = paged_attention(
             q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap, self.window
         )
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        out = self.o_proj(out.reshape(tokens, self.q_size))
+        return _all_reduce(out) if self.reduce else out
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the tensor-parallel ranks, in place."""
+    dist.all_reduce(x)
+    return x
 
 
 # The MLP activations by config name; tokenmill::gated_activation knows the same names.
@@ -172,13 +182,17 @@ class MLP(nn.Module):
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
         self.act_name = cfg.hidden_act
+        # down_proj is row-parallel under tensor parallelism: its partial sums are all-reduced
+        self.reduce = cfg.tensor_parallel_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if _fused_activation_fits(gate_up):
-            return self.down_proj(torch.ops.tokenmill.gated_activation(gate_up, self.act_name))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(ACTIVATIONS[self.act_name](gate) * up)
+            out = self.down_proj(torch.ops.tokenmill.gated_activation(gate_up, self.act_name))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(ACTIVATIONS[self.act_name](gate) * up)
+        return _all_reduce(out) if self.reduce else out
 
 
 def _fused_activation_fits(gate_up: torch.Tensor) -> bool:

@@ -17,7 +17,17 @@ from tokenmill.engine.data_parallel import DataParallelEngine
 from tokenmill.server.errors import install_exception_handlers
 from tokenmill.server.guard import GuardMiddleware
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.routes import admin, models, openai, tokenize, web
+from tokenmill.server.routes import (
+    admin,
+    anthropic,
+    embeddings,
+    models,
+    ollama,
+    openai,
+    responses,
+    tokenize,
+    web,
+)
 from tokenmill.server.state import ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "build_app"]
@@ -38,6 +48,7 @@ def build_app(engine: AsyncLLMEngine | DataParallelEngine, config: ServerConfig)
         )
     app.add_middleware(GuardMiddleware, config=config)
     install_exception_handlers(app)
-    for router in (admin.router, models.router, web.router, tokenize.router, openai.router):
-        app.include_router(router)
+    routers = (admin, models, web, tokenize, openai, anthropic, ollama, responses, embeddings)
+    for module in routers:
+        app.include_router(module.router)
     return app

@@ -50,6 +50,7 @@ class RequestRun:
         params: SamplingParams,
         request_id: str,
         priority: int,
+        tenant: str = "",
     ) -> RequestRun:
         """Queue every prompt (prompt i as request `{request_id}-{i}`); raises here, before any
         response is sent, if the engine refuses one (the ones already queued are aborted)."""
@@ -59,7 +60,7 @@ class RequestRun:
         try:
             for i, prompt in enumerate(prompts):
                 stream = await state.engine.add_request(
-                    prompt, params, f"{request_id}-{i}", priority=priority
+                    prompt, params, f"{request_id}-{i}", priority=priority, tenant=tenant
                 )
                 streams.append(stream)
         except BaseException:

@@ -9,12 +9,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.formatting import sse
+from tokenmill.server.protocol import STRICT_REQUEST_FIELDS
 from tokenmill.server.state import ServerConfig
 
 
 class GuardMiddleware:
     """A plain ASGI middleware: it adds no task or stream of its own, so the cancellation of a
-    request at shutdown passes straight through it to the route."""
+    request at shutdown passes straight through it to the route, and the request's validation
+    sees the context it sets (`STRICT_REQUEST_FIELDS`)."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app = app
@@ -25,7 +27,9 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         refusal = self._refusal(scope)
         if refusal is not None:
-            return await refusal.response()(scope, receive, send)
+            return await refusal.response(scope["path"])(scope, receive, send)
+        STRICT_REQUEST_FIELDS.set(self.config.strict_request_fields)
+        scope.setdefault("state", {})["tenant"] = self._tenant(scope)
         started = event_stream = False
 
         async def tracking_send(message: Message) -> None:
@@ -46,7 +50,7 @@ class GuardMiddleware:
             message = "the server is shutting down"
             if not started:
                 error = APIError(503, message, type_="service_unavailable")
-                await error.response()(scope, receive, send)
+                await error.response(scope["path"])(scope, receive, send)
                 return
             tail = b""  # end the body cleanly, with an in-band error event when it is a stream
             if event_stream:
@@ -57,10 +61,12 @@ class GuardMiddleware:
         """The error that refuses this request before it reaches a route, if any."""
         config, path = self.config, scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        protected = path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize")
+        protected &= path != "/api/version"  # public, as /version is
         protected |= path == "/health" and config.protect_health
         protected |= path == "/metrics" and config.protect_metrics
-        if config.api_key and protected and not _authorized(headers, config.api_key):
+        keyed = config.api_key or config.api_keys
+        if keyed and protected and self._key_tenant(headers) is None:
             return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > config.max_body_bytes:
@@ -72,10 +78,25 @@ class GuardMiddleware:
             )
         return None
 
+    def _key_tenant(self, headers: dict[str, str]) -> str | None:
+        """The tenant of the key the request carries (as a Bearer token or in X-API-Key): its
+        entry in the keys file, "" for the server's own key; None for no known key. Every key is
+        compared, each in constant time."""
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = headers.get("x-api-key", "")
+        given = token.strip().encode()
+        tenant = None
+        if self.config.api_key and hmac.compare_digest(given, self.config.api_key.encode()):
+            tenant = ""
+        for key, name in self.config.api_keys.items():
+            if hmac.compare_digest(given, key.encode()):
+                tenant = name
+        return tenant
 
-def _authorized(headers: dict[str, str], api_key: str) -> bool:
-    """Whether the request carries the key, as a Bearer token or in X-API-Key."""
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        token = headers.get("x-api-key", "")
-    return hmac.compare_digest(token.strip().encode(), api_key.encode())
+    def _tenant(self, scope: Scope) -> str:
+        """Who sends the request, for fair scheduling: its key's tenant ("" without keys)."""
+        if not self.config.api_keys:
+            return ""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        return self._key_tenant(headers) or ""

@@ -40,6 +40,16 @@ class _EngineCollector:
             for values, s in samples:
                 family.add_metric(values, getattr(s, attr))
             yield family
+        served = GaugeMetricFamily(
+            "tokenmill:tenant_served_tokens",
+            "Fair scheduling: the virtual token counter of each tenant with requests in the "
+            "engine (prompt tokens, plus output tokens weighted 2).",
+            labels=[*labels, "tenant"],
+        )
+        for values, s in samples:
+            for tenant, value in s.tenant_served_tokens.items():
+                served.add_metric([*values, tenant], value)
+        yield served
 
 
 # (family, name, help, EngineStats field) of each engine metric
@@ -186,15 +196,15 @@ class RequestTimer:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.start = self.last = time.perf_counter()
-        self.first = True
+        self.first_token_at: float | None = None  # time.perf_counter() of the first token
 
     def tokens(self, count: int) -> None:
         if count <= 0:
             return
         now = time.perf_counter()
-        if self.first:
+        if self.first_token_at is None:
             self.metrics.ttft.observe(now - self.start)
-            self.first = False
+            self.first_token_at = now
         else:
             per_token = (now - self.last) / count
             for _ in range(count):

@@ -1,14 +1,19 @@
 """Request bodies of the OpenAI API (plus vLLM's extras), validated by pydantic.
 
-Unknown fields are refused the way OpenAI refuses them ("Unrecognized request argument
-supplied"), so a typo never silently changes what a client gets.
+Unknown fields are ignored with a warning, as vLLM does: clients send vendor fields (llama.cpp's
+`cache_prompt`, LiteLLM's extras). With `--strict-request-fields` they are refused the way OpenAI
+refuses them ("Unrecognized request argument supplied"), so a typo never silently changes what a
+client gets.
 """
 
 from __future__ import annotations
 
+import logging
+from contextvars import ContextVar
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams, StructuredOutputs
@@ -17,9 +22,41 @@ MAX_N = 16  # most choices per request: each is a sequence of its own in the run
 MAX_STOP = 16  # most stop strings per request: each is searched for in every new piece of text
 MAX_LOGIT_BIAS = 300  # most logit_bias entries per request, OpenAI's limit
 
+log = logging.getLogger("tokenmill.server")
+# Whether unknown request fields are refused (set for each request from the server's
+# configuration; see `GuardMiddleware`)
+STRICT_REQUEST_FIELDS: ContextVar[bool] = ContextVar("strict_request_fields", default=False)
+_warned_fields: set[str] = set()  # unknown fields already logged, each logged once
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request object: its unknown fields are ignored (logged once by name) or, with
+    `STRICT_REQUEST_FIELDS`, refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _unknown_fields(self) -> _Strict:
+        extra = self.__pydantic_extra__
+        if not extra:
+            return self
+        names = ", ".join(sorted(extra))
+        if STRICT_REQUEST_FIELDS.get():
+            raise PydanticCustomError(
+                "extra_forbidden",
+                "Unrecognized request argument supplied: {names}",
+                {"names": names},
+            )
+        if new := sorted(set(extra) - _warned_fields):
+            _warned_fields.update(new)
+            log.warning(
+                "ignoring unknown request fields %s of %s (logged once per field; "
+                "--strict-request-fields refuses them)",
+                ", ".join(new),
+                type(self).__name__,
+            )
+        extra.clear()
+        return self
 
 
 class StreamOptions(_Strict):
@@ -261,3 +298,15 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request, plus vLLM's `truncate_prompt_tokens`."""
+
+    model: str | None = None
+    # a text, texts, one list of token ids, or lists of token ids
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # cut each input to this many tokens (-1: limit)

@@ -157,6 +157,20 @@ class Tokenizer:
             ids.append(self.eos_token_id)
         return ids
 
+    def encode_framed(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids for `text` framed by the tokenizer's own post-processor (e.g. BERT's
+        [CLS] ... [SEP]), as transformers and sentence-transformers encode a text for an
+        encoder. With `max_tokens`, the text is cut so that text and framing fit in it."""
+        with self._lock:
+            self._backend.encode_special_tokens = False
+            if max_tokens is None:
+                return self._backend.encode(text, add_special_tokens=True).ids
+            self._backend.enable_truncation(max_tokens)
+            try:
+                return self._backend.encode(text, add_special_tokens=True).ids
+            finally:
+                self._backend.no_truncation()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text for `ids`; control tokens are written out unless `skip_special_tokens`."""
         ids = list(ids)
@@ -178,6 +192,10 @@ class Tokenizer:
             if token.content == text:
                 return token_id
         return None
+
+    def added_token_ids(self) -> list[int]:
+        """The ids of every added token (the special tokens and such as "<tool_call>")."""
+        return list(self._backend.get_added_tokens_decoder())
 
     def id_to_piece(self, id: int) -> str:
         """The vocabulary entry for `id` as stored (e.g. "▁Hello" or "ĠHello"), not decoded text."""

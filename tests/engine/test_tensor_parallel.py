@@ -1,0 +1,291 @@
+"""Tensor parallelism (`tensor_parallel_size`): two ranks compute what one does, on tiny random
+models with an uneven head split, a replicated KV head and packed GGUF weights; the workers leave
+with the engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import gguf
+import psutil
+import pytest
+import torch
+import transformers
+
+from tests.engine_runs import final_outputs
+from tests.model.test_gguf_model import HF_CONFIGS, _write_gguf
+from tests.tiny_models import build_tiny_model
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.model.sharding import ffn_ranges, head_ranges, slice_columns
+from tokenmill.sample import SamplingParams
+
+Q = gguf.GGMLQuantizationType
+NUM_BLOCKS, BLOCK = 64, 8
+# logits of about +-3 here; a flipped int8 activation rounding (see the packed test) moves them by
+# up to ~0.02
+PACKED_ATOL = 0.05
+
+
+def _engine(path: Path, tp: int, quantization: str = "none") -> LLMEngine:
+    # float32 throughout, the KV cache too: an fp16 cache rounds each rank's keys at their own
+    # last bit, which the 1e-4 bound would then measure
+    return LLMEngine(
+        str(path),
+        dtype="fp32",
+        quantization=quantization,
+        kv_cache_dtype="float32",
+        num_kv_blocks=NUM_BLOCKS,
+        block_size=BLOCK,
+        compile=False,
+        tensor_parallel_size=tp,
+    )
+
+
+def _prompts(vocab: int, count: int = 12) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        torch.randint(3, vocab - 3, (int(n),), generator=g).tolist()
+        for n in torch.randint(2, 14, (count,), generator=g)
+    ]
+
+
+def _logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Every prompt token's logits in one batched prefill, then two batched decode steps' of
+    tokens chosen here, through blocks assigned by hand (two per sequence)."""
+    tables = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
+    lens = [len(p) for p in prompts]
+    out = [engine.runner.all_logits(prompts, lens, tables)]
+    for step in range(2):
+        tokens = [[(7 * i + step) % 50 + 3] for i in range(len(prompts))]
+        lens = [n + 1 for n in lens]
+        out.append(engine.runner.all_logits(tokens, lens, tables))
+    return out
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    return [o.token_ids for o in final_outputs(engine, [(p, params) for p in prompts])]
+
+
+def _compare(path: Path, vocab: int, quantization: str, atol: float, ranks: int = 2) -> None:
+    prompts = _prompts(vocab, 16)
+    results = {}
+    for tp in (1, ranks):
+        engine = _engine(path, tp, quantization)
+        try:
+            results[tp] = (_logits(engine, prompts), _greedy(engine, prompts))
+        finally:
+            engine.shutdown()
+    (logits1, greedy1), (logits2, greedy2) = results[1], results[ranks]
+    for one, two in zip(logits1, logits2):
+        torch.testing.assert_close(two, one, atol=atol, rtol=0)
+    assert greedy2 == greedy1
+
+
+@pytest.fixture(scope="module")
+def llama_3kv(tmp_path_factory) -> Path:
+    # 6 heads of 16 over 3 KV heads: rank 0 holds 2 KV heads (4 query heads), rank 1 one (2)
+    path = tmp_path_factory.mktemp("llama-3kv")
+    return build_tiny_model(path, num_heads=6, num_kv_heads=3, hidden_size=96)
+
+
+def test_llama_with_uneven_heads_equals_one_rank(llama_3kv: Path) -> None:
+    _compare(llama_3kv, 320, "none", atol=1e-4)
+
+
+def test_llama_over_three_ranks_equals_one_rank(llama_3kv: Path) -> None:
+    # one KV head each; the MLP's 128 columns split 43 + 43 + 42
+    _compare(llama_3kv, 320, "none", atol=1e-4, ranks=3)
+
+
+def test_gemma3_with_a_replicated_kv_head_equals_one_rank(tmp_path: Path) -> None:
+    # sandwich norms after the all-reduces; 1 KV head on both ranks, 2 query heads each
+    path = build_tiny_model(tmp_path / "gemma3", arch="gemma3", num_kv_heads=1)
+    _compare(path, 320, "none", atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+def test_packed_gguf_equals_one_rank(qtype: Q, tmp_path: Path) -> None:
+    """Packed weights stay packed: Q4_0's blocks are sliced as they are in the file; Q8_0's int8
+    form has one scale per whole row, so o_proj and down_proj are packed whole and then sliced.
+    The MLP's 96 columns split 64 + 32, on Q4_0's blocks of 32."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS["llama"], dtype=torch.float32)
+    path = tmp_path / "model.gguf"
+    _write_gguf(path, hf.eval(), "llama", qtype)
+    _compare(path, 96, "none", atol=1e-4)  # the file's blocks sliced, then dequantized
+    # The packed layers themselves split exactly (their int8 activations are scaled per block of
+    # 8 or 32 columns, which the splits keep), but the ranks' partial sums add up in another
+    # order, and a last-bit difference in a hidden state can move an activation across an int8
+    # rounding step in the next layer: a step of 1/127 of its block's largest value, far above
+    # float32's rounding. So the logits agree to the activations' quantization, not to 1e-4.
+    _compare(path, 96, "gguf", atol=PACKED_ATOL)
+
+
+def test_workers_exit_on_shutdown_and_after_a_failed_step(llama_3kv: Path, monkeypatch) -> None:
+    engine = _engine(llama_3kv, 2)
+    pids = engine.executor.pids
+    assert all(psutil.pid_exists(pid) for pid in pids)
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("injected")
+
+    # rank 0 fails after sending the step: the worker waits in its first all-reduce
+    monkeypatch.setattr(engine.runner, "_forward", fail)
+    engine.add_request(None, [5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="out of step"):
+        engine.step()
+    assert engine.executor is None
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+    engine = _engine(llama_3kv, 2)
+    pids = engine.executor.pids
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_workers_exit_when_the_driver_raises(llama_3kv: Path, tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        from tokenmill.llm import LLM
+        llm = LLM({str(llama_3kv)!r}, dtype="fp32", num_kv_blocks=16, tensor_parallel_size=2)
+        print(*llm.engine.executor.pids, flush=True)
+        raise SystemExit("the driver fails")
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert "the driver fails" in run.stderr, run.stderr
+    pids = [int(p) for p in run.stdout.split()]
+    assert len(pids) == 1
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_workers_exit_when_the_driver_is_killed(llama_3kv: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import time
+        from tokenmill.llm import LLM
+        llm = LLM({str(llama_3kv)!r}, dtype="fp32", num_kv_blocks=16, tensor_parallel_size=2)
+        print(*llm.engine.executor.pids, flush=True)
+        time.sleep(300)
+        """
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in driver.stdout.readline().split()]
+    driver.kill()  # no atexit, no finalizers: the worker sees its group close
+    driver.wait()
+    workers = [psutil.Process(pid) for pid in pids]
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive
+
+
+def test_unsupported_combinations_are_refused(llama_3kv: Path, tiny_loaded) -> None:
+    with pytest.raises(ValueError, match="rather than a loaded model"):
+        LLMEngine(tiny_loaded, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        LLMEngine(str(llama_3kv), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
+        LLMEngine(str(llama_3kv), tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="draft model"):
+        LLMEngine(
+            str(llama_3kv),
+            tensor_parallel_size=2,
+            speculative_config={"model": str(llama_3kv), "num_speculative_tokens": 2},
+        )
+
+
+def test_head_and_ffn_splits() -> None:
+    # SmolLM2: 9 query heads over 3 KV heads
+    assert head_ranges(9, 3, 2) == [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3))]
+    # Gemma 3 270M: one KV head, replicated; its 4 query heads split
+    assert head_ranges(4, 1, 2) == [(range(0, 2), range(0, 1)), (range(2, 4), range(0, 1))]
+    assert head_ranges(8, 2, 4) == [
+        (range(0, 2), range(0, 1)),
+        (range(2, 4), range(0, 1)),
+        (range(4, 6), range(1, 2)),
+        (range(6, 8), range(1, 2)),
+    ]
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        head_ranges(4, 1, 3)
+    assert ffn_ranges(96, 2, 32) == [range(0, 64), range(64, 96)]
+    assert ffn_ranges(2048, 2, 256) == [range(0, 1024), range(1024, 2048)]
+    with pytest.raises(ValueError, match="quantization blocks of 256"):
+        ffn_ranges(256, 2, 256)
+
+
+def test_a_split_inside_a_block_is_refused() -> None:
+    from gguf.quants import quantize
+
+    from tokenmill.model.quant import GGMLWeight
+
+    raw = torch.from_numpy(quantize(torch.randn(4, 64).numpy(), Q.Q4_0))
+    w = GGMLWeight(raw, Q.Q4_0, (4, 64))
+    assert slice_columns(w, range(32, 64), "o_proj").dequantize().equal(w.dequantize()[:, 32:])
+    with pytest.raises(ValueError, match="inside a Q4_0 block of 32"):
+        slice_columns(w, range(16, 64), "o_proj")
+
+
+def test_generate_command_with_two_ranks(llama_3kv: Path, capsys) -> None:
+    from tokenmill.cli.main import main
+
+    outputs = []
+    for tp in ("1", "2"):
+        argv = ["generate", "-m", str(llama_3kv), "--dtype", "fp32", "--no-compile", "-n", "6"]
+        assert main([*argv, "--tensor-parallel-size", tp, "def add(a, b):"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[1] == outputs[0]
+
+
+def test_async_engine_serves_and_stops_its_workers(llama_3kv: Path) -> None:
+    """As `serve` runs it: the engine built on the engine thread, its workers stopped when the
+    engine loop ends."""
+    import asyncio
+
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+
+    async_engine = AsyncLLMEngine(lambda: _engine(llama_3kv, 2))
+    pids = async_engine.engine.executor.pids
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def run() -> list[int]:
+        outs = [out async for out in async_engine.generate([5, 6, 7], params, "r")]
+        return outs[-1].outputs[0].token_ids
+
+    tokens = asyncio.run(run())
+    async_engine.shutdown(timeout=30)
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+    engine = _engine(llama_3kv, 1)
+    assert tokens == _greedy_one(engine, [5, 6, 7], params)
+
+
+def _greedy_one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return final_outputs(engine, [(prompt, params)])[0].token_ids
+
+
+def test_a_head_split_inside_a_block_is_refused_at_load(tmp_path: Path) -> None:
+    """4 KV heads of 16 over 3 ranks: 2 + 1 + 1, so rank 1's o_proj columns are 32..48, inside
+    Q4_0's block 32..64."""
+    import copy
+
+    from tokenmill.errors import InvalidRequestError
+    from tokenmill.model.loader import load_model
+    from tokenmill.model.sharding import Shard
+
+    config = copy.deepcopy(HF_CONFIGS["llama"])
+    config.num_key_value_heads = 4
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp_path / "model.gguf"
+    _write_gguf(path, hf.eval(), "llama", Q.Q4_0)
+    assert load_model(path, dtype="fp32", progress=False, shard=Shard(0, 3)).config.num_heads == 2
+    with pytest.raises(InvalidRequestError, match="layers.0.attn.o_proj: .* inside a Q4_0 block"):
+        load_model(path, dtype="fp32", progress=False, shard=Shard(1, 3))
+    # dequantized weights split anywhere
+    dense = load_model(path, dtype="fp32", quantization="none", progress=False, shard=Shard(1, 3))
+    assert dense.config.num_heads == 1

@@ -1,0 +1,231 @@
+"""Tensor parallelism over processes (`--tensor-parallel-size N`): the engine's own process is
+rank 0, the driver, and ranks 1..N-1 are worker processes started with torch.multiprocessing's
+spawn, joined by one torch.distributed process group (gloo on CPU, NCCL for CUDA models).
+
+The scheduler and the KV block manager run once, in the driver. Each step the driver broadcasts
+the step's inputs (token ids, context lengths, block tables: what `ModelRunner` builds the flat
+batch and the `AttentionBatch` from) before its own forward pass; every rank then runs the same
+forward over its shard of the weights (see model/sharding.py), whose o_proj and MLP outputs are
+all-reduced, and rank 0 alone computes logits. Each rank's KV cache holds only its KV heads and
+is addressed by the driver's block tables. Steps run eagerly: the compiled decode graphs stay off.
+
+A `None` broadcast ends the workers' loops; workers are daemon processes, so they also end when
+the driver's interpreter exits, and a worker whose driver died fails its next collective and
+exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import socket
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tokenmill.errors import InvalidRequestError, TokenmillError
+
+log = logging.getLogger("tokenmill.engine")
+
+EXECUTOR_BACKENDS = ("mp",)
+# the collectives' timeout: a worker waits for the next step as long as the engine stays idle
+GROUP_TIMEOUT = datetime.timedelta(days=365)
+# seconds a worker gets to leave on its own at shutdown before it is terminated
+JOIN_TIMEOUT_S = 10.0
+
+# one step's inputs: token ids of each sequence, context lengths, block tables
+StepInputs = tuple[list[list[int]], list[int], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to load its shard and build its runner."""
+
+    path: str
+    load_options: dict[str, Any]  # load_model's keyword arguments, but the shard
+    block_size: int
+    kv_cache_dtype: str
+    threads: int
+    init_method: str
+
+
+def check_backend(backend: str) -> None:
+    if backend not in EXECUTOR_BACKENDS:
+        raise InvalidRequestError(
+            f"distributed executor backend {backend!r} is not supported: tensor parallelism "
+            "runs its workers as local processes with --distributed-executor-backend mp "
+            "(the default)"
+        )
+
+
+def threads_per_rank(size: int) -> int:
+    """OpenMP threads of each rank, so that the ranks share the cores the process was given."""
+    return max(1, torch.get_num_threads() // size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class TPExecutor:
+    """The driver's side: starts the workers, sends them each step, stops them."""
+
+    def __init__(
+        self,
+        size: int,
+        path: str,
+        load_options: dict[str, Any],
+        block_size: int,
+        kv_cache_dtype: str,
+    ) -> None:
+        """Start the N-1 workers, which load their shards meanwhile; `connect` waits for them.
+        Sets this process's threads to its share of the cores (restored by `shutdown`)."""
+        if dist.is_initialized():
+            raise TokenmillError(
+                "a torch.distributed process group already exists in this process: shut down the "
+                "other tensor-parallel engine first (one per process)"
+            )
+        self.size = size
+        self._threads_before = torch.get_num_threads()
+        threads = threads_per_rank(size)
+        self.spec = WorkerSpec(
+            path=path,
+            load_options=load_options,
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            threads=threads,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
+        torch.set_num_threads(threads)
+        ctx = mp.get_context("spawn")
+        self._ready: Any = ctx.Queue()
+        self.processes = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, size, self.spec, self._ready),
+                name=f"tokenmill-tp{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for p in self.processes:
+            p.start()
+        self._finalizer = weakref.finalize(self, _terminate, list(self.processes))
+        self.connected = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def connect(self, num_blocks: int, device: torch.device) -> None:
+        """Wait for every worker to load its shard, join the process group as rank 0 and send
+        the KV pool's size. Raises (workers stopped) if a worker failed."""
+        waiting = set(range(1, self.size))
+        while waiting:
+            try:
+                rank, error = self._ready.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self.processes if not p.is_alive()]
+                if dead:
+                    self.shutdown(graceful=False)
+                    raise TokenmillError(
+                        f"tensor-parallel worker {dead[0].name} exited with code "
+                        f"{dead[0].exitcode} while loading its shard; see its output above"
+                    ) from None
+                continue
+            if error is not None:
+                self.shutdown(graceful=False)
+                raise TokenmillError(f"tensor-parallel worker {rank} failed: {error}")
+            waiting.discard(rank)
+        dist.init_process_group(
+            _backend(device),
+            init_method=self.spec.init_method,
+            rank=0,
+            world_size=self.size,
+            timeout=GROUP_TIMEOUT,
+        )
+        self.connected = True
+        dist.broadcast_object_list([num_blocks], src=0)
+
+    def send_step(
+        self, token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]]
+    ) -> None:
+        """Broadcast a step's inputs; the caller runs its own forward pass next."""
+        dist.broadcast_object_list([(token_ids, context_lens, block_tables)], src=0)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers and leave the process group. graceful: tell them to leave (the
+        process group must be in step); else terminate them."""
+        if self.connected:
+            if graceful:
+                try:
+                    dist.broadcast_object_list([None], src=0)
+                except RuntimeError as exc:  # a worker already gone
+                    log.warning("could not tell the tensor-parallel workers to stop: %s", exc)
+            for p in self.processes:
+                p.join(JOIN_TIMEOUT_S if graceful else 0)
+            dist.destroy_process_group()
+            self.connected = False
+        _terminate(self.processes)
+        self._finalizer.detach()
+        torch.set_num_threads(self._threads_before)
+
+
+def _terminate(processes: list[Any]) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(JOIN_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _worker(rank: int, size: int, spec: WorkerSpec, ready: Any) -> None:
+    """A worker's life: load its shard, join the group, then run every step the driver sends
+    until it sends None."""
+    from tokenmill.engine.model_runner import ModelRunner
+    from tokenmill.model.loader import load_model
+    from tokenmill.model.sharding import Shard
+
+    torch.set_num_threads(spec.threads)
+    try:
+        loaded = load_model(spec.path, progress=False, shard=Shard(rank, size), **spec.load_options)
+    except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it
+        ready.put((rank, f"{type(exc).__name__}: {exc}"))
+        return
+    ready.put((rank, None))
+    dist.init_process_group(
+        _backend(loaded.model.device),
+        init_method=spec.init_method,
+        rank=rank,
+        world_size=size,
+        timeout=GROUP_TIMEOUT,
+    )
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    runner = ModelRunner(
+        loaded, num_blocks=box[0], block_size=spec.block_size, kv_cache_dtype=spec.kv_cache_dtype
+    )
+    while True:
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as exc:  # the driver's end of the group closed: it is gone
+            log.warning("tensor-parallel worker %d: the driver is gone, exiting (%s)", rank, exc)
+            return
+        if box[0] is None:
+            break
+        runner.hidden_states(*box[0])
+    dist.destroy_process_group()

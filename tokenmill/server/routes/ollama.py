@@ -1,0 +1,451 @@
+"""Ollama's API under /api/ (what Open WebUI and the `ollama` clients speak): /api/tags, /api/show,
+/api/ps, /api/version, /api/embed, /api/generate and /api/chat, streamed as NDJSON (one JSON
+object per line, Ollama's default) or answered whole with `"stream": false`.
+
+Chat requests, and generate requests that are not `raw`, run as the equivalent chat completion
+(`tokenmill.server.chat`); a raw generate request runs its prompt as it is. `options` map to the
+engine's sampling parameters (temperature, top_p, top_k, min_p, num_predict, stop, seed,
+repeat_penalty, presence_penalty, frequency_penalty; others, such as num_ctx, are ignored), with
+Ollama's defaults where a request gives none. `keep_alive` is accepted; the model stays loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Field
+
+from tokenmill import __version__
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.errors import InvalidRequestError
+from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_setup, translated
+from tokenmill.server.errors import APIError, api_error
+from tokenmill.server.generation import RequestRun
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Strict
+from tokenmill.server.state import ServerState, State, tenant
+
+router = APIRouter()
+# Ollama's sampling defaults, where a request's options leave them out
+DEFAULT_OPTIONS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
+# option name -> the OpenAI / vLLM request field it sets
+OPTION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "num_predict": "max_tokens",
+    "stop": "stop",
+    "seed": "seed",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+class OllamaMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class _Generation(_Strict):
+    model: str
+    stream: bool = True
+    format: Literal["json"] | dict[str, Any] | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The OpenAI / vLLM request fields of the options and format."""
+        options = {**DEFAULT_OPTIONS, **self.options}
+        body = {field: options[name] for name, field in OPTION_FIELDS.items() if name in options}
+        if body.get("max_tokens") is not None and body["max_tokens"] < 0:
+            body["max_tokens"] = None  # -1 and -2: until the context is full
+        if isinstance(body.get("stop"), str):
+            body["stop"] = [body["stop"]]
+        if self.format == "json":
+            body["response_format"] = {"type": "json_object"}
+        elif isinstance(self.format, dict):
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "format", "schema": self.format},
+            }
+        return {"model": self.model, **body}
+
+
+class ChatRequest(_Generation):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        messages = [_chat_message(m, i) for i, m in enumerate(self.messages)]
+        usage = {"include_usage": True} if self.stream else None
+        return translated(
+            ChatCompletionRequest,
+            {**self.fields(), "messages": messages, "tools": self.tools or None}
+            | {"stream": self.stream, "stream_options": usage},
+        )
+
+
+class GenerateRequest(_Generation):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    suffix: str | None = None
+    images: list[str] | None = None
+
+
+class EmbedRequest(_Strict):
+    model: str
+    input: str | list[str] = Field(min_length=1)
+    truncate: bool = True  # Ollama's default: cut inputs to the model's context
+    keep_alive: str | int | float | None = None
+    options: dict[str, Any] | None = None
+    dimensions: int | None = None
+
+
+class ShowRequest(_Strict):
+    model: str
+    verbose: bool = False
+
+
+def _chat_message(message: OllamaMessage, index: int) -> dict[str, Any]:
+    """An Ollama message as OpenAI's: a tool call's arguments object as JSON text."""
+    if message.images:
+        raise InvalidRequestError(
+            f"messages[{index}]: images are not supported by this model", param="messages"
+        )
+    chat: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        chat["tool_calls"] = [
+            {
+                "id": f"call_{index}_{j}",
+                "type": "function",
+                "function": {
+                    "name": call.get("function", {}).get("name"),
+                    "arguments": json.dumps(call.get("function", {}).get("arguments", {})),
+                },
+            }
+            for j, call in enumerate(message.tool_calls)
+        ]
+    if message.tool_name:
+        chat["name"] = message.tool_name
+    return chat
+
+
+# ---------------------------------------------------------------------------- model listings
+
+
+def _details(state: ServerState) -> dict[str, Any]:
+    config = state.engine.model_config
+    path = state.engine.model_path
+    return {
+        "parent_model": "",
+        "format": "gguf" if path.suffix == ".gguf" else "safetensors",
+        "family": config.architecture,
+        "families": [config.architecture],
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def _entry(state: ServerState) -> dict[str, Any]:
+    path = state.engine.model_path
+    name = state.config.served_model_name
+    modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat()
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": modified,
+        "size": _size(path),
+        "digest": uuid.uuid5(uuid.NAMESPACE_URL, str(path)).hex,
+        "details": _details(state),
+    }
+
+
+@router.get("/api/tags")
+async def tags(state: State) -> dict[str, Any]:
+    return {"models": [_entry(state)]}
+
+
+@router.get("/api/ps")
+async def ps(state: State) -> dict[str, Any]:
+    entry = _entry(state)
+    entry.pop("modified_at")
+    never = datetime(9999, 12, 31, tzinfo=timezone.utc).isoformat()  # the model stays loaded
+    return {
+        "models": [
+            {
+                **entry,
+                "expires_at": never,
+                "size_vram": 0,
+                "context_length": state.engine.max_model_len,
+            }
+        ]
+    }
+
+
+@router.post("/api/show")
+async def show(req: ShowRequest, state: State) -> dict[str, Any]:
+    _check_model(state, req.model)
+    config = state.engine.model_config
+    template = state.engine.tokenizer.chat_template or ""
+    if state.engine.embeddings_only:
+        capabilities = ["embedding"]
+    else:
+        capabilities = ["completion"] + (["tools"] if "tools" in template else [])
+    return {
+        "license": "",
+        "modelfile": "",
+        "parameters": "",
+        "template": template,
+        "details": _details(state),
+        "model_info": {
+            "general.architecture": config.architecture,
+            f"{config.architecture}.context_length": state.engine.max_model_len,
+            f"{config.architecture}.embedding_length": config.hidden_size,
+            f"{config.architecture}.block_count": config.num_layers,
+        },
+        "capabilities": capabilities,
+        "modified_at": _entry(state)["modified_at"],
+    }
+
+
+@router.get("/api/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name not in (state.config.served_model_name, f"{state.config.served_model_name}:latest"):
+        raise APIError(404, f"model '{name}' not found", type_="not_found_error")
+
+
+@router.post("/api/embed")
+async def embed(req: EmbedRequest, state: State) -> dict[str, Any]:
+    """Normalized embeddings of each input (see /v1/embeddings)."""
+    _check_model(state, req.model)
+    dimensions = state.engine.model_config.hidden_size
+    if req.dimensions is not None and req.dimensions != dimensions:
+        raise InvalidRequestError(
+            f"this model's embeddings have {dimensions} dimensions", param="dimensions"
+        )
+    inputs = [req.input] if isinstance(req.input, str) else list(req.input)
+    started = time.perf_counter()
+    vectors, tokens = await state.engine.embed(inputs, -1 if req.truncate else None)
+    return {
+        "model": req.model,
+        "embeddings": vectors.tolist(),
+        "total_duration": int((time.perf_counter() - started) * 1e9),
+        "load_duration": 0,
+        "prompt_eval_count": tokens,
+    }
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+@router.post("/api/chat", response_model=None)
+async def chat(req: ChatRequest, raw: Request, state: State) -> dict | StreamingResponse:
+    _check_model(state, req.model)
+    if not req.messages:  # Ollama's way to load a model: answer at once
+        return _done(req.model, "load", message={"role": "assistant", "content": ""})
+    chat = req.chat_request()
+    setup = chat_setup(chat, state)
+    counts = _Counts(time.perf_counter())
+    run = await RequestRun.start(
+        state, [setup.prompt_ids], setup.params, _request_id(), 0, tenant(raw, None)
+    )
+    if req.stream:
+        return _ndjson(_chat_lines(run, chat, setup, req.model, counts))
+    (final,) = await run.finals(raw.is_disconnected)
+    (choice,) = chat_choices(final, chat, setup)
+    message = _ollama_message(choice["message"])
+    return _done(req.model, _reason(choice), counts.of(final, run), message=message)
+
+
+@router.post("/api/generate", response_model=None)
+async def generate(req: GenerateRequest, raw: Request, state: State) -> dict | StreamingResponse:
+    _check_model(state, req.model)
+    if req.suffix:
+        raise InvalidRequestError("suffix (fill in the middle) is not supported", param="suffix")
+    if req.images:
+        raise InvalidRequestError("images are not supported by this model", param="images")
+    if not req.prompt:  # Ollama's way to load a model: answer at once
+        return _done(req.model, "load", response="")
+    request_id = _request_id()
+    counts = _Counts(time.perf_counter())
+    if req.raw:
+        state.check_generates()
+        completion = translated(CompletionRequest, {**req.fields(), "prompt": req.prompt})
+        params = completion.sampling_params(completion.max_tokens, None)
+        run = await RequestRun.start(state, [req.prompt], params, request_id, 0, tenant(raw, None))
+    else:
+        messages = [{"role": "user", "content": req.prompt}]
+        if req.system:
+            messages.insert(0, {"role": "system", "content": req.system})
+        chat = translated(ChatCompletionRequest, {**req.fields(), "messages": messages})
+        setup = chat_setup(chat, state)
+        run = await RequestRun.start(
+            state, [setup.prompt_ids], setup.params, request_id, 0, tenant(raw, None)
+        )
+    if req.stream:
+        return _ndjson(_generate_lines(run, req.model, counts))
+    (final,) = await run.finals(raw.is_disconnected)
+    output = final.outputs[0]
+    reason = "length" if output.finish_reason == "length" else "stop"
+    return _done(req.model, reason, counts.of(final, run), response=output.text)
+
+
+def _request_id() -> str:
+    return f"ollama-{uuid.uuid4().hex}"
+
+
+def _reason(choice: dict[str, Any]) -> str:
+    return "length" if choice["finish_reason"] == "length" else "stop"
+
+
+def _ollama_message(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's assistant message as Ollama's: tool call arguments as objects."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("reasoning_content"):
+        out["thinking"] = message["reasoning_content"]
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "function": {
+                    "name": call["function"]["name"],
+                    "arguments": json.loads(call["function"]["arguments"] or "{}"),
+                }
+            }
+            for call in message["tool_calls"]
+        ]
+    return out
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+@dataclass
+class _Counts:
+    """A response's token counts and times (time.perf_counter()), for its last object."""
+
+    started: float
+    first_token: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    def of(self, final: RequestOutput, run: RequestRun) -> _Counts:
+        self.first_token = run.timers[0].first_token_at
+        self.prompt_tokens = len(final.prompt_token_ids)
+        self.output_tokens = len(final.outputs[0].token_ids)
+        return self
+
+
+def _done(model: str, reason: str, counts: _Counts | None = None, **content: Any) -> dict[str, Any]:
+    """The last object of a response: its counts and durations (nanoseconds, as Ollama gives
+    them; prompt and output time split at the first token)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "created_at": _now(),
+        **content,
+        "done": True,
+        "done_reason": reason,
+    }
+    if counts is None:
+        return body
+    end = time.perf_counter()
+    first = counts.first_token if counts.first_token is not None else end
+    body.update(
+        total_duration=int((end - counts.started) * 1e9),
+        load_duration=0,
+        prompt_eval_count=counts.prompt_tokens,
+        prompt_eval_duration=int((first - counts.started) * 1e9),
+        eval_count=counts.output_tokens,
+        eval_duration=int((end - first) * 1e9),
+    )
+    return body
+
+
+async def _chat_lines(
+    run: RequestRun,
+    chat: ChatCompletionRequest,
+    setup: ChatSetup,
+    model: str,
+    counts: _Counts,
+) -> AsyncIterator[dict[str, Any]]:
+    """A line per piece of content; tool calls, whole, in a line once their output ends."""
+    calls: dict[int, dict[str, Any]] = {}
+    reason = "stop"
+    async for chunk in chat_chunks(run, {}, chat, setup):
+        if not chunk["choices"]:  # the last chunk: usage
+            counts.prompt_tokens = chunk["usage"]["prompt_tokens"]
+            counts.output_tokens = chunk["usage"]["completion_tokens"]
+            counts.first_token = run.timers[0].first_token_at
+            continue
+        (choice,) = chunk["choices"]
+        delta = choice["delta"]
+        for call in delta.get("tool_calls", []):
+            entry = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+            entry["name"] = call["function"].get("name") or entry["name"]
+            entry["arguments"] += call["function"].get("arguments") or ""
+        if delta.get("content") or delta.get("reasoning_content"):
+            message = {"role": "assistant", "content": delta.get("content", "")}
+            if delta.get("reasoning_content"):
+                message["thinking"] = delta["reasoning_content"]
+            yield {"model": model, "created_at": _now(), "message": message, "done": False}
+        if choice["finish_reason"] is not None:
+            reason = _reason(choice)
+    if calls:
+        tool_calls = [
+            {"function": {"name": c["name"], "arguments": json.loads(c["arguments"] or "{}")}}
+            for _, c in sorted(calls.items())
+        ]
+        message = {"role": "assistant", "content": "", "tool_calls": tool_calls}
+        yield {"model": model, "created_at": _now(), "message": message, "done": False}
+    yield _done(model, reason, counts, message={"role": "assistant", "content": ""})
+
+
+async def _generate_lines(
+    run: RequestRun, model: str, counts: _Counts
+) -> AsyncIterator[dict[str, Any]]:
+    reason = "stop"
+    async for _, out in run.outputs():
+        c = out.outputs[0]
+        if c.text_delta:
+            yield {"model": model, "created_at": _now(), "response": c.text_delta, "done": False}
+        if c.finished:
+            reason = "length" if c.finish_reason == "length" else "stop"
+            counts.of(out, run)
+    yield _done(model, reason, counts, response="")
+
+
+def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for line in lines:
+                yield json.dumps(line, ensure_ascii=False) + "\n"
+        except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
+            yield json.dumps(api_error(exc).body("/api/"), ensure_ascii=False) + "\n"
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
