@@ -90,13 +90,15 @@ def test_a_less_served_tenant_takes_the_place_of_the_most_served() -> None:
         scheduler.add_sequence(_sequence(f"a{i}", "a", arrival=i))
     assert _step(scheduler) == ["a0", "a1"]  # 16 prompt tokens: a's counter is 16
     scheduler.add_sequence(_sequence("b0", "b", arrival=4))
-    assert scheduler.served["b"] == 16.0  # lifted to a's, so no place is taken yet
-    assert _step(scheduler) == ["a0", "a1"]  # two output tokens: a's counter is 20
-    assert _step(scheduler) == ["a0", "b0"]  # a1, a's latest, gave way
+    assert scheduler.served["b"] == 16.0  # lifted to a's
+    # b's first step is its own: a1, a's latest, gives way, and a0 skips the step
+    assert _step(scheduler) == ["b0"]
     assert scheduler.sequences["a1"].num_preemptions == 1
-    assert scheduler.served == {"a": 22.0, "b": 24.0}
-    # b is now the more served: a's waiting requests come back before b's next one would
-    assert scheduler.waiting.peek().tenant == "a"
+    assert scheduler.served == {"a": 16.0, "b": 24.0}
+    # then b, served more than a, gives its place back to a's waiting a1 (with a's running a0
+    # beside it: a has sequences running, so no step of its own)
+    assert _step(scheduler) == ["a0", "a1"]
+    assert scheduler.sequences["b0"].num_preemptions == 1
 
 
 def test_an_unknown_policy_names_the_choices() -> None:

@@ -14,8 +14,10 @@ tenant or the request's `user`) by virtual token counters (Sheng et al., "Fairne
 Large Language Models", OSDI '24): each tenant's counter adds the prompt and output tokens it was
 served, weighted; waiting sequences are admitted from the tenant with the lowest counter, and
 when the sequence cap or the pool is full, a sequence of the tenant with the highest counter
-gives up its place to it. A tenant that joins (or comes back) starts at the lowest active
-counter, so idle time is not saved up against the others.
+gives up its place to it; and a new request of a tenant served no more than every other running
+one gets a step of its own, so its first token is not held up by the others' batch. A tenant
+that joins (or comes back) starts at the lowest active counter, so idle time is not saved up
+against the others.
 """
 
 from __future__ import annotations
@@ -114,10 +116,12 @@ class WaitingQueue:
 
 class FairWaitingQueue:
     """Waiting sequences by tenant, each tenant's in arrival order; the front is the first of the
-    tenant with the lowest counter (then the earliest arrival)."""
+    tenant with the lowest counter, then of one with nothing running (a tenant joins at the
+    lowest counter, a tie), then the earliest."""
 
-    def __init__(self, served: dict[str, float]) -> None:
+    def __init__(self, served: dict[str, float], running: list[Sequence]) -> None:
         self.served = served
+        self.running = running
         self._queues: dict[str, WaitingQueue] = {}
         self._size = 0
 
@@ -126,7 +130,11 @@ class FairWaitingQueue:
         fronts = {t: seq for t, seq in fronts.items() if seq is not None}
         if not fronts:
             return None
-        return min(fronts, key=lambda t: (self.served.get(t, 0.0), fronts[t].arrival_time))
+        running = {s.tenant for s in self.running}
+        return min(
+            fronts,
+            key=lambda t: (self.served.get(t, 0.0), t in running, fronts[t].arrival_time),
+        )
 
     def push(self, seq: Sequence) -> None:
         self._queues.setdefault(seq.tenant, WaitingQueue("fcfs")).push(seq)
@@ -157,10 +165,12 @@ class Scheduler:
         # their numbers of unfinished sequences
         self.served: dict[str, float] = {}
         self._active: Counter[str] = Counter()
-        self.waiting: WaitingQueue | FairWaitingQueue = (
-            FairWaitingQueue(self.served) if self.fair else WaitingQueue(config.policy)
-        )
         self.running: list[Sequence] = []
+        self.waiting: WaitingQueue | FairWaitingQueue = (
+            FairWaitingQueue(self.served, self.running)
+            if self.fair
+            else WaitingQueue(config.policy)
+        )
         self.sequences: dict[str, Sequence] = {}  # every unfinished sequence, by id
         self.num_preemptions = 0
 
@@ -201,13 +211,17 @@ class Scheduler:
 
     def _fair_victim(self, seq: Sequence) -> Sequence | None:
         """The running sequence that gives up its place to waiting seq: the latest of the tenant
-        with the highest counter, if that counter is above seq's tenant's."""
+        with the highest counter, if that counter is above seq's tenant's (or equal to it, for a
+        tenant with nothing running)."""
         others = [s for s in self.running if s.tenant != seq.tenant]
         if not others:
             return None
         victim = max(others, key=lambda s: (self.served.get(s.tenant, 0.0), s.arrival_time))
-        below = self.served.get(seq.tenant, 0.0) < self.served.get(victim.tenant, 0.0)
-        return victim if below else None
+        mine, theirs = self.served.get(seq.tenant, 0.0), self.served.get(victim.tenant, 0.0)
+        # a tenant with nothing running takes a place on a tie too (it joins at the lowest
+        # counter); one with sequences running only from below, so places do not swap back
+        newcomer = all(s.tenant != seq.tenant for s in self.running)
+        return victim if mine < theirs or (newcomer and mine == theirs) else None
 
     def _unschedule(self, seq: Sequence, out: SchedulerOutput, scheduled: set[str]) -> int:
         """Take seq out of this step's batch if it is in it; returns the tokens given back."""
@@ -231,6 +245,27 @@ class Scheduler:
         out.preempted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
+        solo = self._solo_tenant() if self.fair else None
+        if solo is not None:
+            out = self._schedule(solo)
+            if out.sequences:
+                return out
+        return self._schedule(None)
+
+    def _solo_tenant(self) -> str | None:
+        """Fair policy: the tenant whose new request runs in a step of its own, none of the more
+        served tenants' work beside it: the front waiting sequence's, when that tenant has none
+        running and its counter is at most every running tenant's. Its first token then comes as
+        fast as on an idle engine, while the others lose one step."""
+        seq = self.waiting.peek()
+        running = {s.tenant for s in self.running}
+        if seq is None or seq.tenant in running or not running:
+            return None
+        mine = self.served.get(seq.tenant, 0.0)
+        return seq.tenant if mine <= min(self.served.get(t, 0.0) for t in running) else None
+
+    def _schedule(self, solo: str | None) -> SchedulerOutput:
+        """A step; with solo, only that tenant's sequences run in it."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -243,6 +278,8 @@ class Scheduler:
         for seq in running:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if solo is not None and seq.tenant != solo:
+                continue
             if budget == 0:
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -273,7 +310,7 @@ class Scheduler:
         # fair: a sequence of a more served tenant gives up its place where one is needed)
         while (self.fair or not out.preempted) and budget > 0:
             seq = self.waiting.peek()
-            if seq is None:
+            if seq is None or (solo is not None and seq.tenant != solo):
                 break
             if len(self.running) >= self.config.max_num_seqs:
                 given_back = self._make_room(seq, out, scheduled)
