@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ngram-tokens", type=int, default=8, help="K of prompt lookup")
-    p.add_argument("--draft-tokens", type=int, default=4, help="K of the draft model")
+    p.add_argument("--draft-tokens", type=int, default=3, help="K of the draft model")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument(
         "--engines",
