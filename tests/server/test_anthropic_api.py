@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.server import weather_tool
 from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.app import ServerConfig
@@ -17,19 +18,7 @@ SYSTEM = "Answer in one short sentence."
 ASK = "Name a colour of the sky."
 # the SDK no longer takes sampling parameters as arguments; the API still reads them
 GREEDY = {"temperature": 0}
-WEATHER = {
-    "name": "get_weather",
-    "description": "Get the current weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 40},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-}
+WEATHER = weather_tool.anthropic_tool()
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +137,7 @@ def qwen_client(qwen_coder_05b_gguf):
 def test_tool_use_and_tool_results(qwen_client) -> None:
     """A forced tool call comes back as a tool_use block whose input follows the tool's schema,
     streamed or not; its result sent back gets a text answer."""
-    ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    ask = [{"role": "user", "content": weather_tool.ASK_WEATHER}]
     common = dict(model="qwen", max_tokens=64, extra_body=GREEDY, tools=[WEATHER])
     forced = {"type": "tool", "name": "get_weather"}
     message = qwen_client.messages.create(messages=ask, tool_choice=forced, **common)

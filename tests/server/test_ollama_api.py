@@ -11,6 +11,7 @@ import ollama
 import openai
 import pytest
 
+from tests.server import weather_tool
 from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer
 from tokenmill import __version__
 from tokenmill.engine.llm_engine import LLMEngine
@@ -117,18 +118,7 @@ def test_errors_have_ollamas_shape(clients, server) -> None:
     assert resp.status_code == 400 and "temperature" in resp.json()["error"]
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40}},
-            "required": ["city"],
-        },
-    },
-}
+WEATHER = weather_tool.chat_tool(weather_tool.CITY_PARAMETERS)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +133,7 @@ def qwen(qwen_coder_05b_gguf):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_calls_come_back_with_argument_objects(qwen, stream: bool) -> None:
-    ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    ask = [{"role": "user", "content": weather_tool.ASK_WEATHER}]
     options = {"temperature": 0, "num_predict": 48}
     if stream:
         parts = list(qwen.chat("qwen", messages=ask, tools=[WEATHER], options=options, stream=True))

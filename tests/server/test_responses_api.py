@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.server import weather_tool
 from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.app import ServerConfig
@@ -97,17 +98,7 @@ def test_errors(client) -> None:
         client.responses.retrieve("resp_missing")
 
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Get the current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 40}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
+WEATHER = weather_tool.flat_tool(weather_tool.CITY_PARAMETERS)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +114,7 @@ def qwen(qwen_coder_05b_gguf):
 @pytest.mark.parametrize("stream", [False, True])
 def test_function_calls_and_their_outputs(qwen, stream: bool) -> None:
     common = dict(model="qwen", tools=[WEATHER], max_output_tokens=48, temperature=0)
-    ask = "What is the weather like in Paris right now?"
+    ask = weather_tool.ASK_WEATHER
     forced = {"type": "function", "name": "get_weather"}
     if stream:
         with qwen.responses.stream(input=ask, tool_choice=forced, **common) as s:

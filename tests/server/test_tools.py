@@ -13,26 +13,12 @@ import jsonschema
 import openai
 import pytest
 
+from tests.server import weather_tool
 from tests.server.conftest import API_KEY, RunningServer
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.app import ServerConfig
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 40},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = weather_tool.chat_tool()
 TIME = {
     "type": "function",
     "function": {

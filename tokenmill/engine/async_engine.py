@@ -42,7 +42,39 @@ class EngineDeadError(TokenmillError):
 AnyEngine = LLMEngine | EmbeddingEngine
 
 
-class AsyncLLMEngine:
+class EngineClient:
+    """What the engines the server drives share beyond their own `add_request`: the one engine in
+    this process (`AsyncLLMEngine`) and its replicas on Ray (`DataParallelEngine`)."""
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        extra_key: str | None = None,
+        tenant: str = "",
+    ) -> Any:
+        """Queue a request; returns its stream of outputs (an async iterator and context)."""
+        raise NotImplementedError
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        extra_key: str | None = None,
+        tenant: str = "",
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream this request's outputs; leaving the iteration early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, priority, extra_key, tenant)
+        async with stream:
+            async for out in stream:
+                yield out
+
+
+class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: AnyEngine | Callable[[], AnyEngine]) -> None:
         """engine: a built engine, or a function that builds one on the engine thread (raising here
         if it fails). An `EmbeddingEngine` (encoder-only model) serves `embed` only.
@@ -286,20 +318,6 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             raise
         return stream
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        extra_key: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream this request's outputs; leaving the iteration early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id, priority, extra_key)
-        async with stream:
-            async for out in stream:
-                yield out
 
     def _release(self, request_id: str, finished: bool) -> None:
         self._streams.pop(request_id, None)

@@ -21,14 +21,14 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.async_engine import EngineClient, EngineDeadError
 from tokenmill.engine.embedding import EmbeddingInput, prepare_inputs
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
@@ -78,7 +78,7 @@ class _Replica:
     taken: int = -1  # seq of the last output taken from it
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineClient):
     def __init__(
         self,
         model: str | Path,
@@ -304,20 +304,6 @@ class DataParallelEngine:
         await stream.start(set())
         self._streams[request_id] = stream
         return stream
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        extra_key: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream this request's outputs; leaving the iteration early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id, priority, extra_key)
-        async with stream:
-            async for out in stream:
-                yield out
 
     async def embed(
         self, inputs: list[EmbeddingInput], truncate: int | None = None
