@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from tokenmill.engine.embedding import EmbeddingEngine, EmbeddingInput, prepare_inputs
+from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request import Request
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.encoder import EncoderConfig
@@ -40,6 +42,24 @@ class EngineDeadError(TokenmillError):
 
 
 AnyEngine = LLMEngine | EmbeddingEngine
+
+
+async def process_request(
+    processor: InputProcessor,
+    prompt: str | list[int],
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+    extra_key: str | None,
+    tenant: str,
+) -> Request:
+    """The request tokenized, validated and fanned out into its sequences (`InputProcessor`): on
+    the calling thread, or on a worker thread where its output constraint's grammar may take a
+    while to compile, so that the event loop goes on streaming the other requests' tokens."""
+    process = functools.partial(
+        processor.process, request_id, prompt, params, priority, extra_key=extra_key, tenant=tenant
+    )
+    return await asyncio.to_thread(process) if params.structured_outputs else process()
 
 
 class EngineClient:
@@ -300,16 +320,9 @@ class AsyncLLMEngine(EngineClient):
         streaming the other requests' tokens meanwhile; the engine thread only checks it against
         the engine's state (request id in use, queue full) and queues it."""
         self._check_alive()
-        process = functools.partial(
-            self.engine.input_processor.process,
-            request_id,
-            prompt,
-            params,
-            priority,
-            extra_key=extra_key,
-            tenant=tenant,
+        request = await process_request(
+            self.engine.input_processor, prompt, params, request_id, priority, extra_key, tenant
         )
-        request = await asyncio.to_thread(process) if params.structured_outputs else process()
         stream = RequestStream(self, request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
         try:

@@ -17,7 +17,6 @@ Until its poll answers again, the restarted replica gets no requests.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import threading
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.async_engine import EngineClient, EngineDeadError
+from tokenmill.engine.async_engine import EngineClient, EngineDeadError, process_request
 from tokenmill.engine.embedding import EmbeddingInput, prepare_inputs
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
@@ -279,16 +278,9 @@ class DataParallelEngine(EngineClient):
         self._check_alive()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        process = functools.partial(
-            self.input_processor.process,
-            request_id,
-            prompt,
-            params,
-            priority,
-            extra_key=extra_key,
-            tenant=tenant,
+        request = await process_request(
+            self.input_processor, prompt, params, request_id, priority, extra_key, tenant
         )
-        request = await asyncio.to_thread(process) if params.structured_outputs else process()
         self._ensure_pumps()
         stream = ReplicaStream(
             self,

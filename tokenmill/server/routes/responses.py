@@ -160,17 +160,20 @@ def _output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
     if message.get("content"):
         items.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], "completed"))
     for call in message.get("tool_calls", []):
-        items.append(
-            {
-                "type": "function_call",
-                "id": f"fc_{uuid.uuid4().hex}",
-                "call_id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"],
-                "status": "completed",
-            }
-        )
+        function = call["function"]
+        items.append(_function_call_item(call["id"], function["name"], function["arguments"]))
     return items
+
+
+def _function_call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -355,14 +358,7 @@ async def _events(
         yield {"type": "response.output_item.done", "output_index": 0, "item": item}
         output.append(item)
     for _, call in sorted(calls.items()):
-        item = {
-            "type": "function_call",
-            "id": f"fc_{uuid.uuid4().hex}",
-            "call_id": call["id"],
-            "name": call["name"],
-            "arguments": call["arguments"],
-            "status": "completed",
-        }
+        item = _function_call_item(call["id"], call["name"], call["arguments"])
         index = len(output)
         yield {"type": "response.output_item.added", "output_index": index, "item": item}
         yield {
