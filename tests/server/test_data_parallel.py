@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import ray  # a test extra: missing, the module fails rather than skips
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,10 +41,6 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams
 from tokenmill.server.app import ServerConfig
-
-ray = pytest.importorskip(
-    "ray", reason="data parallelism runs on Ray: pip install 'tokenmill[ray]'"
-)
 
 # the offline reference's settings (see test_openai_api.offline), in every replica
 REPLICA_OPTIONS = dict(num_kv_blocks=256, max_model_len=512, dtype="fp32", compile=False)
