@@ -48,6 +48,10 @@ class EmbeddingEngine:
     def has_unfinished_requests(self) -> bool:
         return False
 
+    def shutdown(self, graceful: bool = True) -> None:
+        """As `LLMEngine.shutdown`, which the async engine calls at its end: an encoder runs in
+        this process alone, so there is nothing to stop."""
+
     def warm_kv_cache(self) -> bool:
         return False
 
