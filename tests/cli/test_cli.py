@@ -132,3 +132,9 @@ def test_serve_data_parallel_without_ray_says_what_to_install(
 def test_serve_pd_disaggregation_needs_two_replicas(tiny_model_dir, capsys) -> None:
     assert main(["serve", str(tiny_model_dir), "--pd-disaggregation"]) == 1
     assert "--data-parallel-size 2 or more" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_tenant_limit_without_the_fair_policy(tiny_model_dir, capsys) -> None:
+    args = ["serve", str(tiny_model_dir), "--max-running-per-tenant", "2", "--port", "0"]
+    assert main(args) == 1
+    assert "--scheduling-policy fair" in capsys.readouterr().err

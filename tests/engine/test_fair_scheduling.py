@@ -7,7 +7,7 @@ import pytest
 
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.request import Sequence
+from tokenmill.engine.request import Sequence, SequenceStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.sample import SamplingParams
 
@@ -99,6 +99,31 @@ def test_a_less_served_tenant_takes_the_place_of_the_most_served() -> None:
     # beside it: a has sequences running, so no step of its own)
     assert _step(scheduler) == ["a0", "a1"]
     assert scheduler.sequences["b0"].num_preemptions == 1
+
+
+def test_a_tenant_at_its_running_limit_waits_while_others_are_admitted() -> None:
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=64, policy="fair", max_running_per_tenant=2
+        ),
+        KVCacheManager(num_blocks=64, block_size=16),
+    )
+    for i in range(4):
+        scheduler.add_sequence(_sequence(f"a{i}", "a", arrival=i))
+    scheduler.add_sequence(_sequence("b0", "b", arrival=4))
+    # a's first two run; a2 and a3 wait although the cap, the budget and the pool have room
+    assert sorted(_step(scheduler)) == ["a0", "a1", "b0"]
+    assert sorted(_step(scheduler)) == ["a0", "a1", "b0"]
+    scheduler.finish(scheduler.sequences["a0"], SequenceStatus.FINISHED_STOPPED)
+    assert "a2" in _step(scheduler)  # a place of a's is free: its next one runs
+    assert len([s for s in scheduler.running if s.tenant == "a"]) == 2
+
+
+def test_a_running_limit_needs_the_fair_policy() -> None:
+    with pytest.raises(ValueError, match="--scheduling-policy fair"):
+        SchedulerConfig(policy="fcfs", max_running_per_tenant=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        SchedulerConfig(policy="fair", max_running_per_tenant=0)
 
 
 def test_an_unknown_policy_names_the_choices() -> None:

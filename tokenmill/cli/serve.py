@@ -17,6 +17,7 @@ from tokenmill.cli.common import (
     add_quantization_args,
     parallel_options,
 )
+from tokenmill.engine.scheduler import SchedulerConfig
 from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.parsers.reasoning import REASONING_PARSERS
@@ -77,6 +78,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default: fcfs)",
     )
     p.add_argument(
+        "--max-running-per-tenant",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --scheduling-policy fair: at most N of one tenant's requests run at once, the "
+        "rest wait while other tenants' are admitted (default: no limit)",
+    )
+    p.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
@@ -90,6 +99,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
+    try:  # checked here, so that a bad combination is an error before the model loads
+        SchedulerConfig(
+            policy=args.scheduling_policy, max_running_per_tenant=args.max_running_per_tenant
+        )
+    except ValueError as exc:
+        raise TokenmillError(str(exc)) from None
     return {
         "dtype": args.dtype,
         "quantization": args.quantization,
@@ -105,6 +120,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
         "policy": args.scheduling_policy,
+        "max_running_per_tenant": args.max_running_per_tenant,
         # checked here, so that a bad config is an error before the model loads
         "speculative_config": SpeculativeConfig.parse(args.speculative_config),
     }

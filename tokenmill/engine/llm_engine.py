@@ -66,6 +66,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
+    max_running_per_tenant: int | None = None  # fair policy: running sequences per tenant
     models_dir: str | None = None
     max_queue_len: int | None = None  # waiting sequences beyond this are refused (QueueFullError)
     # decode through compiled graphs (see ModelRunner), built or loaded in the background: True
@@ -182,7 +183,13 @@ class LLMEngine:
         if self.speculative is not None and self.speculative.model is not None:
             self.drafter = self._draft_runner(self.speculative.model, num_blocks, progress)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy), self.kv
+            SchedulerConfig(
+                cfg.max_num_seqs,
+                cfg.max_num_batched_tokens,
+                cfg.policy,
+                cfg.max_running_per_tenant,
+            ),
+            self.kv,
         )
         self.input_processor = InputProcessor(
             self.tokenizer, mc.vocab_size, self.max_model_len, cfg.block_size

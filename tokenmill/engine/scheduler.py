@@ -17,7 +17,8 @@ when the sequence cap or the pool is full, a sequence of the tenant with the hig
 gives up its place to it; and a new request of a tenant served no more than every other running
 one gets a step of its own, so its first token is not held up by the others' batch. A tenant
 that joins (or comes back) starts at the lowest active counter, so idle time is not saved up
-against the others.
+against the others. With `max_running_per_tenant`, a tenant's sequences beyond that many running
+wait, however low its counter, while other tenants' are admitted.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # "fcfs", "priority" (lower value first, then arrival) or "fair" (between tenants)
     policy: str = "fcfs"
+    # fair policy: at most this many sequences of one tenant run at once (None: no limit)
+    max_running_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -51,6 +54,14 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.max_running_per_tenant is not None:
+            if self.policy != "fair":
+                raise ValueError(
+                    "a per-tenant limit on running requests needs the fair scheduling policy "
+                    "(--scheduling-policy fair)"
+                )
+            if self.max_running_per_tenant < 1:
+                raise ValueError("the per-tenant limit on running requests must be at least 1")
 
 
 @dataclass
@@ -117,20 +128,26 @@ class WaitingQueue:
 class FairWaitingQueue:
     """Waiting sequences by tenant, each tenant's in arrival order; the front is the first of the
     tenant with the lowest counter, then of one with nothing running (a tenant joins at the
-    lowest counter, a tie), then the earliest."""
+    lowest counter, a tie), then the earliest. Tenants with `max_running` sequences running have
+    no front."""
 
-    def __init__(self, served: dict[str, float], running: list[Sequence]) -> None:
+    def __init__(
+        self, served: dict[str, float], running: list[Sequence], max_running: int | None = None
+    ) -> None:
         self.served = served
         self.running = running
+        self.max_running = max_running
         self._queues: dict[str, WaitingQueue] = {}
         self._size = 0
 
     def _front_tenant(self) -> str | None:
         fronts = {t: q.peek() for t, q in self._queues.items()}
         fronts = {t: seq for t, seq in fronts.items() if seq is not None}
+        running = Counter(s.tenant for s in self.running)
+        if self.max_running is not None:
+            fronts = {t: seq for t, seq in fronts.items() if running[t] < self.max_running}
         if not fronts:
             return None
-        running = {s.tenant for s in self.running}
         return min(
             fronts,
             key=lambda t: (self.served.get(t, 0.0), t in running, fronts[t].arrival_time),
@@ -167,7 +184,7 @@ class Scheduler:
         self._active: Counter[str] = Counter()
         self.running: list[Sequence] = []
         self.waiting: WaitingQueue | FairWaitingQueue = (
-            FairWaitingQueue(self.served, self.running)
+            FairWaitingQueue(self.served, self.running, config.max_running_per_tenant)
             if self.fair
             else WaitingQueue(config.policy)
         )
