@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from tokenmill.errors import ModelFileError
+from tokenmill.errors import InvalidRequestError, ModelFileError
 from tokenmill.model import families
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.dense_linear import DenseLinear, invariant_kernel_builds
@@ -34,6 +34,8 @@ from tokenmill.model.quant_linear import (
     takes_tiles,
 )
 from tokenmill.model.sharding import (
+    REDUCTION_PARTS,
+    PartedLinear,
     Shard,
     ShardLayout,
     block_elements,
@@ -292,7 +294,8 @@ class _Builder:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ModelFileError(self.path, f"missing tensors: {', '.join(missing[:3])}{more}")
 
-        lay = self._layout(state)
+        lay = None if self.shard is None else self._layout(state, self.shard)
+        parted = self._reduction_parts(state) if self.shard is None else None
         config = self.config if lay is None else sharded_config(self.config, lay, self.shard.size)
         with torch.device("meta"):
             model = Transformer(config)
@@ -306,7 +309,11 @@ class _Builder:
                 owner, attr = target.split(".")
                 x_block = FINE_X_BLOCK if target == "mlp.down_proj" else COARSE_X_BLOCK
                 name = f"layers.{i}.{target}"
-                setattr(getattr(layer, owner), attr, self.linear(ws, bs, x_block, cols, name))
+                if parted is not None and target in parted:
+                    module = self._parted_linear(ws, bs, x_block, parted[target], name)
+                else:
+                    module = self.linear(ws, bs, x_block, cols, name)
+                setattr(getattr(layer, owner), attr, module)
         embed = state.pop("embed.weight")
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
@@ -339,18 +346,51 @@ class _Builder:
             raise ModelFileError(self.path, f"no weights for {', '.join(left[:3])}")
         return model.eval().requires_grad_(False)
 
-    def _layout(self, state: dict[str, Weight]) -> ShardLayout | None:
-        """This rank's share (None unsharded); the MLP splits on the down projections' largest
-        quantization block (32 for --quantization int4, whose groups are 32 columns)."""
-        if self.shard is None:
-            return None
+    def _layout(self, state: dict[str, Weight], shard: Shard) -> ShardLayout:
+        """The share of a rank; the MLP splits on the down projections' largest quantization
+        block (32 for --quantization int4, whose groups are 32 columns)."""
         downs = [w for name, w in state.items() if name.endswith("mlp.down_proj.weight")]
         align = max(block_elements(w) for w in downs)
         if self.quantization == "none":
             align = 1  # dequantized before slicing
         elif self.quantization == "int4":
             align = max(align, 32)
-        return layout(self.config, self.shard, align)
+        return layout(self.config, shard, align)
+
+    def _reduction_parts(self, state: dict[str, Weight]) -> dict[str, list[range]] | None:
+        """The input columns of each of `REDUCTION_PARTS` ranks for o_proj and down_proj, which
+        one rank computes as those ranks would (see `PartedLinear`); None where the model cannot
+        be split over that many ranks."""
+        try:
+            lays = [self._layout(state, Shard(r, REDUCTION_PARTS)) for r in range(REDUCTION_PARTS)]
+        except InvalidRequestError:
+            return None
+        d = self.config.head_dim
+        return {
+            "attn.o_proj": [range(lay.q_heads.start * d, lay.q_heads.stop * d) for lay in lays],
+            "mlp.down_proj": [lay.ffn for lay in lays],
+        }
+
+    def _parted_linear(
+        self,
+        weights: list[Weight],
+        biases: list[torch.Tensor | None],
+        x_block: int,
+        columns: list[range],
+        name: str,
+    ) -> nn.Module:
+        """A row-parallel projection as `PartedLinear`, or whole where a part would split a
+        quantization block (as tensor parallelism over those ranks is refused there)."""
+        try:
+            no_bias = [None] * len(biases)  # the bias is rank 0's
+            parts = [
+                self.linear(weights, no_bias if i else biases, x_block, cols, name, release=False)
+                for i, cols in enumerate(columns)
+            ]
+        except InvalidRequestError:
+            return self.linear(weights, biases, x_block, None, name)
+        _release(weights)
+        return PartedLinear(parts, columns)
 
     def _shard_parts(
         self,
@@ -382,10 +422,11 @@ class _Builder:
         x_block: int,
         cols: range | None = None,
         name: str = "",
+        release: bool = True,
     ) -> nn.Module:
         """One module computing the concatenated outputs of these checkpoint projections (x_block:
         see `QuantLinear`); cols: only these input columns (a row-parallel shard), named `name`
-        in errors."""
+        in errors; release: let go of the weights' file pages once packed."""
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat(
@@ -434,7 +475,8 @@ class _Builder:
         dense = None
         if threshold > 0:
             dense = _cat_rows([_dense(w, self.dtype) for w in weights])[:, keep].contiguous()
-        _release(weights)
+        if release:
+            _release(weights)
         return QuantLinear(
             rows,
             num_cols,

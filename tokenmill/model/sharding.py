@@ -9,6 +9,11 @@ its packed column slices are whole blocks. qkv and gate/up projections are colum
 output rows are sliced), o_proj and down_proj row-parallel (their input columns are sliced, their
 outputs summed over the ranks by an all-reduce). Embedding, norms and the output head are whole on
 every rank.
+
+One rank computes the row-parallel projections the way `REDUCTION_PARTS` ranks would
+(`PartedLinear`): each part's columns through a layer of their own, the partial sums added in rank
+order, which is what an all-reduce over two ranks computes. Tensor parallelism over that many ranks
+then repeats one rank's arithmetic exactly, and its outputs are one rank's, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ from dataclasses import dataclass, replace
 
 import torch
 from gguf import GGML_QUANT_SIZES
+from torch import nn
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.quant import GGMLWeight
+
+# The ranks whose partial sums one rank's row-parallel projections reproduce (see PartedLinear)
+REDUCTION_PARTS = 2
 
 
 @dataclass(frozen=True)
@@ -159,3 +168,21 @@ def slice_packed(kind: str, data: tuple[torch.Tensor, ...], cols: range) -> tupl
         scale[:, g0:g1].contiguous(),
         low[:, g0:g1].contiguous(),
     )
+
+
+class PartedLinear(nn.Module):
+    """A row-parallel projection on one rank, computed as `len(parts)` ranks compute it: part i
+    multiplies input columns columns[i] (with the bias, if any, in part 0, as rank 0 adds it) and
+    the partial sums are added in order."""
+
+    def __init__(self, parts: list[nn.Module], columns: list[range]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.columns = [(c.start, c.stop) for c in columns]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = None
+        for (start, stop), part in zip(self.columns, self.parts):
+            y = part(x[:, start:stop].contiguous())
+            out = y if out is None else out + y
+        return out
