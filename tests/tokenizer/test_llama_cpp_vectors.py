@@ -161,3 +161,26 @@ def test_llama3_adds_bos_by_default(vocab_tokenizer) -> None:
     assert tokenizer.encode("Hello world") == [128000, 9906, 1917]
     assert tokenizer.encode("<|eot_id|>", add_bos=False) == [128009]
     assert 128009 in tokenizer.stop_token_ids  # <|eot_id|> ends a turn, as llama.cpp detects it
+
+
+def test_encoder_vocabularies_frame_as_llama_cpp(vocab_tokenizer) -> None:
+    """llama.cpp's add_special: [CLS] ... [SEP] for BERT, BOS and EOS for XLM-R (the file's
+    flags)."""
+    bert = vocab_tokenizer("bert-bge")
+    ids = bert.encode("Hello  World!", add_bos=False)
+    assert [bert.id_to_piece(i) for i in ids] == ["hello", "world", "!"]
+    assert bert.encode_framed("Hello  World!") == [101, *ids, 102]
+    assert bert.decode(ids) == "hello world!"
+    xlmr = vocab_tokenizer("nomic-bert-moe")
+    ids = xlmr.encode("Hello  World!", add_bos=False)
+    assert [xlmr.id_to_piece(i) for i in ids] == ["▁Hello", "▁World", "!"]
+    assert xlmr.encode("Hello  World!") == xlmr.encode_framed("Hello  World!") == [0, *ids, 2]
+    assert xlmr.decode(ids) == "Hello World!"
+
+
+def test_gemma4_adds_bos_and_marks_spaces(vocab_tokenizer) -> None:
+    tokenizer = vocab_tokenizer("gemma-4")
+    ids = tokenizer.encode("Hello world\n\n")
+    assert ids[0] == tokenizer.bos_token_id == 2
+    assert [tokenizer.id_to_piece(i) for i in ids[1:]] == ["Hello", "▁world", "\n\n"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Hello world\n\n"
