@@ -184,3 +184,8 @@ def test_gemma4_adds_bos_and_marks_spaces(vocab_tokenizer) -> None:
     assert ids[0] == tokenizer.bos_token_id == 2
     assert [tokenizer.id_to_piece(i) for i in ids[1:]] == ["Hello", "▁world", "\n\n"]
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Hello world\n\n"
+    # llama.cpp takes a run of newlines that is a token whole; the merges build each such token
+    for n in range(1, 32):
+        assert [tokenizer.id_to_piece(i) for i in tokenizer.encode("\n" * n, add_bos=False)] == [
+            "\n" * n
+        ]

@@ -111,16 +111,12 @@ def unigram(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
     )
-    bos = [tokens[ids["bos_token"]]] if add_bos and "bos_token" in ids else []
-    eos = [tokens[ids["eos_token"]]] if add_eos and "eos_token" in ids else []
+    bos = [ids["bos_token"]] if add_bos and "bos_token" in ids else []
+    eos = [ids["eos_token"]] if add_eos and "eos_token" in ids else []
     if bos or eos:
         backend.post_processor = processors.TemplateProcessing(
-            single=" ".join(bos + ["$A"] + eos),
-            special_tokens=[
-                (tokens[ids[name]], ids[name])
-                for name in ("bos_token", "eos_token")
-                if tokens[ids.get(name, 0)] in bos + eos and name in ids
-            ],
+            single=" ".join([tokens[i] for i in bos] + ["$A"] + [tokens[i] for i in eos]),
+            special_tokens=[(tokens[i], i) for i in sorted(set(bos + eos))],
         )
     return backend
 
