@@ -8,22 +8,23 @@ from pathlib import Path
 
 import pytest
 
+from tests.llama_cpp_files import VECTORS, vocab_file
 from tokenmill.model.gguf_file import read_gguf_metadata
 from tokenmill.tokenizer import Tokenizer
-
-VECTORS = Path(__file__).parent.parent / "data" / "tokenizer-vectors"
 
 
 @pytest.fixture(scope="session")
 def vocab_gguf(tmp_path_factory: pytest.TempPathFactory):
-    """Path to llama.cpp's vocab-only GGUF NAME; they are kept xz-compressed (3 MB instead of
-    16 MB)."""
+    """Path to llama.cpp's vocab-only GGUF NAME; those committed here are xz-compressed."""
     folder = tmp_path_factory.mktemp("vocabs")
 
     def unpack(name: str) -> Path:
+        packed = VECTORS / f"ggml-vocab-{name}.gguf.xz"
+        if not packed.is_file():
+            return vocab_file(name, ".gguf")
         path = folder / f"ggml-vocab-{name}.gguf"
         if not path.exists():
-            path.write_bytes(lzma.decompress((VECTORS / f"ggml-vocab-{name}.gguf.xz").read_bytes()))
+            path.write_bytes(lzma.decompress(packed.read_bytes()))
         return path
 
     return unpack

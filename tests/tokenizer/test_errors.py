@@ -18,7 +18,9 @@ BPE = {
     ("metadata", "message"),
     [
         ({}, "no tokenizer.ggml.tokens"),
-        ({**BPE, "tokenizer.ggml.model": "bert"}, "unsupported GGUF tokenizer.ggml.model 'bert'"),
+        ({**BPE, "tokenizer.ggml.model": "rwkv"}, "unsupported GGUF tokenizer.ggml.model 'rwkv'"),
+        ({**BPE, "tokenizer.ggml.model": "bert"}, "BERT vocabulary names no unknown token"),
+        ({**BPE, "tokenizer.ggml.model": "t5"}, "Unigram vocabulary needs a tokenizer.ggml.scores"),
         (
             {**BPE, "tokenizer.ggml.pre": "brand-new"},
             "unsupported GGUF pre-tokenizer tokenizer.ggml.pre='brand-new'",

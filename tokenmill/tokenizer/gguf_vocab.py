@@ -1,16 +1,21 @@
 """Build a fast `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata, tokenizing as
-llama.cpp does.
+llama.cpp's `llama-vocab.cpp` does.
 
-Two vocabulary kinds are supported, the ones llama.cpp calls SPM and BPE:
+The vocabulary kinds (`tokenizer.ggml.model`), by llama.cpp's names for them:
 
-- `llama` (SentencePiece BPE with scores, byte fallback, `▁` for spaces). llama.cpp merges the
+- SPM, `llama` (SentencePiece BPE with scores, byte fallback, `▁` for spaces). llama.cpp merges the
   adjacent pair whose joined text is the best-scoring vocabulary token, leftmost first on a tie,
   over the whole text between special tokens (no word splitting). A BPE model whose merge list holds
   every (left, right) split of every token, ranked by that token's score, makes the same choices
   (see `_ranked_splits` for ties).
-- `gpt2` (byte-level BPE with ranked merges), split first by the pre type's regexes.
+- BPE, `gpt2` (ranked merges), split first by the pre type's regexes (`pretokenize`): byte-level as
+  GPT-2, or, for SentencePiece-style pre types, over the raw text with `▁` for spaces and `<0xXX>`
+  byte tokens. `gemma4` is the latter with the `gemma4` pre type.
+- WPM, `bert`, and UGM, `t5`: see `gguf_encoders`.
 
-In both, llama.cpp cuts control, unknown and user-defined tokens out of the raw text before anything
+llama.cpp's other kinds (`rwkv`, `plamo2`, `hybriddna`, `whitespace`) are refused with an error.
+
+In all, llama.cpp cuts control, unknown and user-defined tokens out of the raw text before anything
 else; added tokens that are not normalized do the same here. Control and unknown ones are marked
 special, so they are only matched when special tokens are parsed, and skipped when decoding with
 `skip_special_tokens`; user-defined ones are always matched, as in llama.cpp.
@@ -30,7 +35,8 @@ from tokenizers import Tokenizer as Backend
 
 from tokenmill.catalog import cache_root, mark_used, prune_cache, write_atomic
 from tokenmill.tokenizer.errors import TokenizerError
-from tokenmill.tokenizer.pretokenize import PRE_TOKENIZERS
+from tokenmill.tokenizer.gguf_encoders import unigram, wordpiece
+from tokenmill.tokenizer.pretokenize import PRE_TOKENIZERS, PreTokenizer
 
 # tokenizer.ggml.token_type values used here (5 is unused, 6 a byte token like <0x0A>)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
@@ -95,14 +101,22 @@ def build_backend(metadata: Mapping[str, Any], tokens: list[str], types: Sequenc
     """The tokenizer for this GGUF vocabulary, with special tokens added; it adds no BOS/EOS
     itself."""
     kind = metadata.get("tokenizer.ggml.model")
+    ids = special_token_ids(metadata, len(tokens))
     if kind == "llama":
         backend = _sentencepiece_bpe(metadata, tokens)
-    elif kind == "gpt2":
-        backend = _byte_level_bpe(metadata, tokens)
+    elif kind in ("gpt2", "gemma4"):
+        backend = _bpe(metadata, tokens)
+    elif kind == "bert":
+        backend = wordpiece(metadata, tokens, types, ids)
+    elif kind == "t5":
+        backend = unigram(
+            metadata, tokens, types, ids, default_add_bos(metadata), default_add_eos(metadata)
+        )
     else:
         raise TokenizerError(
-            f"unsupported GGUF tokenizer.ggml.model {kind!r}: "
-            "tokenmill reads 'llama' (SentencePiece) and 'gpt2' (byte-level BPE) vocabularies"
+            f"unsupported GGUF tokenizer.ggml.model {kind!r}: tokenmill reads 'llama' "
+            "(SentencePiece), 'gpt2' and 'gemma4' (BPE), 'bert' (WordPiece) and 't5' (Unigram) "
+            "vocabularies"
         )
     special = [
         AddedToken(token, special=True, normalized=False)
@@ -215,17 +229,26 @@ def _write_splits(path: Path, splits: array) -> None:
         pass
 
 
-def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backend:
-    name = metadata.get("tokenizer.ggml.pre") or "default"
-    pre = PRE_TOKENIZERS.get(name)
+def pre_tokenizer_of(metadata: Mapping[str, Any]) -> PreTokenizer | None:
+    """The BPE pre type of the file; llama.cpp gives `gemma4` vocabularies the `gemma4` one."""
+    if metadata.get("tokenizer.ggml.model") == "gemma4":
+        return PRE_TOKENIZERS["gemma4"]
+    if metadata.get("tokenizer.ggml.model") != "gpt2":
+        return None
+    return PRE_TOKENIZERS.get(metadata.get("tokenizer.ggml.pre") or "default")
+
+
+def _bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backend:
+    pre = pre_tokenizer_of(metadata)
     if pre is None:
+        name = metadata.get("tokenizer.ggml.pre")
         raise TokenizerError(
             f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={name!r}; "
             f"known: {', '.join(sorted(PRE_TOKENIZERS))}"
         )
     merges_text = metadata.get("tokenizer.ggml.merges")
     if merges_text is None or len(merges_text) == 0:
-        raise TokenizerError("GGUF byte-level BPE vocabulary has no tokenizer.ggml.merges")
+        raise TokenizerError("GGUF BPE vocabulary has no tokenizer.ggml.merges")
     vocab = {token: i for i, token in enumerate(tokens)}
     merges = []
     for merge in merges_text:
@@ -235,27 +258,57 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Backend:
         # it
         if cut > 0 and left in vocab and right in vocab and left + right in vocab:
             merges.append((left, right))
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    # Without GGUF's byte-to-char map, a character that is no token becomes <0xXX> tokens. For
+    # Gemma 4, llama.cpp takes a run of newlines that is a token whole; its merges build every such
+    # token, so the ranked merges give the same.
+    backend = Backend(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            ignore_merges=pre.ignore_merges,
+            byte_fallback=not pre.byte_level,
+        )
     )
-    backend.decoder = decoders.ByteLevel()
+    if pre.escape_spaces:
+        backend.normalizer = normalizers.Replace(" ", "▁")
+    splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.regexes]
+    if pre.byte_level:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        backend.decoder = decoders.ByteLevel()
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(splits)
+        backend.decoder = decoders.Sequence(
+            ([decoders.Replace("▁", " ")] if pre.escape_spaces else [])
+            + [decoders.ByteFallback(), decoders.Fuse()]
+        )
     return backend
 
 
 _SPECIAL_KEYS = {
     "bos_token": "bos_token_id", "eos_token": "eos_token_id",
     "unk_token": "unknown_token_id", "pad_token": "padding_token_id",
+    "sep_token": "seperator_token_id", "mask_token": "mask_token_id",
 }  # fmt: skip
-# llama.cpp's, for files that name none
-_SPM_DEFAULTS = {"bos_token": 1, "eos_token": 2, "unk_token": 0}
+# llama.cpp's, per tokenizer.ggml.model, for files that name none
+_DEFAULT_IDS = {
+    "llama": {"bos_token": 1, "eos_token": 2, "unk_token": 0},
+    "bert": {
+        "bos_token": 101,
+        "unk_token": 100,
+        "sep_token": 102,
+        "pad_token": 0,
+        "mask_token": 103,
+    },
+    "t5": {"eos_token": 1, "unk_token": 2, "pad_token": 0},
+}
 
 
 def special_token_ids(metadata: Mapping[str, Any], n_tokens: int) -> dict[str, int]:
     """The named special tokens ("bos_token", ...) the file gives; ids outside the vocabulary are
     dropped."""
-    defaults = _SPM_DEFAULTS if metadata.get("tokenizer.ggml.model") == "llama" else {}
+    defaults = _DEFAULT_IDS.get(metadata.get("tokenizer.ggml.model"), {})
     ids = {}
     for name, key in _SPECIAL_KEYS.items():
         value = metadata.get(f"tokenizer.ggml.{key}", defaults.get(name))
@@ -265,14 +318,23 @@ def special_token_ids(metadata: Mapping[str, Any], n_tokens: int) -> dict[str, i
 
 
 def default_add_bos(metadata: Mapping[str, Any]) -> bool:
-    """llama.cpp's default when the file has no add_bos_token flag: on for SPM and a few BPE pre
-    types."""
+    """Whether llama.cpp puts BOS before a prompt: the file's add_bos_token flag, else on for SPM,
+    WPM (BERT's [CLS]) and a few BPE pre types; Gemma 4 always."""
+    pre = pre_tokenizer_of(metadata)
+    if pre is not None and pre.force_bos:
+        return True
     if "tokenizer.ggml.add_bos_token" in metadata:
         return bool(metadata["tokenizer.ggml.add_bos_token"])
-    if metadata.get("tokenizer.ggml.model") == "llama":
+    if metadata.get("tokenizer.ggml.model") in ("llama", "bert"):
         return True
-    pre = PRE_TOKENIZERS.get(metadata.get("tokenizer.ggml.pre") or "default")
     return bool(pre and pre.add_bos)
+
+
+def default_add_eos(metadata: Mapping[str, Any]) -> bool:
+    """Whether llama.cpp puts EOS after a prompt: the file's add_eos_token flag, else on for UGM."""
+    if "tokenizer.ggml.add_eos_token" in metadata:
+        return bool(metadata["tokenizer.ggml.add_eos_token"])
+    return metadata.get("tokenizer.ggml.model") == "t5"
 
 
 def stop_token_ids(

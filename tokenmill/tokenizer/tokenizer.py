@@ -20,6 +20,7 @@ from tokenmill.tokenizer.errors import TokenizerError
 from tokenmill.tokenizer.gguf_vocab import (
     build_backend,
     default_add_bos,
+    default_add_eos,
     gguf_token_types,
     gguf_tokens,
     special_token_ids,
@@ -85,7 +86,7 @@ class Tokenizer:
             eos_token_id=ids.get("eos_token"),
             stop_token_ids=stop_token_ids(metadata, tokens, types, ids.get("eos_token")),
             add_bos=default_add_bos(metadata),
-            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            add_eos=default_add_eos(metadata),
             chat_template=metadata.get("tokenizer.chat_template"),
             special_tokens={name: tokens[i] for name, i in ids.items()},
         )
