@@ -18,6 +18,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
 from tokenmill.model.moe import MoE
 from tokenmill.model.quant_linear import QuantLinear
+from tokenmill.model.sharding import Shard
 
 VOCAB = 96
 COMMON = dict(
@@ -288,21 +289,25 @@ def test_gguf_matches_transformers(family: str, qtype: Q, quantization: str, tmp
 
 @pytest.fixture(scope="module")
 def mixtral_loads(tmp_path_factory) -> dict[str, object]:
-    """The tiny Mixtral as dense fp32 layers and as packed Q4_0 experts."""
+    """The tiny Mixtral as dense fp32 layers and as packed Q4_0 experts (fp32 and bf16)."""
     path = tmp_path_factory.mktemp("mixtral")
     hf = _hf_model("mixtral")
     _write_gguf(path / "model.gguf", hf, "mixtral", Q.Q4_0)
     return {
         "dense": load_model(path / "model.gguf", progress=False, quantization="none"),
         "packed": load_model(path / "model.gguf", progress=False, quantization="gguf"),
+        "packed-bf16": load_model(
+            path / "model.gguf", dtype="bf16", progress=False, quantization="gguf"
+        ),
     }
 
 
-@pytest.mark.parametrize("kind", ["dense", "packed"])
+@pytest.mark.parametrize("kind", ["dense", "packed", "packed-bf16"])
 def test_a_token_routed_in_a_batch_equals_the_token_alone(mixtral_loads, kind: str) -> None:
     block = mixtral_loads[kind].model.layers[0].mlp
     assert isinstance(block, MoE)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+    x = x.to(mixtral_loads[kind].dtype)
     with torch.no_grad():
         _, picked = torch.topk(block.router(x), block.settings.top_k)
         batched = block(x)
@@ -311,7 +316,7 @@ def test_a_token_routed_in_a_batch_equals_the_token_alone(mixtral_loads, kind: s
     assert torch.equal(batched, alone)
 
 
-@pytest.mark.parametrize("kind", ["dense", "packed"])
+@pytest.mark.parametrize("kind", ["dense", "packed", "packed-bf16"])
 def test_batched_prompts_give_the_logits_of_each_prompt_alone(mixtral_loads, kind: str) -> None:
     loaded = mixtral_loads[kind]
     prompts = [[5, 9, 3, 70, 1, 1, 44], [8, 2, 60, 61, 62, 63, 64, 65, 66, 67, 11], [7, 7, 30]]
@@ -345,3 +350,11 @@ def test_each_expert_runs_once_over_its_tokens_and_unpicked_experts_not_at_all(
     counts = torch.bincount(picked.flatten(), minlength=block.settings.num_experts).tolist()
     assert calls == {e: [n] for e, n in enumerate(counts) if n}
     assert len(calls) < block.settings.num_experts  # 5 tokens x 2 picks of 6 experts: some idle
+
+
+def test_decode_stays_eager_and_tensor_parallelism_is_refused(mixtral_loads, tmp_path) -> None:
+    runner = ModelRunner(mixtral_loads["packed"], num_blocks=4, block_size=4, compile=True)
+    assert runner.decode_mode == "eager" and not runner.compile_requested
+    _write_gguf(tmp_path / "model.gguf", _hf_model("mixtral"), "mixtral", Q.F32)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
+        load_model(tmp_path / "model.gguf", progress=False, shard=Shard(rank=0, size=2))

@@ -105,6 +105,8 @@ class ModelRunner:
         # graph cannot hold: such models decode eagerly
         self.compiles = loaded.config.moe is None
         self.compile_requested = compile and self.compiles
+        if compile and not self.compiles:
+            log.info("mixture-of-experts model: decode steps stay eager (no compiled graph)")
         self._compile_thread: threading.Thread | None = None
         self.uncompiled_decode_steps = 0  # decode steps no compiled graph fitted (run eagerly)
         self._logits: torch.Tensor | None = None  # see _logits_buffer
