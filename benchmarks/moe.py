@@ -8,6 +8,7 @@ and top-2, 8 and 128 experts should cost the same. The table prints the median t
 milliseconds and, beside it, the experts that ran.
 
     python benchmarks/moe.py
+    python benchmarks/moe.py --threads 1  # on a machine shared with other jobs
     python benchmarks/moe.py --hidden 2048 --width 1024 --experts 8,64 --top-k 2,8
 """
 
