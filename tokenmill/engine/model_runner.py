@@ -101,7 +101,12 @@ class ModelRunner:
         self._checked_graphs: set[int] = set()
         self.compile_error: BaseException | None = None
         self.compile_seconds: float | None = None
-        self.compile_requested = compile
+        # a mixture of experts picks its experts' kernels by the step's routing, which one traced
+        # graph cannot hold: such models decode eagerly
+        self.compiles = loaded.config.moe is None
+        self.compile_requested = compile and self.compiles
+        if compile and not self.compiles:
+            log.info("mixture-of-experts model: decode steps stay eager (no compiled graph)")
         self._compile_thread: threading.Thread | None = None
         self.uncompiled_decode_steps = 0  # decode steps no compiled graph fitted (run eagerly)
         self._logits: torch.Tensor | None = None  # see _logits_buffer
@@ -113,7 +118,7 @@ class ModelRunner:
 
     def compile_in_background(self) -> None:
         """Request the compiled decode graphs and start building (or loading) them now."""
-        self.compile_requested = True
+        self.compile_requested = self.compiles
         self.start_compile()
 
     def graphs_cached(self) -> bool:

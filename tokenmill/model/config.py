@@ -57,6 +57,32 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+@dataclass(frozen=True)
+class MoESettings:
+    """A mixture-of-experts feed-forward (see model/moe.py): a router picks `top_k` of
+    `num_experts` gated MLPs for each token and sums their outputs weighted by its scores."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    # "softmax": the top-k of the softmax over all experts (Mixtral, Qwen, OLMoE);
+    # "topk_softmax": the softmax over the top-k logits (gpt-oss)
+    scoring: str = "softmax"
+    norm_topk: bool = False  # the top-k weights divided by their sum (Mixtral, Qwen3-MoE)
+    shared_intermediate_size: int = 0  # an expert every token runs (Qwen2-MoE); 0: none
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers with a plain MLP instead (Qwen's mlp_only_layers)
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "topk_softmax"):
+            raise ValueError(f"unsupported expert scoring {self.scoring!r}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"{self.top_k} experts per token is not between 1 and the {self.num_experts} "
+                "experts"
+            )
+
+
 @dataclass
 class ModelConfig:
     """Everything the generic decoder needs to know about one checkpoint."""
@@ -89,6 +115,8 @@ class ModelConfig:
     # ranks whose partial outputs of o_proj and the MLP are summed (see model/sharding.py); the
     # head and intermediate counts above are then this rank's share; 1: no collectives
     tensor_parallel_size: int = 1
+    moe: MoESettings | None = None  # mixture-of-experts feed-forwards; None: dense MLPs
+    qk_norm_whole: bool = False  # q and k normed over all heads at once, not per head (OLMoE)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -112,6 +140,10 @@ class ModelConfig:
         """Sliding window of a layer (keys at distance >= window are masked), None for full
         attention."""
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether a layer's feed-forward is a mixture of experts."""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     def layer_rope(self, layer: int) -> RopeSettings:
         if self.layer_types[layer] == SLIDING_ATTENTION and self.rope_local is not None:

@@ -7,7 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeSettings
+from tokenmill.model.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    MoESettings,
+    RopeSettings,
+)
 from tokenmill.model.encoder import ENCODER_MODEL_TYPES
 
 
@@ -23,10 +29,14 @@ class Family:
     norm_plus_one: bool = False  # HF checkpoints store RMSNorm weights as w - 1 (Gemma)
     gguf_permuted_qk: bool = False  # llama.cpp's converter reorders q/k rows for interleaved rope
     sliding_pattern: int | None = None  # every Nth layer is global, the others sliding (Gemma 3)
+    qk_norm_whole: bool = False  # q and k normed over all heads at once (OLMoE)
+    # MoE: the top-k weights renormalized where a GGUF file does not say (llama.cpp's per-arch
+    # choice; HF configs say it with norm_topk_prob)
+    gguf_norm_topk: bool = False
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(gguf_permuted_qk=True),
+    "llama": Family(gguf_permuted_qk=True, gguf_norm_topk=True),  # GGUF Mixtral is "llama"
     "mistral": Family(gguf_permuted_qk=True),
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
@@ -42,6 +52,11 @@ FAMILIES: dict[str, Family] = {
         norm_plus_one=True,
         sliding_pattern=6,
     ),
+    # mixture-of-experts families (see model/moe.py)
+    "mixtral": Family(gguf_permuted_qk=True),
+    "qwen2moe": Family(qkv_bias=True),
+    "qwen3moe": Family(qk_norm=True, gguf_norm_topk=True),
+    "olmoe": Family(qk_norm_whole=True),
 }
 
 # HF `model_type` -> family name
@@ -53,6 +68,10 @@ HF_MODEL_TYPES = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
 }
 
 
@@ -92,11 +111,14 @@ def config_from_hf(hf: Any) -> ModelConfig:
     sliding = getattr(hf, "sliding_window", None)
     layer_types = list(getattr(hf, "layer_types", None) or [])
     if sliding is None or (
-        name in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False)
+        name in ("qwen2", "qwen3", "qwen2moe", "qwen3moe")
+        and not getattr(hf, "use_sliding_window", False)
     ):
         sliding, layer_types = None, [FULL_ATTENTION] * hf.num_hidden_layers
     pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None)
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    if getattr(hf, "clip_qkv", None) is not None:
+        raise ValueError("clip_qkv (clamped q/k/v projections) is not supported")
     return ModelConfig(
         architecture=name,
         vocab_size=hf.vocab_size,
@@ -123,6 +145,29 @@ def config_from_hf(hf: Any) -> ModelConfig:
         sliding_window=sliding,
         layer_types=layer_types,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        moe=_hf_moe(hf),
+        qk_norm_whole=fam.qk_norm_whole,
+    )
+
+
+def _hf_moe(hf: Any) -> MoESettings | None:
+    """The mixture-of-experts settings of an HF config, None for a dense model."""
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+    if not experts:
+        return None
+    layers = hf.num_hidden_layers
+    step = getattr(hf, "decoder_sparse_step", None) or 1
+    dense_only = set(getattr(hf, "mlp_only_layers", None) or [])
+    norm = getattr(hf, "norm_topk_prob", None)
+    shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
+    return MoESettings(
+        num_experts=experts,
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
+        norm_topk=True if norm is None else bool(norm),  # Mixtral's config has no switch: on
+        shared_intermediate_size=shared,
+        shared_gate=shared > 0,  # Qwen2-MoE always gates its shared expert
+        dense_layers=tuple(i for i in range(layers) if i in dense_only or (i + 1) % step),
     )
 
 
@@ -188,7 +233,23 @@ def hf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
         norms["post_attention_layernorm"] = "ffn_norm"
     head, _, tail = rest.partition(".")
     rest = f"{norms[head]}.{tail}" if head in norms else rest
+    for pattern, replacement in _HF_MOE_NAMES:
+        rest = re.sub(pattern, replacement, rest)
     return f"layers.{layer}.{rest}"
+
+
+# HF mixture-of-experts names -> ours (see model/moe.py), applied in order
+_HF_MOE_NAMES = [
+    (r"^block_sparse_moe\.", "mlp."),  # Mixtral
+    (r"^mlp\.gate\.", "mlp.router."),
+    (r"^mlp\.shared_expert_gate\.", "mlp.shared_gate."),
+    (r"^(mlp\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
+    (r"^(mlp\.experts\.\d+)\.w3\.", r"\1.up_proj."),
+    (r"^(mlp\.experts\.\d+)\.w2\.", r"\1.down_proj."),
+    # stacks (transformers 5 "fused" experts): (experts, rows, cols) tensors without a suffix
+    (r"^mlp\.experts\.(gate_up_proj|down_proj)$", r"mlp.experts.\1.weight"),
+    (r"^mlp\.experts\.(gate_up_proj|down_proj)_bias$", r"mlp.experts.\1.bias"),
+]
 
 
 def hf_norm_offset(cfg: ModelConfig) -> float:
@@ -247,6 +308,7 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
         layer_types = [
             SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
         ]
+    moe = _gguf_moe(md, str(arch), fam, int(ffn), tensor_names, source)
     attn_scale = None
     if arch in ("gemma2", "gemma3"):
         attn_scale = head_dim**-0.5  # query_pre_attn_scalar equals head_dim for released sizes
@@ -276,6 +338,33 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
         sliding_window=int(sliding) if sliding and (layer_types or arch == "mistral") else None,
         layer_types=layer_types,
         tie_word_embeddings="output.weight" not in tensor_names,
+        moe=moe,
+        qk_norm_whole=fam.qk_norm_whole,
+    )
+
+
+def _gguf_moe(
+    md: dict[str, Any], arch: str, fam: Family, ffn: int, tensor_names: set[str], source: str
+) -> MoESettings | None:
+    """The mixture-of-experts settings llama.cpp reads for this arch, None for a dense model."""
+    experts = md.get(f"{arch}.expert_count")
+    if not experts:
+        return None
+    used = md.get(f"{arch}.expert_used_count")
+    if not used:
+        raise ValueError(f"{source}: missing metadata key {arch}.expert_used_count")
+    shared = int(md.get(f"{arch}.expert_shared_feed_forward_length", 0))
+    if "blk.0.ffn_up_shexp.weight" in tensor_names and not shared:
+        raise ValueError(
+            f"{source}: a shared expert without {arch}.expert_shared_feed_forward_length"
+        )
+    return MoESettings(
+        num_experts=int(experts),
+        top_k=int(used),
+        intermediate_size=int(md.get(f"{arch}.expert_feed_forward_length", ffn)),
+        norm_topk=bool(md.get(f"{arch}.expert_weights_norm", fam.gguf_norm_topk)),
+        shared_intermediate_size=shared,
+        shared_gate="blk.0.ffn_gate_inp_shexp.weight" in tensor_names,
     )
 
 
@@ -293,6 +382,16 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "post_ffw_norm": "ffn_post_norm",
+    # mixture of experts: stacks of every expert's projection (split by moe.expert_tensors)
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_gate",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
 

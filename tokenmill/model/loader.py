@@ -13,7 +13,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.errors import InvalidRequestError, ModelFileError
-from tokenmill.model import families
+from tokenmill.model import families, moe
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.dense_linear import DenseLinear, invariant_kernel_builds
 from tokenmill.model.gguf_file import GGUFFile
@@ -155,6 +155,11 @@ def load_model(
             f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})"
         )
     config, weights, tokenizer = _open(path)
+    if shard is not None and (config.moe is not None or config.qk_norm_whole):
+        raise ValueError(
+            f"tensor parallelism does not split {config.architecture} models yet (mixture-of-"
+            "experts layers, or q/k norms over all heads); run them with --tensor-parallel-size 1"
+        )
     if quantization == "auto":
         quantization = "none" if path.is_dir() else "gguf"
     builder = _Builder(
@@ -242,6 +247,11 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         if cfg.qk_norm:
             layer |= {"attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,)}
+        if cfg.qk_norm_whole:
+            layer |= {"attn.q_norm.weight": (q,), "attn.k_norm.weight": (kv,)}
+        if cfg.layer_is_moe(i):
+            layer = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
+            layer |= {f"mlp.{k}": v for k, v in moe.layer_shapes(cfg).items()}
         if cfg.sandwich_norm:
             layer |= {"attn_post_norm.weight": (h,), "ffn_post_norm.weight": (h,)}
         shapes |= {f"layers.{i}.{k}": v for k, v in layer.items()}
@@ -273,7 +283,7 @@ class _Builder:
         expected = checkpoint_shapes(self.config)
         state: dict[str, Weight] = {}
         for name, tensor in tqdm(
-            weights,
+            moe.expert_tensors(weights),
             desc=f"loading {self.path.name}",
             total=len(expected),
             unit="tensor",
@@ -301,6 +311,8 @@ class _Builder:
             model = Transformer(config)
         for i, layer in enumerate(model.layers):
             for target, parts in FUSED.items():
+                if target.startswith("mlp.") and config.layer_is_moe(i):
+                    continue
                 ws = [state.pop(f"layers.{i}.{p}.weight") for p in parts]
                 bs = [state.pop(f"layers.{i}.{p}.bias", None) for p in parts]
                 cols = None
@@ -314,6 +326,8 @@ class _Builder:
                 else:
                     module = self.linear(ws, bs, x_block, cols, name)
                 setattr(getattr(layer, owner), attr, module)
+            if config.layer_is_moe(i):
+                self._build_moe(f"layers.{i}.mlp", layer.mlp, state)
         embed = state.pop("embed.weight")
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
@@ -346,6 +360,39 @@ class _Builder:
             raise ModelFileError(self.path, f"no weights for {', '.join(left[:3])}")
         return model.eval().requires_grad_(False)
 
+    def _build_moe(self, prefix: str, block: moe.MoE, state: dict[str, Weight]) -> None:
+        """The layers of a mixture-of-experts feed-forward. The router and the shared expert's gate
+        stay dense (in the model's dtype), as llama.cpp keeps them: a rounded score could pick
+        another expert."""
+        block.router = self.linear(
+            [state.pop(f"{prefix}.router.weight")],
+            [state.pop(f"{prefix}.router.bias", None)],
+            COARSE_X_BLOCK,
+            packed=False,
+        )
+        for e, expert in enumerate(block.experts):
+            self._build_mlp(f"{prefix}.experts.{e}", expert, state)
+        if block.shared_expert is not None:
+            self._build_mlp(f"{prefix}.shared_expert", block.shared_expert, state)
+        if block.shared_gate is not None:
+            weight = state.pop(f"{prefix}.shared_gate.weight")
+            block.shared_gate = self.linear([weight], [None], COARSE_X_BLOCK, packed=False)
+
+    def _build_mlp(self, prefix: str, mlp: nn.Module, state: dict[str, Weight]) -> None:
+        gate, up, down = (f"{prefix}.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+        mlp.gate_up_proj = self.linear(
+            [state.pop(f"{gate}.weight"), state.pop(f"{up}.weight")],
+            [state.pop(f"{gate}.bias", None), state.pop(f"{up}.bias", None)],
+            COARSE_X_BLOCK,
+            name=f"{prefix}.gate_up_proj",
+        )
+        mlp.down_proj = self.linear(
+            [state.pop(f"{down}.weight")],
+            [state.pop(f"{down}.bias", None)],
+            FINE_X_BLOCK,
+            name=down,
+        )
+
     def _layout(self, state: dict[str, Weight], shard: Shard) -> ShardLayout:
         """The share of a rank; the MLP splits on the down projections' largest quantization
         block (32 for --quantization int4, whose groups are 32 columns)."""
@@ -361,6 +408,8 @@ class _Builder:
         """The input columns of each of `REDUCTION_PARTS` ranks for o_proj and down_proj, which
         one rank computes as those ranks would (see `PartedLinear`); None where the model cannot
         be split over that many ranks."""
+        if self.config.moe is not None or self.config.qk_norm_whole:
+            return None  # tensor parallelism does not split these (see load_model)
         try:
             lays = [self._layout(state, Shard(r, REDUCTION_PARTS)) for r in range(REDUCTION_PARTS)]
         except InvalidRequestError:
@@ -423,10 +472,12 @@ class _Builder:
         cols: range | None = None,
         name: str = "",
         release: bool = True,
+        packed: bool = True,
     ) -> nn.Module:
         """One module computing the concatenated outputs of these checkpoint projections (x_block:
         see `QuantLinear`); cols: only these input columns (a row-parallel shard), named `name`
-        in errors; release: let go of the weights' file pages once packed."""
+        in errors; release: let go of the weights' file pages once packed; packed: False keeps the
+        layer dense whatever the quantization."""
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat(
@@ -435,8 +486,9 @@ class _Builder:
             bias = bias.to(self.dtype)
         rows = sum(w.shape[0] for w in weights)
         q = self.quantization
-        quantize = q in ("int8", "int4") or (
-            q == "gguf" and all(isinstance(w, GGMLWeight) for w in weights)
+        quantize = packed and (
+            q in ("int8", "int4")
+            or (q == "gguf" and all(isinstance(w, GGMLWeight) for w in weights))
         )
         if cols is not None and quantize and q == "gguf" and all(map(_packs_per_block, weights)):
             weights = [slice_columns(w, cols, name) for w in weights]  # whole blocks of the file

@@ -17,6 +17,7 @@ from tokenmill.model import kernels
 from tokenmill.model.attention import AttentionBatch, KVCache, paged_attention
 from tokenmill.model.config import ModelConfig, RopeSettings
 from tokenmill.model.dense_linear import invariant_linear
+from tokenmill.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -133,8 +134,12 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # per head, or over all heads of q and of k at once (qk_norm_whole)
+        self.qk_norm_whole = cfg.qk_norm_whole
+        q_dim, k_dim = (self.q_size, self.kv_size) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
+        normed = cfg.qk_norm or cfg.qk_norm_whole
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if normed else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if normed else None
         # o_proj is row-parallel under tensor parallelism: its partial sums are all-reduced
         self.reduce = cfg.tensor_parallel_size > 1
 
@@ -149,10 +154,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(
@@ -175,10 +182,12 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tan
 class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """intermediate_size: the width, when not the config's (an expert's)."""
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
         self.act_name = cfg.hidden_act
@@ -206,7 +215,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, lambda width: MLP(cfg, width)) if cfg.layer_is_moe(layer) else MLP(cfg)
         self.attn_post_norm = (
             RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
         )

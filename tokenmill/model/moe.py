@@ -1,0 +1,165 @@
+"""Mixture-of-experts feed-forward: a router picks `top_k` experts per token, and each expert that
+a step's tokens picked runs once, over all of its tokens.
+
+The step's (token, expert) pairs are sorted by expert, so each expert's gate/up and down
+projections (packed or dense layers, built by the loader like any other) multiply the rows routed
+to it in one call: the work grows with tokens x top_k, and an expert no token picked costs nothing.
+The outputs go back to their (token, slot) places and are summed slot by slot in the router's
+order, so a token's result depends on its own routing only, never on the rest of the batch (the
+layers themselves compute each row alike whatever the batch: see `QuantLinear`, `DenseLinear`).
+
+Checkpoints store experts one by one (HF) or stacked in one tensor per projection (GGUF's
+`ffn_*_exps`, fused HF tensors); `expert_tensors` turns a stack into per-expert views of it, so a
+GGUF stack stays in its packed format, each expert's rows a slice of the file's bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from tokenmill.model.config import ModelConfig, MoESettings
+from tokenmill.model.quant import GGMLWeight
+
+Weight = torch.Tensor | GGMLWeight
+
+
+class MoE(nn.Module):
+    """Router, routed experts and, where the family has one, a shared expert every token runs.
+
+    make_mlp(width) builds one gated MLP of that intermediate width (the decoder's own MLP)."""
+
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.settings = moe
+        self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            make_mlp(moe.intermediate_size) for _ in range(moe.num_experts)
+        )
+        shared = moe.shared_intermediate_size
+        self.shared_expert = make_mlp(shared) if shared else None
+        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if moe.shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.router(x), self.settings)
+        out = run_experts(x, weights, experts, self.experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+def route(logits: torch.Tensor, settings: MoESettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's expert weights (tokens, top_k) in float32 and expert ids (tokens, top_k),
+    from the router's logits (tokens, experts), as the family scores them."""
+    logits = logits.float()
+    if settings.scoring == "softmax":
+        weights, experts = logits.softmax(dim=-1).topk(settings.top_k, dim=-1)
+    else:  # "topk_softmax"
+        top, experts = logits.topk(settings.top_k, dim=-1)
+        weights = top.softmax(dim=-1)
+    if settings.norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def run_experts(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, layers: nn.ModuleList
+) -> torch.Tensor:
+    """sum over slots s of weights[t, s] * layers[experts[t, s]](x[t]), for every token t.
+
+    Pairs are grouped by expert (a stable sort), each expert with tokens runs once over its
+    gathered rows, and the products are summed per token in float32, slot by slot."""
+    tokens, top_k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pair p = token * top_k + slot, grouped by expert
+    counts = torch.bincount(flat, minlength=len(layers))
+    used = counts.nonzero().flatten()
+    ends = counts[used].cumsum(0).tolist()
+    rows = x.index_select(0, order // top_k)
+    outputs = []
+    start = 0
+    for expert, end in zip(used.tolist(), ends):
+        outputs.append(layers[expert](rows[start:end]))
+        start = end
+    by_pair = torch.empty((tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
+    by_pair[order] = torch.cat(outputs)
+    by_pair = by_pair.view(tokens, top_k, -1)
+    out = by_pair[:, 0].float() * weights[:, :1]
+    for slot in range(1, top_k):
+        out += by_pair[:, slot].float() * weights[:, slot : slot + 1]
+    return out.to(x.dtype)
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors of one MoE feed-forward, by our name under `mlp.`, with shapes."""
+    moe, h = cfg.moe, cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"router.weight": (moe.num_experts, h)}
+    for e in range(moe.num_experts):
+        shapes |= _mlp_shapes(f"experts.{e}", h, moe.intermediate_size)
+    if moe.shared_intermediate_size:
+        shapes |= _mlp_shapes("shared_expert", h, moe.shared_intermediate_size)
+    if moe.shared_gate:
+        shapes["shared_gate.weight"] = (1, h)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{prefix}.gate_proj.weight": (width, hidden),
+        f"{prefix}.up_proj.weight": (width, hidden),
+        f"{prefix}.down_proj.weight": (hidden, width),
+    }
+
+
+# a stack of every expert's projection: (experts, rows, cols), rows of gate and up in one for
+# gate_up_proj
+_STACKED = re.compile(
+    r"(layers\.\d+\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)\.(\w+)"
+)
+
+
+def expert_tensors(weights: Iterator[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's tensors with every stack of experts split into one tensor per expert (views
+    of the stack: a GGUF stack's slices are its packed bytes); a shared expert's gate stored as a
+    vector (GGUF) becomes its one-row matrix."""
+    for name, tensor in weights:
+        m = _STACKED.fullmatch(name)
+        if m is None:
+            if name.endswith("mlp.shared_gate.weight") and tensor.dim() == 1:
+                tensor = tensor[None]
+            yield name, tensor
+            continue
+        prefix, proj, kind = m.groups()
+        count = tensor.shape[0]
+        for e in range(count):
+            part = _expert(tensor, e, count)
+            if proj == "gate_up_proj":
+                half = part.shape[0] // 2
+                yield f"{prefix}.{e}.gate_proj.{kind}", _rows(part, 0, half)
+                yield f"{prefix}.{e}.up_proj.{kind}", _rows(part, half, 2 * half)
+            else:
+                yield f"{prefix}.{e}.{proj}.{kind}", part
+
+
+def _expert(stack: Weight, e: int, count: int) -> Weight:
+    """Expert e's slice of a stack. A GGUF stack's file pages are let go of with its last
+    expert's slice (the loader releases each weight once it has packed it, experts in order)."""
+    if not isinstance(stack, GGMLWeight):
+        return stack[e]
+    rows = stack.shape[1]
+    release = stack.release if e == count - 1 else None
+    data = stack.data[e * rows : (e + 1) * rows]
+    return GGMLWeight(data, stack.qtype, tuple(stack.shape[1:]), release)
+
+
+def _rows(w: Weight, start: int, stop: int) -> Weight:
+    if isinstance(w, GGMLWeight):
+        return GGMLWeight(w.data[start:stop], w.qtype, (stop - start, *w.shape[1:]), w.release)
+    return w[start:stop]
