@@ -64,6 +64,10 @@ def _hybrid_gguf(tmp: Path) -> Path:
     return _tiny_gguf(tmp / "model.gguf", arch="qwen3next")
 
 
+def _gemma4_gguf(tmp: Path) -> Path:
+    return _tiny_gguf(tmp / "model.gguf", arch="gemma4")
+
+
 def _hybrid_hf(tmp: Path) -> Path:
     folder = tmp / "hf"
     folder.mkdir()
@@ -100,6 +104,7 @@ CASES = {
     "unsupported architecture": (_unsupported_arch, "unsupported architecture 'mamba'"),
     "linear-attention GGUF": (_hybrid_gguf, "recurrent state per request"),
     "linear-attention HF directory": (_hybrid_hf, "recurrent state per request"),
+    "Gemma 4 GGUF": (_gemma4_gguf, "per-layer input embeddings"),
     "missing config.json": (_missing_config, "config.json is missing"),
     "pickle-only directory": (_pickle_only, "pickle"),
     "pickle file": (_pickle_file, "pickle"),

@@ -52,16 +52,33 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(gguf_permuted_qk=True),
 }
 
-# HF model types whose layers tokenmill's paged KV cache cannot hold yet, and why
+# Families tokenmill knows but does not run yet, and why (docs/design/newer-families.md)
+_LINEAR_ATTENTION = (
+    "its linear-attention (Gated DeltaNet) layers keep a recurrent state per request, which "
+    "tokenmill's paged KV cache does not hold yet; run a model whose layers all attend instead"
+)
+_GEMMA4 = (
+    "Gemma 4's per-layer input embeddings, KV shared between layers and per-layer head and MLP "
+    "widths are not implemented yet; run Gemma 3 instead"
+)
+_SEE = " (see docs/design/newer-families.md)"
 UNSUPPORTED_HF_MODEL_TYPES = {
-    model_type: (
-        "its linear-attention (Gated DeltaNet) layers keep a recurrent state per request, which "
-        "tokenmill's paged KV cache does not hold yet (see docs/design/hybrid-attention.md); "
-        "run a dense or MoE model with full attention instead"
+    model_type: reason + _SEE
+    for reason, model_types in (
+        (
+            _LINEAR_ATTENTION,
+            ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+        ),
+        (_GEMMA4, ("gemma4", "gemma4_text")),
     )
-    for model_type in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+    for model_type in model_types
 }
-UNSUPPORTED_GGUF_ARCHITECTURES = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5"}
+UNSUPPORTED_GGUF_ARCHITECTURES = {
+    "qwen3next": _LINEAR_ATTENTION + _SEE,
+    "qwen35": _LINEAR_ATTENTION + _SEE,
+    "qwen35moe": _LINEAR_ATTENTION + _SEE,
+    "gemma4": _GEMMA4 + _SEE,
+}
 
 # HF `model_type` -> family name
 HF_MODEL_TYPES = {
@@ -85,7 +102,7 @@ def supported_list() -> str:
 
 def _family(name: str, source: str) -> Family:
     if name in UNSUPPORTED_GGUF_ARCHITECTURES:
-        reason = UNSUPPORTED_HF_MODEL_TYPES[UNSUPPORTED_GGUF_ARCHITECTURES[name]]
+        reason = UNSUPPORTED_GGUF_ARCHITECTURES[name]
         raise ValueError(f"architecture {name!r} in {source} is not supported: {reason}")
     if name not in FAMILIES:
         raise ValueError(
