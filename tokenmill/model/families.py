@@ -416,7 +416,7 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
 
 
-def gguf_tensor_name(name: str, cfg: ModelConfig | None = None) -> str | None:
+def gguf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
     """Our parameter name for a GGUF tensor name, None for tensors we do not use
     (e.g. rope_freqs). Fused tensors get the name of our fused projection, which
     `fused_parts` splits."""
@@ -430,7 +430,7 @@ def gguf_tensor_name(name: str, cfg: ModelConfig | None = None) -> str | None:
     ours = _GGUF_LAYER_NAMES.get(kind)
     if kind == "attn_qkv":
         ours = "attn.qkv_proj"
-    elif kind == "ffn_up" and cfg is not None and FAMILIES[cfg.architecture].fused_gate_up:
+    elif kind == "ffn_up" and FAMILIES[cfg.architecture].fused_gate_up:
         ours = "mlp.gate_up_proj"  # llama.cpp's Phi-3 keeps gate and up in one tensor
     return None if ours is None else f"layers.{m.group(1)}.{ours}.{suffix}"
 
