@@ -219,6 +219,17 @@ def test_head_and_ffn_splits() -> None:
         ffn_ranges(256, 2, 256)
 
 
+def test_whole_projection_qk_norms_are_refused() -> None:
+    """OLMo 2 normalizes q and k over all heads at once: no rank holds them all."""
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.sharding import Shard, layout
+
+    cfg = ModelConfig("olmo2", 96, 64, 96, 2, 4, 2, 16, qk_norm=True, qk_norm_whole=True)
+    assert layout(cfg, Shard(0, 1)).q_heads == range(0, 4)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
+        layout(cfg, Shard(0, 2))
+
+
 def test_a_split_inside_a_block_is_refused() -> None:
     from gguf.quants import quantize
 

@@ -21,6 +21,8 @@ COMMON = dict(
     max_position_embeddings=256,
     initializer_range=0.1,
 )
+# special tokens inside the tiny vocabulary (the defaults of newer configs lie outside it)
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 ARCHITECTURES = {
     "llama2": ("LlamaConfig", dict(rope_theta=10000.0)),
@@ -62,6 +64,36 @@ ARCHITECTURES = {
             rope_local_base_freq=10000.0,
             rope_theta=1000000.0,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    # fused qkv and gate/up projections, every layer windowed (Phi-3-mini's 2047 at scale)
+    "phi3": ("Phi3Config", dict(sliding_window=9, rope_theta=10000.0, **TOKEN_IDS)),
+    # Phi-4-mini's shape: LongRoPE (short factors within the original context) on 3/4 of
+    # each head
+    "phi4_mini": (
+        "Phi3Config",
+        dict(
+            rope_scaling=dict(
+                rope_type="longrope",
+                short_factor=[1.0, 1.25, 1.5, 2.0, 3.0, 4.0],
+                long_factor=[1.5, 2.0, 4.0, 8.0, 16.0, 32.0],
+            ),
+            original_max_position_embeddings=64,  # cos and sin scaled for 4x the context
+            partial_rotary_factor=0.75,
+            tie_word_embeddings=True,
+            **TOKEN_IDS,
+        ),
+    ),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0, 1], rope_theta=2000000.0, **TOKEN_IDS)),
+    "olmo2": ("Olmo2Config", dict(rope_theta=500000.0, **TOKEN_IDS)),
+    "granite": (
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.03,
+            logits_scaling=4.0,
+            **TOKEN_IDS,
         ),
     ),
 }
@@ -133,3 +165,36 @@ def test_logits_match_transformers(name: str, tmp_path) -> None:
             decode = torch.stack([ours[1 + s][i] for s in range(DECODE_STEPS)])
             torch.testing.assert_close(decode, ref[len(prompt) :], atol=1e-4, rtol=0)
     assert ref.abs().max() > 0.05, "logits too small for the comparison to mean anything"
+
+
+def test_longrope_takes_the_long_factors_past_the_original_context(tmp_path) -> None:
+    """Decode steps past Phi-3's original context rotate with the long factors, as transformers'
+    generation does (its cache keeps each earlier key as it was rotated)."""
+    config_class, extra = ARCHITECTURES["phi4_mini"]
+    original = 12
+    extra = extra | dict(original_max_position_embeddings=original)
+    config = getattr(transformers, config_class)(**COMMON, **extra)
+    assert config.rope_parameters["original_max_position_embeddings"] == original
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(tmp_path, dtype="fp32", progress=False)
+
+    gen = torch.Generator().manual_seed(1)
+    # prompts within the original context, whose decode steps cross it (or stay short of it)
+    lens = [3, 9, original]
+    prompts = [torch.randint(0, COMMON["vocab_size"], (n,), generator=gen).tolist() for n in lens]
+    continuations = [
+        torch.randint(0, COMMON["vocab_size"], (DECODE_STEPS,), generator=gen).tolist()
+        for _ in prompts
+    ]
+    with torch.no_grad():
+        ours = _tokenmill_steps(loaded, prompts, continuations)
+        for i, (prompt, cont) in enumerate(zip(prompts, continuations)):
+            out = hf(torch.tensor([prompt]), use_cache=True)
+            ref = []
+            for token in cont:
+                out = hf(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+                ref.append(out.logits[0, -1])
+            decode = torch.stack([ours[1 + s][i] for s in range(DECODE_STEPS)])
+            torch.testing.assert_close(decode, torch.stack(ref), atol=1e-4, rtol=0)

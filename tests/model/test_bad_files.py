@@ -60,6 +60,22 @@ def _unsupported_arch(tmp: Path) -> Path:
     return _tiny_gguf(tmp / "model.gguf", arch="mamba")
 
 
+def _hybrid_gguf(tmp: Path) -> Path:
+    return _tiny_gguf(tmp / "model.gguf", arch="qwen3next")
+
+
+def _gemma4_gguf(tmp: Path) -> Path:
+    return _tiny_gguf(tmp / "model.gguf", arch="gemma4")
+
+
+def _hybrid_hf(tmp: Path) -> Path:
+    folder = tmp / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen3_next"}')
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(folder / "model.safetensors"))
+    return folder
+
+
 def _missing_config(tmp: Path) -> Path:
     folder = tmp / "hf"
     folder.mkdir()
@@ -86,6 +102,9 @@ CASES = {
     "wrong magic": (_wrong_magic, "not a GGUF file"),
     "unknown quant type": (_unknown_qtype, "99"),
     "unsupported architecture": (_unsupported_arch, "unsupported architecture 'mamba'"),
+    "linear-attention GGUF": (_hybrid_gguf, "recurrent state per request"),
+    "linear-attention HF directory": (_hybrid_hf, "recurrent state per request"),
+    "Gemma 4 GGUF": (_gemma4_gguf, "per-layer input embeddings"),
     "missing config.json": (_missing_config, "config.json is missing"),
     "pickle-only directory": (_pickle_only, "pickle"),
     "pickle file": (_pickle_file, "pickle"),

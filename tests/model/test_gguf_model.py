@@ -3,6 +3,7 @@ twin."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -23,6 +24,18 @@ from tokenmill.model.quant_linear import (
 )
 
 VOCAB = 96
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+)
+# special tokens inside the tiny vocabulary (the defaults of newer configs lie outside it)
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 HF_CONFIGS = {
     "llama": transformers.LlamaConfig(
         vocab_size=VOCAB,
@@ -63,7 +76,34 @@ HF_CONFIGS = {
         initializer_range=0.1,
         layer_types=["sliding_attention"] * 2 + ["full_attention"],
     ),
+    # Phi-4-mini's shape: fused qkv and gate/up, LongRoPE on 3/4 of each head, a window
+    "phi3": transformers.Phi3Config(
+        **SMALL,
+        rope_scaling=dict(
+            rope_type="longrope",
+            short_factor=[1.0, 1.25, 1.5, 2.0, 3.0, 4.0],
+            long_factor=[1.5, 2.0, 4.0, 8.0, 16.0, 32.0],
+        ),
+        original_max_position_embeddings=32,
+        partial_rotary_factor=0.75,
+        sliding_window=9,
+        tie_word_embeddings=True,
+        **TOKEN_IDS,
+    ),
+    # four layers: llama.cpp's NoPE step leaves the rope out of the fourth
+    "smollm3": transformers.SmolLM3Config(**(SMALL | dict(num_hidden_layers=4)), **TOKEN_IDS),
+    "olmo2": transformers.Olmo2Config(**SMALL, **TOKEN_IDS),
+    "granite": transformers.GraniteConfig(
+        **SMALL,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.03,
+        logits_scaling=4.0,
+        **TOKEN_IDS,
+    ),
 }
+# llama.cpp's converter reorders these families' q/k rows for interleaved rope
+PERMUTED_QK = ("llama", "smollm3", "granite")
 
 # HF name (after "model.layers.N.") -> GGUF name (after "blk.N.")
 LAYER_NAMES = {
@@ -71,11 +111,13 @@ LAYER_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate and up in one tensor
     "mlp.down_proj": "ffn_down",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
@@ -90,7 +132,8 @@ def _gguf_name(hf_name: str, arch: str) -> str:
         return f"{globals_[base]}.{suffix}"
     _, layer, rest = base.split(".", 2)
     if rest == "post_attention_layernorm":
-        return f"blk.{layer}.{'post_attention_norm' if arch == 'gemma3' else 'ffn_norm'}.{suffix}"
+        post = arch in ("gemma3", "olmo2")
+        return f"blk.{layer}.{'post_attention_norm' if post else 'ffn_norm'}.{suffix}"
     return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
 
 
@@ -132,6 +175,23 @@ def _write_gguf(
             "gemma3.attention.sliding_window_pattern",
             [t == "sliding_attention" for t in cfg.layer_types],
         )
+    if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes it
+        rope = cfg.rope_parameters
+        original = rope["original_max_position_embeddings"]
+        rope_dims = int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_dimension_count(rope_dims)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+    if arch == "granite":
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
     # printable ASCII is its own byte-level form
     tokens = [chr(c) for c in range(33, 127)] + ["ab", "<|end|>"]
     assert len(tokens) == VOCAB
@@ -149,14 +209,14 @@ def _write_gguf(
         data = tensor.float().numpy()
         if arch == "gemma3" and "norm" in hf_name:
             data = data + 1.0  # llama.cpp stores Gemma norms as 1 + w
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
             data = _permute(data, heads)
         if data.ndim == 2 and ("embed" not in hf_name or quantize_embedding):
             raw = quantize(data, qtype)
             writer.add_tensor(_gguf_name(hf_name, arch), raw, raw_dtype=qtype)
             data = dequantize(raw, qtype)
-            if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
                 data = (
                     data.reshape(heads, data.shape[0] // heads // 2, 2, -1)
@@ -207,7 +267,15 @@ def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_pat
 
     from_gguf = load_model(gguf_path, progress=False, quantization=quantization)
     from_hf = load_model(tmp_path / "hf", progress=False)
-    assert from_gguf.config.layer_types == from_hf.config.layer_types
+    for field in ("layer_types", "sliding_window", "rotary_dim", "no_rope_layers"):
+        assert getattr(from_gguf.config, field) == getattr(from_hf.config, field), field
+    # the rope of every position, past a LongRoPE's original context too
+    positions = torch.arange(64)
+    for kind, rotary in from_gguf.model.rotaries.items():
+        twin_tables = from_hf.model.rotaries[kind].tables(positions, torch.float32)
+        torch.testing.assert_close(
+            rotary.tables(positions, torch.float32), twin_tables, atol=1e-6, rtol=0
+        )
     prompts = [[5, 9, 3, 70, 1, 1, 44], [8, 2, 60, 61, 62, 63, 64, 65, 66, 67, 11]]
     with torch.no_grad():
         ours = _logits(from_gguf, prompts)

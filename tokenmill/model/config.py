@@ -37,9 +37,33 @@ class RopeSettings:
             return inv / float(self.scaling["factor"])
         if rope_type == "llama3":
             return _llama3_inv_freq(inv, self.scaling)
+        if rope_type == "longrope":
+            return inv / torch.tensor(
+                self.scaling["short_factor"], dtype=torch.float32, device="cpu"
+            )
         raise ValueError(
-            f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)"
+            f"unsupported rope scaling type {rope_type!r} "
+            "(supported: default, linear, llama3, longrope)"
         )
+
+    def long_inv_freq(self, rotary_dim: int) -> tuple[torch.Tensor, int] | None:
+        """LongRoPE (Phi-3): the inverse frequencies of positions past the original context, and
+        the first position they apply to; None for other rope types. Positions before it keep
+        the short factors, so a token's rotation depends on its position alone, never on its
+        batch (transformers picks one set per forward from the largest position in it, which
+        is the same for every token of a prompt within the original context and of each decode
+        step)."""
+        if (self.scaling or {}).get("rope_type") != "longrope":
+            return None
+        steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+        inv = 1.0 / (self.theta ** (steps / rotary_dim))
+        long = inv / torch.tensor(self.scaling["long_factor"], dtype=torch.float32, device="cpu")
+        return long, int(self.scaling["original_max_position_embeddings"])
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by (LongRoPE's attention scaling), 1 otherwise."""
+        return float((self.scaling or {}).get("attention_factor", 1.0))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -116,7 +140,12 @@ class ModelConfig:
     # head and intermediate counts above are then this rank's share; 1: no collectives
     tensor_parallel_size: int = 1
     moe: MoESettings | None = None  # mixture-of-experts feed-forwards; None: dense MLPs
-    qk_norm_whole: bool = False  # q and k normed over all heads at once, not per head (OLMoE)
+    qk_norm_whole: bool = False  # q and k normed over all heads at once (OLMoE, OLMo 2)
+    rotary_dim: int | None = None  # rope on the first rotary_dim of each head only (Phi-4-mini)
+    no_rope_layers: tuple[int, ...] = ()  # layers whose attention has no rope at all (SmolLM3)
+    post_norm: bool = False  # norms after attention and the MLP instead of before (OLMo 2)
+    residual_scale: float = 1.0  # attention and MLP outputs scaled before the residual (Granite)
+    logits_scaling: float = 1.0  # logits are divided by this (Granite)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -135,6 +164,11 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dimensions of each head the rotary embedding turns."""
+        return self.rotary_dim or self.head_dim
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding window of a layer (keys at distance >= window are masked), None for full

@@ -29,7 +29,10 @@ class Family:
     norm_plus_one: bool = False  # HF checkpoints store RMSNorm weights as w - 1 (Gemma)
     gguf_permuted_qk: bool = False  # llama.cpp's converter reorders q/k rows for interleaved rope
     sliding_pattern: int | None = None  # every Nth layer is global, the others sliding (Gemma 3)
-    qk_norm_whole: bool = False  # q and k normed over all heads at once (OLMoE)
+    fused_gate_up: bool = False  # gate and up in one checkpoint tensor, GGUF's `ffn_up` (Phi-3)
+    post_norm: bool = False  # norms after attention and the MLP, none before (OLMo 2)
+    qk_norm_whole: bool = False  # q/k norm over the whole projection, not per head (OLMoE, OLMo 2)
+    no_rope_every: int | None = None  # every Nth layer has no rope (SmolLM3's GGUF default)
     # MoE: the top-k weights renormalized where a GGUF file does not say (llama.cpp's per-arch
     # choice; HF configs say it with norm_topk_prob)
     gguf_norm_topk: bool = False
@@ -57,6 +60,38 @@ FAMILIES: dict[str, Family] = {
     "qwen2moe": Family(qkv_bias=True),
     "qwen3moe": Family(qk_norm=True, gguf_norm_topk=True),
     "olmoe": Family(qk_norm_whole=True),
+    "phi3": Family(fused_gate_up=True),
+    "smollm3": Family(gguf_permuted_qk=True, no_rope_every=4),
+    "olmo2": Family(qk_norm=True, post_norm=True, qk_norm_whole=True),
+    "granite": Family(gguf_permuted_qk=True),
+}
+
+# Families tokenmill knows but does not run yet, and why (docs/design/newer-families.md)
+_LINEAR_ATTENTION = (
+    "its linear-attention (Gated DeltaNet) layers keep a recurrent state per request, which "
+    "tokenmill's paged KV cache does not hold yet; run a model whose layers all attend instead"
+)
+_GEMMA4 = (
+    "Gemma 4's per-layer input embeddings, KV shared between layers and per-layer head and MLP "
+    "widths are not implemented yet; run Gemma 3 instead"
+)
+_SEE = " (see docs/design/newer-families.md)"
+UNSUPPORTED_HF_MODEL_TYPES = {
+    model_type: reason + _SEE
+    for reason, model_types in (
+        (
+            _LINEAR_ATTENTION,
+            ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+        ),
+        (_GEMMA4, ("gemma4", "gemma4_text")),
+    )
+    for model_type in model_types
+}
+UNSUPPORTED_GGUF_ARCHITECTURES = {
+    "qwen3next": _LINEAR_ATTENTION + _SEE,
+    "qwen35": _LINEAR_ATTENTION + _SEE,
+    "qwen35moe": _LINEAR_ATTENTION + _SEE,
+    "gemma4": _GEMMA4 + _SEE,
 }
 
 # HF `model_type` -> family name
@@ -72,6 +107,10 @@ HF_MODEL_TYPES = {
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
     "olmoe": "olmoe",
+    "phi3": "phi3",
+    "smollm3": "smollm3",
+    "olmo2": "olmo2",
+    "granite": "granite",
 }
 
 
@@ -80,6 +119,9 @@ def supported_list() -> str:
 
 
 def _family(name: str, source: str) -> Family:
+    if name in UNSUPPORTED_GGUF_ARCHITECTURES:
+        reason = UNSUPPORTED_GGUF_ARCHITECTURES[name]
+        raise ValueError(f"architecture {name!r} in {source} is not supported: {reason}")
     if name not in FAMILIES:
         raise ValueError(
             f"unsupported architecture {name!r} in {source} (supported: {supported_list()})"
@@ -98,6 +140,10 @@ def config_from_hf(hf: Any) -> ModelConfig:
             f"model_type {model_type!r} is an encoder: it serves embeddings "
             "(`tokenmill serve` and /v1/embeddings), not generation"
         )
+    if model_type in UNSUPPORTED_HF_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported: {UNSUPPORTED_HF_MODEL_TYPES[model_type]}"
+        )
     if model_type not in HF_MODEL_TYPES:
         known = ", ".join(sorted(HF_MODEL_TYPES))
         raise ValueError(
@@ -107,15 +153,24 @@ def config_from_hf(hf: Any) -> ModelConfig:
     fam = FAMILIES[name]
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope, rope_local = _hf_rope(hf)
+    rope = _longrope_factor(rope, hf.max_position_embeddings)
     attention_bias = bool(getattr(hf, "attention_bias", False)) or fam.qkv_bias
     sliding = getattr(hf, "sliding_window", None)
     layer_types = list(getattr(hf, "layer_types", None) or [])
     if sliding is None or (
-        name in ("qwen2", "qwen3", "qwen2moe", "qwen3moe")
+        name in ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "smollm3")
         and not getattr(hf, "use_sliding_window", False)
     ):
         sliding, layer_types = None, [FULL_ATTENTION] * hf.num_hidden_layers
     pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None)
+    attn_scale = pre_attn_scalar**-0.5 if pre_attn_scalar else None
+    if getattr(hf, "attention_multiplier", None):  # Granite
+        attn_scale = float(hf.attention_multiplier)
+    embed_scale = math.sqrt(hf.hidden_size) if fam.scaled_embeddings else 1.0
+    if getattr(hf, "embedding_multiplier", None):  # Granite
+        embed_scale = float(hf.embedding_multiplier)
+    # SmolLM3: 1 where a layer has rope, 0 where it has none
+    uses_rope = getattr(hf, "no_rope_layers", None) or [1] * hf.num_hidden_layers
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
     if getattr(hf, "clip_qkv", None) is not None:
         raise ValueError("clip_qkv (clamped q/k/v projections) is not supported")
@@ -138,15 +193,20 @@ def config_from_hf(hf: Any) -> ModelConfig:
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         qk_norm=fam.qk_norm,
         sandwich_norm=fam.sandwich_norm,
-        embed_scale=math.sqrt(hf.hidden_size) if fam.scaled_embeddings else 1.0,
-        attn_scale=pre_attn_scalar**-0.5 if pre_attn_scalar else None,
+        embed_scale=embed_scale,
+        attn_scale=attn_scale,
         attn_logit_softcap=getattr(hf, "attn_logit_softcapping", None),
         final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
         sliding_window=sliding,
         layer_types=layer_types,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         moe=_hf_moe(hf),
+        rotary_dim=_hf_rotary_dim(hf, head_dim),
+        no_rope_layers=tuple(i for i, has_rope in enumerate(uses_rope) if not has_rope),
+        post_norm=fam.post_norm,
         qk_norm_whole=fam.qk_norm_whole,
+        residual_scale=float(getattr(hf, "residual_multiplier", None) or 1.0),
+        logits_scaling=float(getattr(hf, "logits_scaling", None) or 1.0),
     )
 
 
@@ -169,6 +229,26 @@ def _hf_moe(hf: Any) -> MoESettings | None:
         shared_gate=shared > 0,  # Qwen2-MoE always gates its shared expert
         dense_layers=tuple(i for i in range(layers) if i in dense_only or (i + 1) % step),
     )
+
+
+def _hf_rotary_dim(hf: Any, head_dim: int) -> int | None:
+    """The leading dimensions of each head that rope turns, None for all of them."""
+    params = getattr(hf, "rope_parameters", None)
+    params = params if isinstance(params, dict) else {}
+    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    return None if factor == 1.0 else int(head_dim * factor)
+
+
+def _longrope_factor(rope: RopeSettings, max_positions: int) -> RopeSettings:
+    """LongRoPE's scaling of cos and sin, computed as transformers and llama.cpp's converter do
+    when the config does not give it: from the ratio of the context to the original one."""
+    scaling = rope.scaling or {}
+    if scaling.get("rope_type") != "longrope" or scaling.get("attention_factor") is not None:
+        return rope
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_positions / original)
+    attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return RopeSettings(theta=rope.theta, scaling=scaling | {"attention_factor": attention_factor})
 
 
 def _activation(name: str) -> str:
@@ -205,8 +285,6 @@ def _scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return None
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
     return {k: v for k, v in params.items() if k != "rope_theta"} | {"rope_type": rope_type}
 
 
@@ -223,7 +301,7 @@ def hf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
     layer, rest = m.groups()
     rest = rest.replace("self_attn.", "attn.")
     norms = {"input_layernorm": "attn_norm"}
-    if cfg.sandwich_norm:
+    if cfg.sandwich_norm or cfg.post_norm:
         norms |= {
             "post_attention_layernorm": "attn_post_norm",
             "pre_feedforward_layernorm": "ffn_norm",
@@ -309,9 +387,16 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
             SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
         ]
     moe = _gguf_moe(md, str(arch), fam, int(ffn), tensor_names, source)
-    attn_scale = None
+    attn_scale = md.get(f"{arch}.attention.scale")  # Granite
     if arch in ("gemma2", "gemma3"):
         attn_scale = head_dim**-0.5  # query_pre_attn_scalar equals head_dim for released sizes
+    embed_scale = float(md.get(f"{arch}.embedding_scale", 1.0))  # Granite
+    if fam.scaled_embeddings:
+        embed_scale = math.sqrt(hidden)
+    rotary_dim = md.get(f"{arch}.rope.dimension_count")
+    # llama.cpp's fixed NoPE step (SmolLM3): no GGUF key gives it
+    every = fam.no_rope_every
+    no_rope = tuple(i for i in range(num_layers) if every and (i + 1) % every == 0)
     return ModelConfig(
         architecture=str(arch),
         vocab_size=int(vocab),
@@ -331,15 +416,24 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         qk_norm=fam.qk_norm,
         sandwich_norm=fam.sandwich_norm,
-        embed_scale=math.sqrt(hidden) if fam.scaled_embeddings else 1.0,
+        embed_scale=embed_scale,
         attn_scale=attn_scale,
         attn_logit_softcap=md.get(f"{arch}.attn_logit_softcapping"),
         final_logit_softcap=md.get(f"{arch}.final_logit_softcapping"),
-        sliding_window=int(sliding) if sliding and (layer_types or arch == "mistral") else None,
+        # Mistral and Phi-3 window every layer (transformers does for Phi-3-mini's 2047; llama.cpp
+        # leaves Phi-3's window out, so its logits differ from transformers' past the window)
+        sliding_window=(
+            int(sliding) if sliding and (layer_types or arch in ("mistral", "phi3")) else None
+        ),
         layer_types=layer_types,
         tie_word_embeddings="output.weight" not in tensor_names,
         moe=moe,
+        rotary_dim=int(rotary_dim) if rotary_dim and int(rotary_dim) != head_dim else None,
+        no_rope_layers=no_rope,
+        post_norm=fam.post_norm,
         qk_norm_whole=fam.qk_norm_whole,
+        residual_scale=float(md.get(f"{arch}.residual_scale", 1.0)),
+        logits_scaling=float(md.get(f"{arch}.logit_scale", 1.0)),
     )
 
 
@@ -366,6 +460,28 @@ def _gguf_moe(
         shared_intermediate_size=shared,
         shared_gate="blk.0.ffn_gate_inp_shexp.weight" in tensor_names,
     )
+
+
+def gguf_longrope(
+    md: dict[str, Any], cfg: ModelConfig, short: list[float], long: list[float]
+) -> RopeSettings:
+    """Phi-3's LongRoPE from a GGUF file: its `rope_factors_short` / `rope_factors_long` tensors
+    and the converter's attention factor and original context length."""
+    arch = md.get("general.architecture")
+    original = md.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ValueError(
+            f"rope_factors_long without {arch}.rope.scaling.original_context_length: the file "
+            "does not say where the long factors start; convert the model again"
+        )
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(md.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+    }
+    return RopeSettings(theta=cfg.rope.theta, scaling=scaling)
 
 
 _GGUF_LAYER_NAMES = {
@@ -396,16 +512,38 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
 
 
-def gguf_tensor_name(name: str) -> str | None:
+def gguf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
     """Our parameter name for a GGUF tensor name, None for tensors we do not use
-    (e.g. rope_freqs)."""
+    (e.g. rope_freqs). Fused tensors get the name of our fused projection, which
+    `fused_parts` splits."""
     base, _, suffix = name.rpartition(".")
     if base in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{suffix}"
-    return None
+    if not m:
+        return None
+    kind = m.group(2)
+    ours = _GGUF_LAYER_NAMES.get(kind)
+    if kind == "attn_qkv":
+        ours = "attn.qkv_proj"
+    elif kind == "ffn_up" and FAMILIES[cfg.architecture].fused_gate_up:
+        ours = "mlp.gate_up_proj"  # llama.cpp's Phi-3 keeps gate and up in one tensor
+    return None if ours is None else f"layers.{m.group(1)}.{ours}.{suffix}"
+
+
+def fused_parts(name: str, cfg: ModelConfig) -> list[tuple[str, int]] | None:
+    """The projections a fused checkpoint tensor (Phi-3's qkv_proj and gate_up_proj) stacks, by
+    our name with their row counts, in order; None for a tensor that is not fused."""
+    m = re.fullmatch(r"(layers\.\d+)\.(attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)", name)
+    if not m:
+        return None
+    layer, fused, suffix = m.groups()
+    if fused == "attn.qkv_proj":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        parts = [("attn.q_proj", q), ("attn.k_proj", kv), ("attn.v_proj", kv)]
+    else:
+        parts = [("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)]
+    return [(f"{layer}.{part}.{suffix}", rows) for part, rows in parts]
 
 
 def gguf_qk_permuted(cfg: ModelConfig) -> bool:

@@ -221,8 +221,6 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
         layer = {
-            "attn_norm.weight": (h,),
-            "ffn_norm.weight": (h,),
             "attn.q_proj.weight": (q, h),
             "attn.k_proj.weight": (kv, h),
             "attn.v_proj.weight": (kv, h),
@@ -245,6 +243,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 "mlp.up_proj.bias": (ffn,),
                 "mlp.down_proj.bias": (h,),
             }
+        if not cfg.post_norm:
+            layer |= {"attn_norm.weight": (h,), "ffn_norm.weight": (h,)}
         if cfg.qk_norm:
             layer |= {"attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,)}
         if cfg.qk_norm_whole:
@@ -252,7 +252,7 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.layer_is_moe(i):
             layer = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
             layer |= {f"mlp.{k}": v for k, v in moe.layer_shapes(cfg).items()}
-        if cfg.sandwich_norm:
+        if cfg.sandwich_norm or cfg.post_norm:
             layer |= {"attn_post_norm.weight": (h,), "ffn_post_norm.weight": (h,)}
         shapes |= {f"layers.{i}.{k}": v for k, v in layer.items()}
     return shapes
@@ -283,7 +283,7 @@ class _Builder:
         expected = checkpoint_shapes(self.config)
         state: dict[str, Weight] = {}
         for name, tensor in tqdm(
-            moe.expert_tensors(weights),
+            moe.expert_tensors(_split_fused(weights, self.config, self.path)),
             desc=f"loading {self.path.name}",
             total=len(expected),
             unit="tensor",
@@ -543,6 +543,29 @@ class _Builder:
         )
 
 
+def _split_fused(
+    weights: Iterator[tuple[str, Weight]], cfg: ModelConfig, path: Path
+) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's tensors with each fused one (Phi-3's qkv and gate/up) split into the
+    projections it stacks; the builder fuses them its own way again."""
+    for name, tensor in weights:
+        parts = families.fused_parts(name, cfg)
+        if parts is None:
+            yield name, tensor
+            continue
+        total = sum(rows for _, rows in parts)
+        if tensor.shape[0] != total:
+            raise ModelFileError(
+                path,
+                f"{tensor.shape[0]} rows where the config gives {total}",
+                tensor=name,
+            )
+        start = 0
+        for part, rows in parts:
+            yield part, slice_rows(tensor, range(start, start + rows))
+            start += rows
+
+
 def _packs_per_block(w: Weight) -> bool:
     """Whether a GGUF weight's packed form keeps each quantization block as it is (exact int4 or
     5-bit groups; see `packed_form`), so a slice of its blocks packs as that part of the whole."""
@@ -660,6 +683,15 @@ def _open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tenso
         config.rope = type(config.rope)(
             theta=config.rope.theta, freq_factors=tuple(factors.tolist())
         )
+    if "rope_factors_long.weight" in gguf.tensors:  # Phi-3's LongRoPE
+        short, long = (
+            _dense(gguf.load(f"rope_factors_{kind}.weight"), torch.float32).tolist()
+            for kind in ("short", "long")
+        )
+        try:
+            config.rope = families.gguf_longrope(gguf.metadata, config, short, long)
+        except ValueError as exc:
+            raise ModelFileError(path, str(exc)) from exc
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = builtin_chat_template(config.architecture)
@@ -669,7 +701,7 @@ def _open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tenso
 def _gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
     permuted = families.gguf_qk_permuted(config)
     for gguf_name in gguf.tensors:
-        name = families.gguf_tensor_name(gguf_name)
+        name = families.gguf_tensor_name(gguf_name, config)
         if name is None:
             continue
         tensor = gguf.load(gguf_name)

@@ -100,6 +100,11 @@ def ffn_ranges(intermediate: int, size: int, align: int) -> list[range]:
 
 
 def layout(cfg: ModelConfig, shard: Shard, ffn_align: int = 1) -> ShardLayout:
+    if cfg.qk_norm_whole and shard.size > 1:
+        raise InvalidRequestError(
+            f"{cfg.architecture}'s q/k norms span every head of the projection, so a rank's "
+            "share of the heads cannot be normalized alone; run it with --tensor-parallel-size 1"
+        )
     q, kv = head_ranges(cfg.num_heads, cfg.num_kv_heads, shard.size)[shard.rank]
     ffn = ffn_ranges(cfg.intermediate_size, shard.size, ffn_align)[shard.rank]
     return ShardLayout(q_heads=q, kv_heads=kv, ffn=ffn)

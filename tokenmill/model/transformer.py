@@ -62,15 +62,26 @@ class Rotary:
     """Rotary embedding of one rope setting (rotate-half layout), evaluated for a step's
     positions."""
 
-    def __init__(self, settings: RopeSettings, head_dim: int) -> None:
-        self.inv_freq = settings.inv_freq(head_dim)
+    def __init__(self, settings: RopeSettings, rotary_dim: int) -> None:
+        self.inv_freq = settings.inv_freq(rotary_dim)
+        self.long = settings.long_inv_freq(rotary_dim)
+        self.factor = settings.attention_factor
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape (T, 1, head_dim // 2), computed once per step and shared by
+        """cos and sin of shape (T, 1, rotary_dim // 2), computed once per step and shared by
         layers."""
         cos, sin = torch.ops.tokenmill_rope.tables(positions, self.inv_freq.to(positions.device))
+        if self.long is not None:  # LongRoPE: positions past the original context
+            long_inv_freq, start = self.long
+            long_cos, long_sin = torch.ops.tokenmill_rope.tables(
+                positions, long_inv_freq.to(positions.device)
+            )
+            is_long = (positions >= start)[:, None]
+            cos, sin = torch.where(is_long, long_cos, cos), torch.where(is_long, long_sin, sin)
+        if self.factor != 1.0:
+            cos, sin = cos * self.factor, sin * self.factor
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
@@ -95,7 +106,12 @@ def _rope_tables_shape(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape (T, heads, head_dim) with tables from `Rotary.tables`."""
+    """Rotate x of shape (T, heads, head_dim) with tables from `Rotary.tables`; a partial rotary
+    embedding turns the leading dimensions the tables cover and passes the rest through."""
+    turned = 2 * cos.shape[-1]
+    if turned < x.shape[-1]:
+        rotated = apply_rotary(x[..., :turned], cos, sin)
+        return torch.cat((rotated, x[..., turned:]), dim=-1)
     if _fused_rotary_fits(x, cos, sin):
         return torch.ops.tokenmill.rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
@@ -134,7 +150,7 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
-        # per head, or over all heads of q and of k at once (qk_norm_whole)
+        # per head, or over all heads of q and of k at once (qk_norm_whole: OLMoE, OLMo 2)
         self.qk_norm_whole = cfg.qk_norm_whole
         q_dim, k_dim = (self.q_size, self.kv_size) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
         normed = cfg.qk_norm or cfg.qk_norm_whole
@@ -146,12 +162,13 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple,
+        rope: tuple | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: AttentionBatch,
         mask: torch.Tensor | tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
+        """rope: the step's cos and sin tables, None in a layer without rope."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole:
@@ -161,7 +178,8 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(
             q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap, self.window
         )
@@ -212,33 +230,36 @@ def _fused_activation_fits(gate_up: torch.Tensor) -> bool:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        pre, post = not cfg.post_norm, cfg.sandwich_norm or cfg.post_norm
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
         self.attn = Attention(cfg, layer)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
         self.mlp = MoE(cfg, lambda width: MLP(cfg, width)) if cfg.layer_is_moe(layer) else MLP(cfg)
-        self.attn_post_norm = (
-            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
-        )
-        self.ffn_post_norm = (
-            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
-        )
+        self.attn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
+        self.ffn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
+        self.residual_scale = cfg.residual_scale
 
     def forward(
         self,
         h: torch.Tensor,
-        rope: tuple,
+        rope: tuple | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: AttentionBatch,
         mask: torch.Tensor | tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
-        a = self.attn(self.attn_norm(h), rope, k_cache, v_cache, batch, mask)
+        x = h if self.attn_norm is None else self.attn_norm(h)
+        a = self.attn(x, rope, k_cache, v_cache, batch, mask)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
+        if self.residual_scale != 1.0:
+            a = a * self.residual_scale
         h = h + a
-        m = self.mlp(self.ffn_norm(h))
+        m = self.mlp(h if self.ffn_norm is None else self.ffn_norm(h))
         if self.ffn_post_norm is not None:
             m = self.ffn_post_norm(m)
+        if self.residual_scale != 1.0:
+            m = m * self.residual_scale
         return h + m
 
 
@@ -261,7 +282,7 @@ class Transformer(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.rotaries = {
-            kind: Rotary(cfg.layer_rope(i), cfg.head_dim) for i, kind in enumerate(cfg.layer_types)
+            kind: Rotary(cfg.layer_rope(i), cfg.rope_dim) for i, kind in enumerate(cfg.layer_types)
         }
         # a tied head multiplies through `invariant_linear` (set by the loader for batch-invariant
         # fp32 models), else through F.linear
@@ -278,8 +299,10 @@ class Transformer(nn.Module):
             window: batch.mask(window) for window in {layer.attn.window for layer in self.layers}
         }
         ropes = {kind: r.tables(batch.positions, h.dtype) for kind, r in self.rotaries.items()}
+        no_rope = self.config.no_rope_layers
         for i, (kind, layer) in enumerate(zip(self.config.layer_types, self.layers)):
-            h = layer(h, ropes[kind], cache.k[i], cache.v[i], batch, masks[layer.attn.window])
+            rope = None if i in no_rope else ropes[kind]
+            h = layer(h, rope, cache.k[i], cache.v[i], batch, masks[layer.attn.window])
         return self.norm(h)
 
     @property
@@ -295,7 +318,8 @@ class Transformer(nn.Module):
         argmax_only: bool = False,
     ) -> torch.Tensor:
         """Float32 logits (T, vocab) of final hidden states (T, hidden): the output head, then the
-        soft cap where the model has one. The only way to make logits.
+        division by `logits_scaling` and the soft cap where the model has them. The only way to
+        make logits.
 
         products: the output head's products (`head_products`) in place of hidden states, for a
         caller that ran the head itself (the compiled decode graph does). out: a float32 buffer
@@ -307,9 +331,11 @@ class Transformer(nn.Module):
         if products is None:
             products = self.head_products(hidden)
         cap = self.config.final_logit_softcap
-        if argmax_only and cap is None:
+        if argmax_only and cap is None:  # a positive logits_scaling keeps the argmax
             return products
         logits = products.float() if out is None else out[: products.shape[0]].copy_(products)
+        if self.config.logits_scaling != 1.0:
+            logits.div_(self.config.logits_scaling)
         if cap is not None:
             logits.div_(cap).tanh_().mul_(cap)
         return logits
