@@ -47,6 +47,7 @@ log = logging.getLogger("tokenmill.server")
 
 Engine = AsyncLLMEngine | DataParallelEngine
 FOREVER = math.inf  # a keep_alive that never expires
+ON_DEMAND_KEEP_ALIVE = 300.0  # seconds, of models loaded on demand: Ollama's default
 # A Go duration, as Ollama's keep_alive takes it: "5m", "1h30m", "90s", "-1m"
 _DURATION = re.compile(r"(-?)((?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h))+)")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -203,12 +204,14 @@ class ModelRegistry:
         self._build(entry)
 
     def start_compile(self) -> None:
-        """The server listens: compile the loaded models' decode graphs, and each later one's as
-        it loads (see `AsyncLLMEngine.start_compile`)."""
+        """The server listens (on its event loop): compile the loaded models' decode graphs, and
+        each later one's as it loads (see `AsyncLLMEngine.start_compile`); the keep_alive of
+        those that have one starts now."""
         self._listening = True
         for entry in self.entries.values():
             if entry.engine is not None:
                 entry.engine.start_compile()
+                self._start_keep_alive(entry)
 
     def shutdown(self) -> None:
         for entry in self.entries.values():
@@ -270,6 +273,10 @@ class ModelRegistry:
         entry.users -= 1
         entry.last_used = time.monotonic()
         self._room.set()
+        self._start_keep_alive(entry)
+
+    def _start_keep_alive(self, entry: ModelEntry) -> None:
+        """Unload the model once its keep_alive passes, if it is idle and loaded."""
         if entry.users or entry.engine is None or entry.keep_alive == FOREVER:
             return
         entry.expires_at = time.time() + entry.keep_alive
