@@ -132,3 +132,16 @@ def test_serve_data_parallel_without_ray_says_what_to_install(
 def test_serve_pd_disaggregation_needs_two_replicas(tiny_model_dir, capsys) -> None:
     assert main(["serve", str(tiny_model_dir), "--pd-disaggregation"]) == 1
     assert "--data-parallel-size 2 or more" in capsys.readouterr().err
+
+
+def test_serve_names_one_model_per_served_model_name(tiny_model_dir, capsys) -> None:
+    argv = ["serve", str(tiny_model_dir), str(tiny_model_dir), "--served-model-name", "x"]
+    assert main(argv) == 1
+    assert "--served-model-name names one MODEL" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_model_beyond_the_memory_budget(tiny_model_dir, capsys) -> None:
+    argv = ["serve", str(tiny_model_dir), "--memory-budget", "1MiB", "--kv-cache-memory", "0.01"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "the memory budget is 1.0 MiB" in err
