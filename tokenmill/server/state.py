@@ -14,7 +14,7 @@ from tokenmill.server.response_store import ResponseStore
 
 @dataclass
 class ServerConfig:
-    served_model_name: str
+    served_model_name: str  # of the one engine build_app may serve (a registry names its models)
     api_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # more keys, each to its tenant
     max_body_bytes: int = 16 << 20
