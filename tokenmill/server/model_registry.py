@@ -173,10 +173,13 @@ class ModelRegistry:
     load_timeout: float = 300.0  # seconds a request waits for its model to load
     entries: dict[str, ModelEntry] = field(default_factory=dict)
     default_model: str | None = None  # of requests that name none: the first one started with
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load or unload at a time
-    _room: asyncio.Event = field(default_factory=asyncio.Event)  # set when a model is released
-    _tasks: set[asyncio.Task] = field(default_factory=set)  # expiries and unloads under way
-    _listening: bool = False
+    # one load or unload at a time
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    # set when a request releases a model: room may have come free
+    _room: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    # expiries under way (referenced until they end)
+    _tasks: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
+    _listening: bool = field(default=False, init=False, repr=False)
 
     # ------------------------------------------------------------------ at the start
 
