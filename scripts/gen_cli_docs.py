@@ -88,7 +88,10 @@ def usage(prog: str, parser: argparse.ArgumentParser) -> str:
     for action in parser._actions:
         if not action.option_strings:
             name = action.metavar or action.dest
-            words.append(f"[{name}]" if action.nargs in ("?", "*") else name)
+            if action.nargs == "*":
+                words.append(f"[{name} ...]")
+            else:
+                words.append(f"[{name}]" if action.nargs == "?" else name)
     return " ".join(words)
 
 

@@ -138,3 +138,16 @@ def test_serve_refuses_a_tenant_limit_without_the_fair_policy(tiny_model_dir, ca
     args = ["serve", str(tiny_model_dir), "--max-running-per-tenant", "2", "--port", "0"]
     assert main(args) == 1
     assert "--scheduling-policy fair" in capsys.readouterr().err
+
+
+def test_serve_names_one_model_per_served_model_name(tiny_model_dir, capsys) -> None:
+    argv = ["serve", str(tiny_model_dir), str(tiny_model_dir), "--served-model-name", "x"]
+    assert main(argv) == 1
+    assert "--served-model-name names one MODEL" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_model_beyond_the_memory_budget(tiny_model_dir, capsys) -> None:
+    argv = ["serve", str(tiny_model_dir), "--memory-budget", "1MiB", "--kv-cache-memory", "0.01"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "the memory budget is 1.0 MiB" in err

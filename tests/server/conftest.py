@@ -15,7 +15,8 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.data_parallel import DataParallelEngine
 from tokenmill.engine.embedding import EmbeddingEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.server.app import ServerConfig, build_app
+from tokenmill.server.app import ServerConfig, build_app, serving
+from tokenmill.server.model_registry import ModelRegistry
 
 MODEL_NAME = "tiny"
 API_KEY = "test-key"
@@ -29,14 +30,20 @@ def free_port() -> int:
 
 class RunningServer:
     def __init__(
-        self, engine: LLMEngine | EmbeddingEngine | DataParallelEngine, config: ServerConfig
+        self,
+        engine: LLMEngine | EmbeddingEngine | DataParallelEngine | ModelRegistry,
+        config: ServerConfig,
     ) -> None:
-        """engine: an engine to run, or running data-parallel replicas (which this server then
-        shuts down)."""
-        self.async_engine = (
-            engine if isinstance(engine, DataParallelEngine) else AsyncLLMEngine(engine)
-        )
-        self.app = build_app(self.async_engine, config)
+        """engine: an engine to run, running data-parallel replicas, or a registry of models
+        (which this server then shuts down)."""
+        if isinstance(engine, ModelRegistry):
+            self.registry = engine
+        else:
+            self.async_engine = (
+                engine if isinstance(engine, DataParallelEngine) else AsyncLLMEngine(engine)
+            )
+            self.registry = serving(config, self.async_engine)
+        self.app = build_app(self.registry, config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
@@ -53,7 +60,7 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-        self.async_engine.shutdown()
+        self.registry.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenmill.catalog import DEFAULT_MODEL, resolve_model
 from tokenmill.cli.common import (
@@ -22,6 +23,10 @@ from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.parsers.reasoning import REASONING_PARSERS
 from tokenmill.parsers.tool_calls import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from tokenmill.server.model_registry import ModelRegistry
+    from tokenmill.server.model_sources import EngineBuilder
 
 GiB = 1 << 30
 
@@ -129,14 +134,17 @@ def engine_options(args: argparse.Namespace) -> dict:
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p = sub.add_parser(
         name,
-        help="serve a model over the OpenAI API",
-        description="Serve MODEL over an OpenAI-compatible HTTP API, with a chat page at /.",
+        help="serve models over the OpenAI API",
+        description="Serve MODELs over an OpenAI-compatible HTTP API, with a chat page at /. "
+        "Each model has its own engine, KV cache and prefix cache; a request picks one by its "
+        "`model` field (the first MODEL when it names none).",
     )
     p.add_argument(
         "model",
-        nargs="?",
-        default=None,
-        help=f"catalog alias, GGUF file or HF directory (default: {DEFAULT_MODEL})",
+        nargs="*",
+        default=[],
+        help="catalog aliases, GGUF files or HF directories, loaded at the start and kept "
+        f"loaded (default: {DEFAULT_MODEL}, or none with --load-on-demand)",
     )
     p.add_argument(
         "--host",
@@ -145,8 +153,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--served-model-name", default=None, help="model id clients use (default: the model name)"
+        "--served-model-name",
+        default=None,
+        help="model id clients use, with one MODEL (default: the name MODEL is given by)",
     )
+    add_model_registry_args(p)
     p.add_argument(
         "--api-key",
         default=None,
@@ -236,6 +247,52 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.set_defaults(run=run)
 
 
+def add_model_registry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--load-on-demand",
+        action="store_true",
+        help="load any catalog alias (pulled first if need be) or cached model (tokenmill list) "
+        "that a request names, within --max-loaded-models and --memory-budget; requests for it "
+        "wait while it loads (at most --load-timeout). Never a path a request names",
+    )
+    p.add_argument(
+        "--keep-alive",
+        default=None,
+        metavar="DURATION",
+        help="how long a model stays loaded after its last request, as Ollama's keep_alive: "
+        "seconds or a duration (300, 5m, 1h30m), 0 to unload at once, negative to keep it; "
+        "requests may set their own (keep_alive). Default: MODELs stay loaded, models loaded "
+        "on demand 5m",
+    )
+    p.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most models loaded at once; loading one more first unloads the least recently "
+        "used idle model that is not kept loaded (default: no limit)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help="memory the loaded models may take together: bytes with a unit (8GiB, 512MiB) or "
+        "a fraction of the system's memory (0.5). A model is charged its weights' size on disk "
+        "plus its KV pool (--kv-cache-memory, else the default budget of the free memory when "
+        "it loads), or what its load added to the server's resident memory if that is more; a "
+        "model that cannot fit is refused with a message saying so (default: no budget; a load "
+        "is still refused when the system lacks the free memory)",
+    )
+    p.add_argument(
+        "--load-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long a request waits for its model to load (or for room to load it) before "
+        "a 503 asks it to retry; the load goes on (default: 300)",
+    )
+
+
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.engine.router import ROUTER_POLICIES
 
@@ -281,13 +338,10 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tokenmill.engine.async_engine import AsyncLLMEngine
-    from tokenmill.engine.data_parallel import DataParallelEngine, import_ray
-    from tokenmill.engine.embedding import EmbeddingEngine
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.model.encoder import is_encoder_dir
+    from tokenmill.engine.data_parallel import import_ray
     from tokenmill.server.app import ServerConfig, build_app
     from tokenmill.server.listening import ListeningServer
+    from tokenmill.server.model_sources import EngineBuilder
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -303,7 +357,6 @@ def run(args: argparse.Namespace) -> int:
                 "--data-parallel-size and --tensor-parallel-size do not combine yet: pick one"
             )
         import_ray()  # before the model is fetched: say what to install first
-    path = resolve_model(args.model, models_dir=args.models_dir, progress=sys.stderr.isatty())
     options = dict(
         max_queue_len=args.max_queue_len,
         compile=args.compile,
@@ -311,35 +364,22 @@ def run(args: argparse.Namespace) -> int:
         embedding_pooling=args.embedding_pooling,
         **engine_options(args),
     )
-    async_engine: AsyncLLMEngine | DataParallelEngine
-    if is_encoder_dir(path):  # an encoder (BERT, sentence-transformers): embeddings only
-        if args.data_parallel_size != 1:
-            raise TokenmillError(
-                f"{path.name} is an encoder (embeddings only): --data-parallel-size serves "
-                "generative models"
-            )
-        async_engine = AsyncLLMEngine(lambda: EmbeddingEngine(path))
-    elif args.data_parallel_size != 1:
-        async_engine = DataParallelEngine(
-            path,
-            args.data_parallel_size,
-            options,
+    data_parallel = {}
+    if args.data_parallel_size != 1:
+        data_parallel = dict(
+            num_replicas=args.data_parallel_size,
             router=args.router,
             ray_address=args.ray_address,
             num_threads=args.threads_per_replica,
             pd_disaggregation=args.pd_disaggregation,
         )
-    else:
-        async_engine = AsyncLLMEngine(
-            # loaded on the thread that runs it: see AsyncLLMEngine
-            lambda: LLMEngine(path, progress=sys.stderr.isatty(), **options)
-        )
-    name = args.served_model_name or args.model or DEFAULT_MODEL
+    builder = EngineBuilder(options, data_parallel, progress=sys.stderr.isatty())
+    registry = _model_registry(args, builder)
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
     app = build_app(
-        async_engine,
+        registry,
         ServerConfig(
-            name,
+            registry.default_model or "",
             api_key=api_key,
             api_keys=_read_api_keys(args.api_keys_file),
             max_body_bytes=args.max_request_bytes,
@@ -352,19 +392,20 @@ def run(args: argparse.Namespace) -> int:
             strict_request_fields=args.strict_request_fields,
         ),
     )
-    what = (
-        "embeddings only"
-        if async_engine.embeddings_only
-        else f"{async_engine.num_kv_blocks} KV blocks"
-    )
-    if args.data_parallel_size > 1:
-        what += f", {args.data_parallel_size} replicas, {args.router} router"
-    print(
-        f"tokenmill: serving {name} ({path.name}, {async_engine.max_model_len} tokens of context, "
-        f"{what}) at http://{args.host}:{args.port}",
-        file=sys.stderr,
-        flush=True,
-    )
+    for entry in registry.entries.values():
+        engine = entry.engine
+        assert engine is not None  # loaded by _model_registry
+        what = "embeddings only" if engine.embeddings_only else f"{engine.num_kv_blocks} KV blocks"
+        if args.data_parallel_size > 1:
+            what += f", {args.data_parallel_size} replicas, {args.router} router"
+        print(
+            f"tokenmill: serving {entry.name} ({engine.model_path.name}, {engine.max_model_len} "
+            f"tokens of context, {what}) at http://{args.host}:{args.port}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if args.load_on_demand:
+        print("tokenmill: loading cached and catalog models on demand", file=sys.stderr, flush=True)
     # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal to the handler
     # that was installed before it started: make that one a no-op so shutdown ends with exit code 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -377,12 +418,55 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=10,
         lifespan="off",
     )  # no startup/shutdown hooks: the engine is ready before uvicorn starts
-    server = ListeningServer(config, on_listening=async_engine.start_compile)
+    server = ListeningServer(config, on_listening=registry.start_compile)
     try:
         server.run()
     finally:
-        async_engine.shutdown()
+        registry.shutdown()
     return 0 if server.started else 1
+
+
+def _model_registry(args: argparse.Namespace, builder: EngineBuilder) -> ModelRegistry:
+    """The registry of the server's models, the MODELs loaded (one after the other, each one
+    refused with a message if it does not fit)."""
+    from tokenmill.errors import InvalidRequestError
+    from tokenmill.server.memory import parse_memory_size
+    from tokenmill.server.model_registry import (
+        FOREVER,
+        ON_DEMAND_KEEP_ALIVE,
+        ModelRegistry,
+        parse_keep_alive,
+    )
+    from tokenmill.server.model_sources import CachedModels
+
+    names = args.model or ([] if args.load_on_demand else [DEFAULT_MODEL])
+    if args.served_model_name and len(names) != 1:
+        raise TokenmillError("--served-model-name names one MODEL: give exactly one")
+    try:
+        keep_alive = None if args.keep_alive is None else parse_keep_alive(args.keep_alive)
+        budget = None if args.memory_budget is None else parse_memory_size(args.memory_budget)
+    except (InvalidRequestError, ValueError) as exc:
+        raise TokenmillError(f"--keep-alive / --memory-budget: {exc}") from None
+    finder = None
+    if args.load_on_demand:
+        on_demand = ON_DEMAND_KEEP_ALIVE if keep_alive is None else keep_alive
+        finder = CachedModels(builder, on_demand, args.models_dir)
+    registry = ModelRegistry(finder, args.max_loaded_models, budget, args.load_timeout)
+    try:
+        for name in names:
+            path = resolve_model(name, models_dir=args.models_dir, progress=sys.stderr.isatty())
+            served = args.served_model_name or name
+            size = path.stat().st_size if path.is_file() else _dir_size(path)
+            kept = FOREVER if keep_alive is None else keep_alive
+            registry.load_now(builder.source(served, path, size, kept))
+    except BaseException:
+        registry.shutdown()
+        raise
+    return registry
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _read_api_keys(path: Path | None) -> dict[str, str]:

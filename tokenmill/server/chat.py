@@ -16,6 +16,7 @@ from tokenmill.parsers.reasoning import REASONING_PARSERS, ReasoningParser
 from tokenmill.sample import SamplingParams
 from tokenmill.server.formatting import chat_logprobs, usage
 from tokenmill.server.generation import RequestRun
+from tokenmill.server.model_registry import ServedModel
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.state import ServerState
 from tokenmill.server.tool_calling import ChoiceParser, ToolPlan, plan_tools, template_messages
@@ -54,13 +55,13 @@ class ChatSetup:
         return ChoiceParser(self.tool_plan, reasoning)
 
 
-def chat_setup(req: ChatCompletionRequest, state: ServerState) -> ChatSetup:
-    """The prompt's token ids (the messages and tools rendered by the chat template), the engine
-    parameters and the output's parsers, refusing what this server does not support."""
-    state.check_generates()
+def chat_setup(req: ChatCompletionRequest, state: ServerState, model: ServedModel) -> ChatSetup:
+    """The prompt's token ids (the messages and tools rendered by the model's chat template), the
+    engine parameters and the output's parsers, refusing what this server does not support."""
+    model.check_generates()
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise InvalidRequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
-    engine = state.engine
+    engine = model.engine
     plan = plan_tools(req, engine.tokenizer, state.config.tool_call_parser)
     prompt_ids = engine.tokenize(
         messages=template_messages(req.messages),

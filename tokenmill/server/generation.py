@@ -20,6 +20,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams
 from tokenmill.server.errors import APIError, GenerationError, RequestTimeoutError
 from tokenmill.server.metrics import RequestTimer
+from tokenmill.server.model_registry import ServedModel
 from tokenmill.server.state import ServerState
 
 # How often a non-streaming request checks whether its client is still there: a shorter period
@@ -46,20 +47,22 @@ class RequestRun:
     async def start(
         cls,
         state: ServerState,
+        model: ServedModel,
         prompts: list[str | list[int]],
         params: SamplingParams,
         request_id: str,
         priority: int,
         tenant: str = "",
     ) -> RequestRun:
-        """Queue every prompt (prompt i as request `{request_id}-{i}`); raises here, before any
+        """Queue every prompt on the model's engine (prompt i as request `{request_id}-{i}`);
+        raises here, before any
         response is sent, if the engine refuses one (the ones already queued are aborted)."""
         timeout = state.config.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                stream = await state.engine.add_request(
+                stream = await model.engine.add_request(
                     prompt, params, f"{request_id}-{i}", priority=priority, tenant=tenant
                 )
                 streams.append(stream)

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.server.model_registry import ModelEntry, ModelRegistry
 
 # Latency histogram bounds in seconds (TTFT, inter-token, end to end): fine below 100 ms, where
 # inter-token latencies fall, coarse up to the longest requests.
@@ -19,24 +20,26 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector:
-    """Reads the engine's counters when Prometheus scrapes: the step loop never waits on metrics.
-    With data-parallel replicas, each engine family has one sample per replica, labelled
-    `replica`."""
+    """Reads the engines' counters when Prometheus scrapes: the step loop never waits on metrics.
+    Each engine family has one sample per loaded model, labelled `model`; with data-parallel
+    replicas, one per replica of each, labelled `replica` too."""
 
-    def __init__(
-        self,
-        stats: Callable[[], EngineStats],
-        replica_stats: Callable[[], list[EngineStats]] | None = None,
-    ) -> None:
-        self.stats = stats
-        self.replica_stats = replica_stats
+    def __init__(self, models: ModelRegistry) -> None:
+        self.models = models
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        per_replica = self.replica_stats() if self.replica_stats is not None else []
-        labels = ["replica"] if per_replica else []
-        samples = [([str(i)], s) for i, s in enumerate(per_replica)] or [([], self.stats())]
-        for kind, name, doc, attr in _ENGINE_METRICS:
-            family = kind(name, doc, labels=labels)
+        engines = [(e.name, e.engine) for e in self.models.entries.values() if e.engine]
+        per_replica = {name: engine.replica_stats() for name, engine in engines}
+        labels = ["model", "replica"] if any(per_replica.values()) else ["model"]
+        samples: list[tuple[list[str], EngineStats]] = []
+        for name, engine in engines:
+            if len(labels) == 1:
+                samples.append(([name], engine.stats()))
+            else:
+                replicas = per_replica[name] or [engine.stats()]
+                samples += [([name, str(i)], s) for i, s in enumerate(replicas)]
+        for kind, metric, doc, attr in _ENGINE_METRICS:
+            family = kind(metric, doc, labels=labels)
             for values, s in samples:
                 family.add_metric(values, getattr(s, attr))
             yield family
@@ -50,6 +53,69 @@ class _EngineCollector:
             for tenant, value in s.tenant_served_tokens.items():
                 served.add_metric([*values, tenant], value)
         yield served
+
+
+class _ModelCollector:
+    """The registry's models: which are loaded or loading, their memory, loads and unloads."""
+
+    def __init__(self, models: ModelRegistry) -> None:
+        self.models = models
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        entries = list(self.models.entries.values())
+        for kind, metric, doc, value in _MODEL_METRICS:
+            family = kind(metric, doc, labels=["model"])
+            for entry in entries:
+                family.add_metric([entry.name], value(entry))
+            yield family
+        if self.models.memory_budget is not None:
+            yield GaugeMetricFamily(
+                "tokenmill:memory_budget_bytes",
+                "The memory the loaded models may take together (--memory-budget).",
+                value=self.models.memory_budget,
+            )
+
+
+# (family, name, help, value of a model) of each model metric
+_MODEL_METRICS: list[tuple[type, str, str, Callable[[ModelEntry], float]]] = [
+    (
+        GaugeMetricFamily,
+        "tokenmill:model_loaded",
+        "1 while the model is loaded, else 0.",
+        lambda e: float(e.status == "loaded"),
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenmill:model_loading",
+        "1 while the model is loading, else 0.",
+        lambda e: float(e.status == "loading"),
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenmill:model_memory_bytes",
+        "Memory charged to the budget for the model while it is loaded (the larger of its "
+        "estimate and its load's measured growth), else 0.",
+        lambda e: float(e.memory if e.status == "loaded" else 0),
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:model_loads",
+        "Times the model was loaded.",
+        lambda e: e.loads,
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:model_unloads",
+        "Times the model was unloaded (keep_alive passed, or room was made for another).",
+        lambda e: e.unloads,
+    ),
+    (
+        CounterMetricFamily,
+        "tokenmill:model_load_seconds",
+        "Time spent loading the model.",
+        lambda e: e.load_seconds,
+    ),
+]
 
 
 # (family, name, help, EngineStats field) of each engine metric
@@ -150,17 +216,14 @@ _ENGINE_METRICS: list[tuple[type, str, str, str]] = [
 
 
 class ServerMetrics:
-    """The server's Prometheus registry: request latencies (the endpoint's, over all replicas),
-    and the engine's state (from stats(), or per replica from replica_stats() where it returns
-    any, read at each scrape)."""
+    """The server's Prometheus registry: request latencies (the endpoint's, over all models and
+    replicas), and each loaded model's engine state and the registry's models, read at each
+    scrape."""
 
-    def __init__(
-        self,
-        stats: Callable[[], EngineStats],
-        replica_stats: Callable[[], list[EngineStats]] | None = None,
-    ) -> None:
+    def __init__(self, models: ModelRegistry) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, replica_stats))
+        self.registry.register(_EngineCollector(models))
+        self.registry.register(_ModelCollector(models))
         self.ttft = Histogram(
             "tokenmill:time_to_first_token_seconds",
             "Time to first token.",

@@ -121,6 +121,8 @@ class SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
+    # Ollama's keep_alive: how long the model stays loaded after this request (seconds or "5m")
+    keep_alive: str | float | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -310,3 +312,4 @@ class EmbeddingRequest(_Strict):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # cut each input to this many tokens (-1: limit)
+    keep_alive: str | float | None = None  # as a completion request's

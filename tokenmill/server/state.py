@@ -1,4 +1,4 @@
-"""What every route shares: the server's configuration, the engine and the metrics."""
+"""What every route shares: the server's configuration, its models and the metrics."""
 
 from __future__ import annotations
 
@@ -7,16 +7,14 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.engine.data_parallel import DataParallelEngine
-from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.model_registry import LEASES, ModelRegistry, ServedModel, parse_keep_alive
 from tokenmill.server.response_store import ResponseStore
 
 
 @dataclass
 class ServerConfig:
-    served_model_name: str
+    served_model_name: str  # of the one engine build_app may serve (a registry names its models)
     api_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # more keys, each to its tenant
     max_body_bytes: int = 16 << 20
@@ -33,27 +31,21 @@ class ServerConfig:
 class ServerState:
     """Held by `app.state.server`; routes receive it through the `State` dependency."""
 
-    engine: AsyncLLMEngine | DataParallelEngine
+    models: ModelRegistry
     config: ServerConfig
     metrics: ServerMetrics
     responses: ResponseStore = field(default_factory=ResponseStore)  # of /v1/responses
 
-    def check_model(self, name: str | None) -> None:
-        """Refuse a request for a model this server does not serve (None: the served one)."""
-        if name is not None and name != self.config.served_model_name:
-            raise APIError(
-                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
-            )
-
-    def check_generates(self) -> None:
-        """Refuse a generation request when the model is an encoder (embeddings only)."""
-        if self.engine.embeddings_only:
-            raise APIError(
-                400,
-                f"this model serves embeddings only: `{self.config.served_model_name}` is an "
-                "encoder; use /v1/embeddings, or serve a generative model for completions",
-                code="embeddings_only",
-            )
+    async def model(
+        self, request: Request, name: str | None, keep_alive: str | float | None = None
+    ) -> ServedModel:
+        """The model a request names (None: the server's default), loaded if it was not, and held
+        until the response has been sent (see `ReleaseModels`); 404 for a model this server does
+        not serve. keep_alive: Ollama's, for how long the model stays loaded after the request."""
+        seconds = None if keep_alive is None else parse_keep_alive(keep_alive)
+        served = await self.models.acquire(name, seconds)
+        request.scope.setdefault("state", {}).setdefault(LEASES, []).append(served)
+        return served
 
 
 def tenant(request: Request, user: str | None) -> str:

@@ -16,15 +16,26 @@ router = APIRouter()
 
 @router.get("/health", response_model=None)
 async def health(state: State) -> dict[str, Any] | JSONResponse:
-    """200 while the engine runs (with data parallelism: while any replica is up), with its
-    decode mode and each replica's state; 503 once it has stopped."""
-    engine = state.engine
-    if not engine.is_healthy:
-        error = APIError(503, f"engine stopped: {engine.error!r}", type_="service_unavailable")
-        return error.response()
-    body: dict[str, Any] = {"status": "ok", "decode": engine.decode_mode}
-    if replicas := engine.replica_health():
-        body["replicas"] = replicas
+    """200 while every loaded model's engine runs (with data parallelism: while any of its
+    replicas is up), with each model's status ("loaded" or "loading") and decode mode, and the
+    default model's decode mode and replicas; 503 once an engine has stopped."""
+    body: dict[str, Any] = {"status": "ok"}
+    models: dict[str, dict[str, Any]] = {}
+    for entry in state.models.entries.values():
+        engine = entry.engine
+        if entry.status == "loading":
+            models[entry.name] = {"status": "loading"}
+        if engine is None:
+            continue
+        if not engine.is_healthy:
+            message = f"engine of `{entry.name}` stopped: {engine.error!r}"
+            return APIError(503, message, type_="service_unavailable").response()
+        models[entry.name] = {"status": "loaded", "decode": engine.decode_mode}
+        if entry.name == state.models.default_model:
+            body["decode"] = engine.decode_mode
+            if replicas := engine.replica_health():
+                body["replicas"] = replicas
+    body["models"] = models
     return body
 
 

@@ -161,20 +161,15 @@ def _chat_messages(message: AnthropicMessage, index: int) -> list[dict[str, Any]
 
 @router.post(PATH, response_model=None)
 async def messages(req: MessagesRequest, raw: Request, state: State) -> dict | StreamingResponse:
-    state.check_model(req.model)
+    model = await state.model(raw, req.model)
     chat = req.chat_request()
-    setup = chat_setup(chat, state)
+    setup = chat_setup(chat, state, model)
     message_id = f"msg_{uuid.uuid4().hex}"
     user = (req.metadata or {}).get("user_id")
     run = await RequestRun.start(
-        state, [setup.prompt_ids], setup.params, message_id, 0, tenant(raw, user)
+        state, model, [setup.prompt_ids], setup.params, message_id, 0, tenant(raw, user)
     )
-    head = {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": state.config.served_model_name,
-    }
+    head = {"id": message_id, "type": "message", "role": "assistant", "model": model.name}
     if req.stream:
         events = _events(run, chat, setup, head, len(setup.prompt_ids))
         return StreamingResponse(_sse(events), media_type="text/event-stream")

@@ -7,7 +7,7 @@ import base64
 from typing import Any
 
 import torch
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.protocol import EmbeddingRequest
@@ -17,16 +17,16 @@ router = APIRouter()
 
 
 @router.post("/v1/embeddings", response_model=None)
-async def embeddings(req: EmbeddingRequest, state: State) -> dict[str, Any]:
-    state.check_model(req.model)
-    dimensions = state.engine.model_config.hidden_size
+async def embeddings(req: EmbeddingRequest, raw: Request, state: State) -> dict[str, Any]:
+    model = await state.model(raw, req.model, req.keep_alive)
+    dimensions = model.engine.model_config.hidden_size
     if req.dimensions is not None and req.dimensions != dimensions:
         raise InvalidRequestError(
             f"this model's embeddings have {dimensions} dimensions and cannot be shortened; "
             f"leave dimensions out or set it to {dimensions}",
             param="dimensions",
         )
-    vectors, tokens = await state.engine.embed(_inputs(req.input), req.truncate_prompt_tokens)
+    vectors, tokens = await model.engine.embed(_inputs(req.input), req.truncate_prompt_tokens)
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(row, req.encoding_format)}
         for i, row in enumerate(vectors)
@@ -34,7 +34,7 @@ async def embeddings(req: EmbeddingRequest, state: State) -> dict[str, Any]:
     return {
         "object": "list",
         "data": data,
-        "model": state.config.served_model_name,
+        "model": model.name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
 

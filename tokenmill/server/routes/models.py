@@ -1,4 +1,4 @@
-"""/v1/models: the one model this server serves."""
+"""/v1/models: the models this server serves, loaded or not, each with its status."""
 
 from __future__ import annotations
 
@@ -14,11 +14,28 @@ router = APIRouter()
 
 @router.get("/v1/models", response_model=None)
 async def models(state: State) -> dict[str, Any]:
-    model = {
-        "id": state.config.served_model_name,
+    """OpenAI's model list, with vLLM's max_model_len where a model is loaded and a status:
+    "loaded", "loading" or "available" (loaded by the first request that names it)."""
+    created = int(time.time())
+    registry = state.models
+    data = []
+    for entry in registry.entries.values():
+        model = _model(entry.name, created, entry.status)
+        if entry.engine is not None:
+            model["max_model_len"] = entry.engine.max_model_len
+        data.append(model)
+    if registry.finder is not None:
+        for name in registry.finder.names():
+            if name not in registry.entries:
+                data.append(_model(name, created, "available"))
+    return {"object": "list", "data": data}
+
+
+def _model(name: str, created: int, status: str) -> dict[str, Any]:
+    return {
+        "id": name,
         "object": "model",
-        "created": int(time.time()),
+        "created": created,
         "owned_by": "tokenmill",
-        "max_model_len": state.engine.max_model_len,
+        "status": status,
     }
-    return {"object": "list", "data": [model]}

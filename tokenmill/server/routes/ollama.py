@@ -6,7 +6,9 @@ Chat requests, and generate requests that are not `raw`, run as the equivalent c
 (`tokenmill.server.chat`); a raw generate request runs its prompt as it is. `options` map to the
 engine's sampling parameters (temperature, top_p, top_k, min_p, num_predict, stop, seed,
 repeat_penalty, presence_penalty, frequency_penalty; others, such as num_ctx, are ignored), with
-Ollama's defaults where a request gives none. `keep_alive` is accepted; the model stays loaded.
+Ollama's defaults where a request gives none. `keep_alive` sets how long the model stays loaded
+after the request (see `ModelRegistry`); a request with no prompt or messages loads the model, or
+with keep_alive 0 unloads it, as Ollama's do.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from tokenmill import __version__
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_setup, translated
-from tokenmill.server.errors import APIError, api_error
+from tokenmill.server.errors import api_error
 from tokenmill.server.generation import RequestRun
+from tokenmill.server.model_registry import FOREVER, Engine, ModelEntry, parse_keep_alive
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Strict
 from tokenmill.server.state import ServerState, State, tenant
 
@@ -149,14 +152,13 @@ def _chat_message(message: OllamaMessage, index: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- model listings
 
 
-def _details(state: ServerState) -> dict[str, Any]:
-    config = state.engine.model_config
-    path = state.engine.model_path
+def _details(path: Path | None, engine: Engine | None) -> dict[str, Any]:
+    family = engine.model_config.architecture if engine is not None else ""
     return {
         "parent_model": "",
-        "format": "gguf" if path.suffix == ".gguf" else "safetensors",
-        "family": config.architecture,
-        "families": [config.architecture],
+        "format": "gguf" if path is not None and path.suffix == ".gguf" else "safetensors",
+        "family": family,
+        "families": [family] if family else None,
         "parameter_size": "",
         "quantization_level": "",
     }
@@ -168,9 +170,7 @@ def _size(path: Path) -> int:
     return path.stat().st_size
 
 
-def _entry(state: ServerState) -> dict[str, Any]:
-    path = state.engine.model_path
-    name = state.config.served_model_name
+def _entry(name: str, path: Path, engine: Engine | None) -> dict[str, Any]:
     modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat()
     return {
         "name": name,
@@ -178,55 +178,83 @@ def _entry(state: ServerState) -> dict[str, Any]:
         "modified_at": modified,
         "size": _size(path),
         "digest": uuid.uuid5(uuid.NAMESPACE_URL, str(path)).hex,
-        "details": _details(state),
+        "details": _details(path, engine),
     }
 
 
 @router.get("/api/tags")
 async def tags(state: State) -> dict[str, Any]:
-    return {"models": [_entry(state)]}
-
-
-@router.get("/api/ps")
-async def ps(state: State) -> dict[str, Any]:
-    entry = _entry(state)
-    entry.pop("modified_at")
-    never = datetime(9999, 12, 31, tzinfo=timezone.utc).isoformat()  # the model stays loaded
+    """The models on this machine that the server serves or can load."""
+    models = state.models
+    sources = [e.source for e in models.entries.values()]
+    if models.finder is not None:
+        found = (models.finder.find(name) for name in models.finder.names())
+        sources += [s for s in found if s is not None and s.name not in models.entries]
+    engines = {e.name: e.engine for e in models.entries.values()}
     return {
         "models": [
-            {
-                **entry,
-                "expires_at": never,
-                "size_vram": 0,
-                "context_length": state.engine.max_model_len,
-            }
+            _entry(s.name, s.path, engines.get(s.name))
+            for s in sources
+            if s.path is not None and s.path.exists()
         ]
     }
 
 
+@router.get("/api/ps")
+async def ps(state: State) -> dict[str, Any]:
+    """The loaded models, with their memory and when they unload (Ollama's expires_at)."""
+    running = []
+    for entry in state.models.entries.values():
+        engine = entry.engine
+        if engine is None:
+            continue
+        row = _entry(entry.name, engine.model_path, engine)
+        row.pop("modified_at")
+        running.append(
+            {
+                **row,
+                "size": entry.memory,
+                "expires_at": _expires_at(entry),
+                "size_vram": 0,
+                "context_length": engine.max_model_len,
+            }
+        )
+    return {"models": running}
+
+
+def _expires_at(entry: ModelEntry) -> str:
+    """When the model unloads: its idle deadline, or a keep_alive from now while requests hold
+    it; far in the future when it is kept loaded."""
+    if entry.keep_alive == FOREVER:
+        return datetime(9999, 12, 31, tzinfo=timezone.utc).isoformat()
+    at = entry.expires_at if entry.expires_at is not None else time.time() + entry.keep_alive
+    return datetime.fromtimestamp(at, timezone.utc).isoformat()
+
+
 @router.post("/api/show")
-async def show(req: ShowRequest, state: State) -> dict[str, Any]:
-    _check_model(state, req.model)
-    config = state.engine.model_config
-    template = state.engine.tokenizer.chat_template or ""
-    if state.engine.embeddings_only:
+async def show(req: ShowRequest, raw: Request, state: State) -> dict[str, Any]:
+    engine = (await state.model(raw, req.model)).engine
+    config = engine.model_config
+    template = engine.tokenizer.chat_template or ""
+    if engine.embeddings_only:
         capabilities = ["embedding"]
     else:
         capabilities = ["completion"] + (["tools"] if "tools" in template else [])
+    entry = _entry(req.model, engine.model_path, engine)
     return {
         "license": "",
         "modelfile": "",
         "parameters": "",
         "template": template,
-        "details": _details(state),
+        "details": entry["details"],
         "model_info": {
             "general.architecture": config.architecture,
-            f"{config.architecture}.context_length": state.engine.max_model_len,
+            f"{config.architecture}.context_length": engine.max_model_len,
             f"{config.architecture}.embedding_length": config.hidden_size,
             f"{config.architecture}.block_count": config.num_layers,
         },
         "capabilities": capabilities,
-        "modified_at": _entry(state)["modified_at"],
+        "modified_at": entry["modified_at"],
     }
 
 
@@ -235,30 +263,36 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-def _check_model(state: ServerState, name: str) -> None:
-    if name not in (state.config.served_model_name, f"{state.config.served_model_name}:latest"):
-        raise APIError(404, f"model '{name}' not found", type_="not_found_error")
-
-
 @router.post("/api/embed")
-async def embed(req: EmbedRequest, state: State) -> dict[str, Any]:
+async def embed(req: EmbedRequest, raw: Request, state: State) -> dict[str, Any]:
     """Normalized embeddings of each input (see /v1/embeddings)."""
-    _check_model(state, req.model)
-    dimensions = state.engine.model_config.hidden_size
+    started = time.perf_counter()
+    engine = (await state.model(raw, req.model, req.keep_alive)).engine
+    loaded = time.perf_counter()
+    dimensions = engine.model_config.hidden_size
     if req.dimensions is not None and req.dimensions != dimensions:
         raise InvalidRequestError(
             f"this model's embeddings have {dimensions} dimensions", param="dimensions"
         )
     inputs = [req.input] if isinstance(req.input, str) else list(req.input)
-    started = time.perf_counter()
-    vectors, tokens = await state.engine.embed(inputs, -1 if req.truncate else None)
+    vectors, tokens = await engine.embed(inputs, -1 if req.truncate else None)
     return {
         "model": req.model,
         "embeddings": vectors.tolist(),
         "total_duration": int((time.perf_counter() - started) * 1e9),
-        "load_duration": 0,
+        "load_duration": int((loaded - started) * 1e9),
         "prompt_eval_count": tokens,
     }
+
+
+async def _load_or_unload(req: _Generation, raw: Request, state: ServerState) -> str:
+    """Ollama's way to load a model, a request with nothing to run; with keep_alive 0, to unload
+    it. Returns the done_reason: "load" or "unload"."""
+    if req.keep_alive is not None and parse_keep_alive(req.keep_alive) == 0:
+        await state.models.unload(req.model)
+        return "unload"
+    await state.model(raw, req.model, req.keep_alive)
+    return "load"
 
 
 # ---------------------------------------------------------------------------- generation
@@ -266,14 +300,16 @@ async def embed(req: EmbedRequest, state: State) -> dict[str, Any]:
 
 @router.post("/api/chat", response_model=None)
 async def chat(req: ChatRequest, raw: Request, state: State) -> dict | StreamingResponse:
-    _check_model(state, req.model)
-    if not req.messages:  # Ollama's way to load a model: answer at once
-        return _done(req.model, "load", message={"role": "assistant", "content": ""})
-    chat = req.chat_request()
-    setup = chat_setup(chat, state)
+    if not req.messages:
+        reason = await _load_or_unload(req, raw, state)
+        return _done(req.model, reason, message={"role": "assistant", "content": ""})
     counts = _Counts(time.perf_counter())
+    model = await state.model(raw, req.model, req.keep_alive)
+    counts.loaded = time.perf_counter()
+    chat = req.chat_request()
+    setup = chat_setup(chat, state, model)
     run = await RequestRun.start(
-        state, [setup.prompt_ids], setup.params, _request_id(), 0, tenant(raw, None)
+        state, model, [setup.prompt_ids], setup.params, _request_id(), 0, tenant(raw, None)
     )
     if req.stream:
         return _ndjson(_chat_lines(run, chat, setup, req.model, counts))
@@ -285,28 +321,31 @@ async def chat(req: ChatRequest, raw: Request, state: State) -> dict | Streaming
 
 @router.post("/api/generate", response_model=None)
 async def generate(req: GenerateRequest, raw: Request, state: State) -> dict | StreamingResponse:
-    _check_model(state, req.model)
     if req.suffix:
         raise InvalidRequestError("suffix (fill in the middle) is not supported", param="suffix")
     if req.images:
         raise InvalidRequestError("images are not supported by this model", param="images")
-    if not req.prompt:  # Ollama's way to load a model: answer at once
-        return _done(req.model, "load", response="")
+    if not req.prompt:
+        return _done(req.model, await _load_or_unload(req, raw, state), response="")
     request_id = _request_id()
     counts = _Counts(time.perf_counter())
+    model = await state.model(raw, req.model, req.keep_alive)
+    counts.loaded = time.perf_counter()
     if req.raw:
-        state.check_generates()
+        model.check_generates()
         completion = translated(CompletionRequest, {**req.fields(), "prompt": req.prompt})
         params = completion.sampling_params(completion.max_tokens, None)
-        run = await RequestRun.start(state, [req.prompt], params, request_id, 0, tenant(raw, None))
+        run = await RequestRun.start(
+            state, model, [req.prompt], params, request_id, 0, tenant(raw, None)
+        )
     else:
         messages = [{"role": "user", "content": req.prompt}]
         if req.system:
             messages.insert(0, {"role": "system", "content": req.system})
         chat = translated(ChatCompletionRequest, {**req.fields(), "messages": messages})
-        setup = chat_setup(chat, state)
+        setup = chat_setup(chat, state, model)
         run = await RequestRun.start(
-            state, [setup.prompt_ids], setup.params, request_id, 0, tenant(raw, None)
+            state, model, [setup.prompt_ids], setup.params, request_id, 0, tenant(raw, None)
         )
     if req.stream:
         return _ndjson(_generate_lines(run, req.model, counts))
@@ -351,6 +390,7 @@ class _Counts:
     """A response's token counts and times (time.perf_counter()), for its last object."""
 
     started: float
+    loaded: float | None = None  # once the model was loaded (at once when it already was)
     first_token: float | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -376,11 +416,12 @@ def _done(model: str, reason: str, counts: _Counts | None = None, **content: Any
         return body
     end = time.perf_counter()
     first = counts.first_token if counts.first_token is not None else end
+    loaded = counts.loaded if counts.loaded is not None else counts.started
     body.update(
         total_duration=int((end - counts.started) * 1e9),
-        load_duration=0,
+        load_duration=int((loaded - counts.started) * 1e9),
         prompt_eval_count=counts.prompt_tokens,
-        prompt_eval_duration=int((first - counts.started) * 1e9),
+        prompt_eval_duration=int((first - loaded) * 1e9),
         eval_count=counts.output_tokens,
         eval_duration=int((end - first) * 1e9),
     )

@@ -37,34 +37,40 @@ router = APIRouter()
 async def completions(
     req: CompletionRequest, raw: Request, state: State
 ) -> dict | StreamingResponse:
-    state.check_model(req.model)
-    state.check_generates()
+    model = await state.model(raw, req.model, req.keep_alive)
+    model.check_generates()
     params = _completion_params(req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     base = {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": state.config.served_model_name,
+        "model": model.name,
     }
     run = await RequestRun.start(
-        state, req.prompts(), params, request_id, req.priority, tenant(raw, req.user)
+        state, model, req.prompts(), params, request_id, req.priority, tenant(raw, req.user)
     )
     if req.stream:
         return _event_stream(_completion_chunks(run, base, req.n, _include_usage(req)))
     finals = await run.finals(raw.is_disconnected)
-    choices = _completion_choices(finals, req, state.engine.tokenizer)
+    choices = _completion_choices(finals, req, model.engine.tokenizer)
     return {**base, "choices": choices, "usage": usage(finals)}
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat(req: ChatCompletionRequest, raw: Request, state: State) -> dict | StreamingResponse:
-    state.check_model(req.model)
-    setup = chat_setup(req, state)
+    model = await state.model(raw, req.model, req.keep_alive)
+    setup = chat_setup(req, state, model)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    base = {"id": request_id, "created": int(time.time()), "model": state.config.served_model_name}
+    base = {"id": request_id, "created": int(time.time()), "model": model.name}
     run = await RequestRun.start(
-        state, [setup.prompt_ids], setup.params, request_id, req.priority, tenant(raw, req.user)
+        state,
+        model,
+        [setup.prompt_ids],
+        setup.params,
+        request_id,
+        req.priority,
+        tenant(raw, req.user),
     )
     if req.stream:
         chunk_base = {**base, "object": "chat.completion.chunk"}

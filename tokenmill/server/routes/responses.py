@@ -258,17 +258,17 @@ def _conversation_output(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @router.post("/v1/responses", response_model=None)
 async def create(req: ResponsesRequest, raw: Request, state: State) -> dict | StreamingResponse:
-    state.check_model(req.model)
+    served = await state.model(raw, req.model)
     store = state.responses
     history = store.get(req.previous_response_id).messages if req.previous_response_id else []
     chat, conversation = _chat_request(req, history)
-    setup = chat_setup(chat, state)
+    setup = chat_setup(chat, state, served)
     response_id = f"resp_{uuid.uuid4().hex}"
     created = int(time.time())
     run = await RequestRun.start(
-        state, [setup.prompt_ids], setup.params, response_id, 0, tenant(raw, req.user)
+        state, served, [setup.prompt_ids], setup.params, response_id, 0, tenant(raw, req.user)
     )
-    model = state.config.served_model_name
+    model = served.name
 
     def finish(body: dict[str, Any]) -> dict[str, Any]:
         if req.store:

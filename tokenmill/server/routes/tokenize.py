@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -15,9 +15,8 @@ router = APIRouter()
 
 
 @router.post("/tokenize", response_model=None)
-async def tokenize(req: TokenizeRequest, state: State) -> dict[str, Any]:
-    state.check_model(req.model)
-    engine = state.engine
+async def tokenize(req: TokenizeRequest, raw: Request, state: State) -> dict[str, Any]:
+    engine = (await state.model(raw, req.model)).engine
     messages = None if req.messages is None else template_messages(req.messages)
     ids = engine.tokenize(
         req.prompt,
@@ -33,12 +32,12 @@ async def tokenize(req: TokenizeRequest, state: State) -> dict[str, Any]:
 
 
 @router.post("/detokenize", response_model=None)
-async def detokenize(req: DetokenizeRequest, state: State) -> dict[str, str]:
-    state.check_model(req.model)
-    vocab_size = state.engine.model_config.vocab_size
+async def detokenize(req: DetokenizeRequest, raw: Request, state: State) -> dict[str, str]:
+    engine = (await state.model(raw, req.model)).engine
+    vocab_size = engine.model_config.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(
             f"token ids must be in [0, {vocab_size}), got {bad[0]}", param="tokens"
         )
-    return {"prompt": state.engine.tokenizer.decode(req.tokens)}
+    return {"prompt": engine.tokenizer.decode(req.tokens)}
