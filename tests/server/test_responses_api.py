@@ -96,6 +96,10 @@ def test_errors(client) -> None:
         )
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_missing")
+    with pytest.raises(openai.BadRequestError, match="tool_choice must be"):
+        client.responses.create(
+            model=MODEL_NAME, input=ASK, tool_choice={"type": "function"}, tools=[WEATHER]
+        )
 
 
 WEATHER = weather_tool.flat_tool(weather_tool.CITY_PARAMETERS)

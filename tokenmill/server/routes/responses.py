@@ -130,7 +130,7 @@ def _chat_request(
     if req.tools:
         body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
     if isinstance(req.tool_choice, dict):
-        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice["name"]}}
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
     text_format = (req.text or {}).get("format") or {"type": "text"}
@@ -140,6 +140,17 @@ def _chat_request(
     elif text_format.get("type") == "json_object":
         body["response_format"] = {"type": "json_object"}
     return translated(ChatCompletionRequest, body), conversation
+
+
+def _chat_tool_choice(choice: dict[str, Any]) -> dict[str, Any]:
+    """A forced function, {"type": "function", "name": ...}, as chat completions name it."""
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise InvalidRequestError(
+            'tool_choice must be "auto", "none", "required" or {"type": "function", "name": '
+            f"NAME}} naming one of the tools; got {json.dumps(choice)[:200]}",
+            param="tool_choice",
+        )
+    return {"type": "function", "function": {"name": choice["name"]}}
 
 
 def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
