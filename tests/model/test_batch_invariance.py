@@ -29,7 +29,6 @@ from tokenmill.model.quant_linear import (
     quantize_int4,
     quantize_int8,
 )
-from tokenmill.model.sharding import PartedLinear
 from tokenmill.sample import SamplingParams
 
 # Which kernels this CPU should run, by its flags rather than by what the build gave: a kernel that
@@ -177,20 +176,14 @@ def tied_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tied"), tie_word_embeddings=True)
 
 
-def _down_projections(model: nn.Module) -> list[nn.Module]:
-    """Every layer's down projection; a PartedLinear's parts (see model/sharding.py)."""
-    downs = [m.mlp.down_proj for m in model.layers]
-    return [p for d in downs for p in (d.parts if isinstance(d, PartedLinear) else [d])]
-
-
 def test_fp32_layers_multiply_through_the_kernel_only_when_invariant(tiny_model_dir) -> None:
     invariant = load_model(tiny_model_dir, dtype="float32", progress=False).model
     assert isinstance(invariant.lm_head, DenseLinear)
-    assert all(isinstance(d, DenseLinear) for d in _down_projections(invariant))
+    assert all(isinstance(m.mlp.down_proj, DenseLinear) for m in invariant.layers)
     for options in ({"dtype": "float32", "batch_invariant": False}, {"dtype": "bfloat16"}):
         model = load_model(tiny_model_dir, progress=False, **options).model
         assert type(model.lm_head) is nn.Linear, options
-        assert all(type(d) is nn.Linear for d in _down_projections(model)), options
+        assert all(type(m.mlp.down_proj) is nn.Linear for m in model.layers), options
 
 
 def test_fp32_model_requests_give_the_same_tokens_alone_and_batched(tied_model_dir) -> None:

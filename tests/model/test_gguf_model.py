@@ -4,7 +4,6 @@ twin."""
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import gguf
@@ -288,8 +287,8 @@ def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_pat
     else:
         torch.testing.assert_close(ours, twin, atol=KEPT_ATOL[qtype], rtol=0)
         kinds = {m.kind for m in from_gguf.model.modules() if isinstance(m, QuantLinear)}
-        x_blocks = {  # by projection, a PartedLinear's parts under their layer's name
-            re.sub(r"\.parts\.\d+$", "", name).rsplit(".", 1)[-1]: m.x_block
+        x_blocks = {
+            name.rsplit(".", 1)[-1]: m.x_block
             for name, m in from_gguf.model.named_modules()
             if isinstance(m, QuantLinear)
         }

@@ -5,9 +5,10 @@ spawn, joined by one torch.distributed process group (gloo on CPU, NCCL for CUDA
 The scheduler and the KV block manager run once, in the driver. Each step the driver broadcasts
 the step's inputs (token ids, context lengths, block tables: what `ModelRunner` builds the flat
 batch and the `AttentionBatch` from) before its own forward pass; every rank then runs the same
-forward over its shard of the weights (see model/sharding.py), whose o_proj and MLP outputs are
-all-reduced, and rank 0 alone computes logits. Each rank's KV cache holds only its KV heads and
-is addressed by the driver's block tables. Steps run eagerly: the compiled decode graphs stay off.
+forward over its shard of the weights (see model/sharding.py), the ranks gathering each other's
+shares of the attention, the MLP and their outputs, and rank 0 alone computes logits. Each rank's
+KV cache holds only its KV heads and is addressed by the driver's block tables. Steps run eagerly:
+the compiled decode graphs stay off.
 
 A `None` broadcast ends the workers' loops; workers are daemon processes, so they also end when
 the driver's interpreter exits, and a worker whose driver died fails its next collective and

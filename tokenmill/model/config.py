@@ -107,6 +107,17 @@ class MoESettings:
             )
 
 
+@dataclass(frozen=True)
+class GatherWidths:
+    """Under tensor parallelism, the columns each rank contributes, in rank order, to the tensors
+    the ranks gather: the attention output (its query heads x head_dim), the MLP's intermediate
+    activations, and the outputs of o_proj and down_proj (the hidden size)."""
+
+    attention: tuple[int, ...]
+    intermediate: tuple[int, ...]
+    hidden: tuple[int, ...]
+
+
 @dataclass
 class ModelConfig:
     """Everything the generic decoder needs to know about one checkpoint."""
@@ -136,9 +147,9 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)  # per layer FULL_/SLIDING_ATTENTION
     tie_word_embeddings: bool = False
-    # ranks whose partial outputs of o_proj and the MLP are summed (see model/sharding.py); the
-    # head and intermediate counts above are then this rank's share; 1: no collectives
-    tensor_parallel_size: int = 1
+    # tensor parallelism (see model/sharding.py): the head and intermediate counts above are then
+    # this rank's share, and `gather` says what every rank contributes; None: one rank
+    gather: GatherWidths | None = None
     moe: MoESettings | None = None  # mixture-of-experts feed-forwards; None: dense MLPs
     qk_norm_whole: bool = False  # q and k normed over all heads at once (OLMoE, OLMo 2)
     rotary_dim: int | None = None  # rope on the first rotary_dim of each head only (Phi-4-mini)

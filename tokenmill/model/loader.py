@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from tokenmill.errors import InvalidRequestError, ModelFileError
+from tokenmill.errors import ModelFileError
 from tokenmill.model import families, moe
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.dense_linear import DenseLinear, invariant_kernel_builds
@@ -21,28 +21,20 @@ from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     FINE_X_BLOCK,
-    INT4_EXACT,
-    INT5_EXACT,
     QuantEmbedding,
     QuantLinear,
     dense_crossover,
     dense_packed_form,
-    int4_rows_layout,
     is_large_int8,
     merge_packed,
     packed_form,
     takes_tiles,
 )
 from tokenmill.model.sharding import (
-    REDUCTION_PARTS,
-    PartedLinear,
     Shard,
     ShardLayout,
-    block_elements,
     layout,
     sharded_config,
-    slice_columns,
-    slice_packed,
     slice_rows,
 )
 from tokenmill.model.transformer import Transformer
@@ -304,9 +296,8 @@ class _Builder:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ModelFileError(self.path, f"missing tensors: {', '.join(missing[:3])}{more}")
 
-        lay = None if self.shard is None else self._layout(state, self.shard)
-        parted = self._reduction_parts(state) if self.shard is None else None
-        config = self.config if lay is None else sharded_config(self.config, lay, self.shard.size)
+        lay = None if self.shard is None else layout(self.config, self.shard)
+        config = self.config if lay is None else sharded_config(self.config, self.shard)
         with torch.device("meta"):
             model = Transformer(config)
         for i, layer in enumerate(model.layers):
@@ -315,17 +306,11 @@ class _Builder:
                     continue
                 ws = [state.pop(f"layers.{i}.{p}.weight") for p in parts]
                 bs = [state.pop(f"layers.{i}.{p}.bias", None) for p in parts]
-                cols = None
                 if lay is not None:
-                    ws, bs, cols = self._shard_parts(target, ws, bs, lay)
+                    ws, bs = self._shard_rows(target, ws, bs, lay)
                 owner, attr = target.split(".")
                 x_block = FINE_X_BLOCK if target == "mlp.down_proj" else COARSE_X_BLOCK
-                name = f"layers.{i}.{target}"
-                if parted is not None and target in parted:
-                    module = self._parted_linear(ws, bs, x_block, parted[target], name)
-                else:
-                    module = self.linear(ws, bs, x_block, cols, name)
-                setattr(getattr(layer, owner), attr, module)
+                setattr(getattr(layer, owner), attr, self.linear(ws, bs, x_block))
             if config.layer_is_moe(i):
                 self._build_moe(f"layers.{i}.mlp", layer.mlp, state)
         embed = state.pop("embed.weight")
@@ -384,100 +369,42 @@ class _Builder:
             [state.pop(f"{gate}.weight"), state.pop(f"{up}.weight")],
             [state.pop(f"{gate}.bias", None), state.pop(f"{up}.bias", None)],
             COARSE_X_BLOCK,
-            name=f"{prefix}.gate_up_proj",
         )
         mlp.down_proj = self.linear(
             [state.pop(f"{down}.weight")],
             [state.pop(f"{down}.bias", None)],
             FINE_X_BLOCK,
-            name=down,
         )
 
-    def _layout(self, state: dict[str, Weight], shard: Shard) -> ShardLayout:
-        """The share of a rank; the MLP splits on the down projections' largest quantization
-        block (32 for --quantization int4, whose groups are 32 columns)."""
-        downs = [w for name, w in state.items() if name.endswith("mlp.down_proj.weight")]
-        align = max(block_elements(w) for w in downs)
-        if self.quantization == "none":
-            align = 1  # dequantized before slicing
-        elif self.quantization == "int4":
-            align = max(align, 32)
-        return layout(self.config, shard, align)
-
-    def _reduction_parts(self, state: dict[str, Weight]) -> dict[str, list[range]] | None:
-        """The input columns of each of `REDUCTION_PARTS` ranks for o_proj and down_proj, which
-        one rank computes as those ranks would (see `PartedLinear`); None where the model cannot
-        be split over that many ranks."""
-        if self.config.moe is not None or self.config.qk_norm_whole:
-            return None  # tensor parallelism does not split these (see load_model)
-        try:
-            lays = [self._layout(state, Shard(r, REDUCTION_PARTS)) for r in range(REDUCTION_PARTS)]
-        except InvalidRequestError:
-            return None
-        d = self.config.head_dim
-        return {
-            "attn.o_proj": [range(lay.q_heads.start * d, lay.q_heads.stop * d) for lay in lays],
-            "mlp.down_proj": [lay.ffn for lay in lays],
-        }
-
-    def _parted_linear(
-        self,
-        weights: list[Weight],
-        biases: list[torch.Tensor | None],
-        x_block: int,
-        columns: list[range],
-        name: str,
-    ) -> nn.Module:
-        """A row-parallel projection as `PartedLinear`, or whole where a part would split a
-        quantization block (as tensor parallelism over those ranks is refused there)."""
-        try:
-            no_bias = [None] * len(biases)  # the bias is rank 0's
-            parts = [
-                self.linear(weights, no_bias if i else biases, x_block, cols, name, release=False)
-                for i, cols in enumerate(columns)
-            ]
-        except InvalidRequestError:
-            return self.linear(weights, biases, x_block, None, name)
-        _release(weights)
-        return PartedLinear(parts, columns)
-
-    def _shard_parts(
+    def _shard_rows(
         self,
         target: str,
         weights: list[Weight],
         biases: list[torch.Tensor | None],
         lay: ShardLayout,
-    ) -> tuple[list[Weight], list[torch.Tensor | None], range | None]:
-        """This rank's rows of a column-parallel projection (qkv, gate/up), or the whole weights
-        of a row-parallel one (o_proj, down_proj) and the columns to keep (sliced in `linear`,
-        which knows the packed form); a row-parallel bias is added on rank 0 only."""
+    ) -> tuple[list[Weight], list[torch.Tensor | None]]:
+        """This rank's output rows of a projection (see model/sharding.py): its heads of q, k and
+        v, its intermediate rows of gate and up, its hidden rows of o_proj and down_proj."""
         d = self.config.head_dim
-        q = range(lay.q_heads.start * d, lay.q_heads.stop * d)
         if target == "attn.qkv_proj":
             kv = range(lay.kv_heads.start * d, lay.kv_heads.stop * d)
-            parts = [q, kv, kv]
+            parts = [range(lay.q_heads.start * d, lay.q_heads.stop * d), kv, kv]
         elif target == "mlp.gate_up_proj":
             parts = [lay.ffn, lay.ffn]
         else:
-            bias = biases if self.shard.rank == 0 else [None]
-            return weights, bias, q if target == "attn.o_proj" else lay.ffn
+            parts = [lay.hidden]
         rows = [slice_rows(w, r) for w, r in zip(weights, parts)]
-        return rows, [None if b is None else slice_rows(b, r) for b, r in zip(biases, parts)], None
+        return rows, [None if b is None else slice_rows(b, r) for b, r in zip(biases, parts)]
 
     def linear(
         self,
         weights: list[Weight],
         biases: list[torch.Tensor | None],
         x_block: int,
-        cols: range | None = None,
-        name: str = "",
-        release: bool = True,
         packed: bool = True,
     ) -> nn.Module:
         """One module computing the concatenated outputs of these checkpoint projections (x_block:
-        see `QuantLinear`); cols: only these input columns (a row-parallel shard), named `name`
-        in errors; release: let go of the weights' file pages once packed; packed: False keeps the
-        layer dense whatever the quantization."""
+        see `QuantLinear`); packed: False keeps the layer dense whatever the quantization."""
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat(
@@ -490,11 +417,7 @@ class _Builder:
             q in ("int8", "int4")
             or (q == "gguf" and all(isinstance(w, GGMLWeight) for w in weights))
         )
-        if cols is not None and quantize and q == "gguf" and all(map(_packs_per_block, weights)):
-            weights = [slice_columns(w, cols, name) for w in weights]  # whole blocks of the file
-            cols = None
-        keep = slice(None) if cols is None else slice(cols.start, cols.stop)
-        num_cols = weights[0].shape[1] if cols is None else len(cols)
+        num_cols = weights[0].shape[1]
         if not quantize:
             invariant = self.batch_invariant and self.dtype == torch.float32
             if invariant:  # built before the first step, as for packed layers
@@ -502,7 +425,7 @@ class _Builder:
             layer = (DenseLinear if invariant else nn.Linear)(
                 num_cols, rows, bias=bias is not None, device="meta"
             )
-            dense = _cat_rows([_dense(w, self.dtype) for w in weights])[:, keep]
+            dense = _cat_rows([_dense(w, self.dtype) for w in weights])
             layer.weight = nn.Parameter(dense.contiguous(), requires_grad=False)
             if bias is not None:
                 layer.bias = nn.Parameter(bias, requires_grad=False)
@@ -513,8 +436,6 @@ class _Builder:
             kind, data = merge_packed(
                 [dense_packed_form(_dense(w, torch.float32), q) for w in weights]
             )
-        if cols is not None:  # packed whole: an int8 form's scale is its whole row's
-            data = slice_packed(kind, data, cols)
         tiles = takes_tiles(rows, num_cols)
         threshold = (
             self.dense_min_tokens
@@ -526,9 +447,8 @@ class _Builder:
             threshold = 0
         dense = None
         if threshold > 0:
-            dense = _cat_rows([_dense(w, self.dtype) for w in weights])[:, keep].contiguous()
-        if release:
-            _release(weights)
+            dense = _cat_rows([_dense(w, self.dtype) for w in weights]).contiguous()
+        _release(weights)
         return QuantLinear(
             rows,
             num_cols,
@@ -564,14 +484,6 @@ def _split_fused(
         for part, rows in parts:
             yield part, slice_rows(tensor, range(start, start + rows))
             start += rows
-
-
-def _packs_per_block(w: Weight) -> bool:
-    """Whether a GGUF weight's packed form keeps each quantization block as it is (exact int4 or
-    5-bit groups; see `packed_form`), so a slice of its blocks packs as that part of the whole."""
-    return isinstance(w, GGMLWeight) and (
-        w.qtype in INT4_EXACT or (w.qtype in INT5_EXACT and int4_rows_layout())
-    )
 
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,19 +1,18 @@
-"""Megatron-style tensor-parallel shards of the generic decoder: which heads and which part of the
-MLP's intermediate dimension each of N ranks holds, and the slices of the weights that give them.
+"""Tensor-parallel shards of the generic decoder: which heads, which part of the MLP's
+intermediate size and which part of the hidden size each of N ranks holds, and the rows of the
+weights that give them.
 
 Each rank holds a contiguous range of KV heads with the query heads of their groups (uneven splits
 allowed: 3 KV heads over 2 ranks are 2 + 1), or, with fewer KV heads than ranks, one replicated KV
-head and its share of that head's query heads. The MLP's intermediate dimension splits into
-contiguous ranges that start and end on quantization-block boundaries of the down projection, so
-its packed column slices are whole blocks. qkv and gate/up projections are column-parallel (their
-output rows are sliced), o_proj and down_proj row-parallel (their input columns are sliced, their
-outputs summed over the ranks by an all-reduce). Embedding, norms and the output head are whole on
-every rank.
-
-One rank computes the row-parallel projections the way `REDUCTION_PARTS` ranks would
-(`PartedLinear`): each part's columns through a layer of their own, the partial sums added in rank
-order, which is what an all-reduce over two ranks computes. Tensor parallelism over that many ranks
-then repeats one rank's arithmetic exactly, and its outputs are one rank's, bit for bit.
+head and its share of that head's query heads; and contiguous ranges of the intermediate and hidden
+sizes. Every projection is column-parallel: a rank computes some of its output rows over the whole
+input. qkv and gate/up compute this rank's heads and intermediate rows; the ranks then gather the
+attention output (every head) and the intermediate activations, and o_proj and down_proj compute
+this rank's rows of the hidden size, which the ranks gather again. Each output element is thus one
+rank's whole sum, in the order one rank alone sums it, so tensor parallelism gives one rank's
+results bit for bit; Megatron's row-parallel o_proj and down_proj, whose partial sums an all-reduce
+adds, would add them in another order. Embedding, norms and the output head are whole on every
+rank.
 """
 
 from __future__ import annotations
@@ -21,15 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from gguf import GGML_QUANT_SIZES
-from torch import nn
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.model.config import ModelConfig
+from tokenmill.model.config import GatherWidths, ModelConfig
 from tokenmill.model.quant import GGMLWeight
-
-# The ranks whose partial sums one rank's row-parallel projections reproduce (see PartedLinear)
-REDUCTION_PARTS = 2
+from tokenmill.model.quant_linear import TILE_ROWS
 
 
 @dataclass(frozen=True)
@@ -46,11 +41,13 @@ class Shard:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """The global indices one rank holds: query heads, KV heads, intermediate columns."""
+    """The global indices one rank holds: query heads, KV heads, intermediate columns, and the
+    output rows of o_proj and down_proj."""
 
     q_heads: range
     kv_heads: range
     ffn: range
+    hidden: range
 
 
 def _split(count: int, parts: int) -> list[range]:
@@ -87,44 +84,48 @@ def head_ranges(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[rang
     return layouts
 
 
-def ffn_ranges(intermediate: int, size: int, align: int) -> list[range]:
-    """Contiguous ranges of the intermediate dimension, each a whole number of `align` columns
-    (the down projection's quantization block), as even as that allows."""
-    units, rest = divmod(intermediate, align)
-    if rest or units < size:
+def row_ranges(count: int, size: int, what: str) -> list[range]:
+    """Contiguous ranges of `count` output rows (of the MLP's intermediate size, or of the hidden
+    size), as even as whole tiles of the packed kernels (`TILE_ROWS`) allow where `count` is made
+    of them, so that a rank's rows take the kernel and layout one rank's would."""
+    if count < size:
         raise InvalidRequestError(
-            f"the MLP's {intermediate} intermediate columns cannot be split over {size} ranks "
-            f"in whole quantization blocks of {align}; choose a smaller --tensor-parallel-size"
+            f"the model's {count} {what} cannot be split over {size} ranks; choose a smaller "
+            "--tensor-parallel-size"
         )
-    return [range(r.start * align, r.stop * align) for r in _split(units, size)]
+    align = TILE_ROWS if count % TILE_ROWS == 0 and count // TILE_ROWS >= size else 1
+    return [range(r.start * align, r.stop * align) for r in _split(count // align, size)]
 
 
-def layout(cfg: ModelConfig, shard: Shard, ffn_align: int = 1) -> ShardLayout:
+def layout(cfg: ModelConfig, shard: Shard) -> ShardLayout:
     if cfg.qk_norm_whole and shard.size > 1:
         raise InvalidRequestError(
             f"{cfg.architecture}'s q/k norms span every head of the projection, so a rank's "
             "share of the heads cannot be normalized alone; run it with --tensor-parallel-size 1"
         )
     q, kv = head_ranges(cfg.num_heads, cfg.num_kv_heads, shard.size)[shard.rank]
-    ffn = ffn_ranges(cfg.intermediate_size, shard.size, ffn_align)[shard.rank]
-    return ShardLayout(q_heads=q, kv_heads=kv, ffn=ffn)
+    ffn = row_ranges(cfg.intermediate_size, shard.size, "intermediate columns")[shard.rank]
+    hidden = row_ranges(cfg.hidden_size, shard.size, "hidden dimensions")[shard.rank]
+    return ShardLayout(q_heads=q, kv_heads=kv, ffn=ffn, hidden=hidden)
 
 
-def sharded_config(cfg: ModelConfig, lay: ShardLayout, size: int) -> ModelConfig:
-    """The config of one rank's model: its own head and intermediate counts, the rest the same."""
+def sharded_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
+    """The config of one rank's model: its own head and intermediate counts, every rank's
+    contributions to the gathers, the rest the same."""
+    lays = [layout(cfg, Shard(r, shard.size)) for r in range(shard.size)]
+    lay = lays[shard.rank]
     return replace(
         cfg,
         num_heads=len(lay.q_heads),
         num_kv_heads=len(lay.kv_heads),
         intermediate_size=len(lay.ffn),
-        tensor_parallel_size=size,
+        gather=GatherWidths(
+            attention=tuple(len(r.q_heads) * cfg.head_dim for r in lays),
+            intermediate=tuple(len(r.ffn) for r in lays),
+            hidden=tuple(len(r.hidden) for r in lays),
+        ),
         layer_types=list(cfg.layer_types),
     )
-
-
-def block_elements(w: torch.Tensor | GGMLWeight) -> int:
-    """Columns per quantization block of a weight (1 for a dense tensor)."""
-    return GGML_QUANT_SIZES[w.qtype][0] if isinstance(w, GGMLWeight) else 1
 
 
 def slice_rows(w: torch.Tensor | GGMLWeight, rows: range) -> torch.Tensor | GGMLWeight:
@@ -134,60 +135,3 @@ def slice_rows(w: torch.Tensor | GGMLWeight, rows: range) -> torch.Tensor | GGML
             w.data[rows.start : rows.stop], w.qtype, (len(rows), w.shape[1]), w.release
         )
     return w[rows.start : rows.stop]
-
-
-def slice_columns(
-    w: torch.Tensor | GGMLWeight, cols: range, name: str
-) -> torch.Tensor | GGMLWeight:
-    """Columns [cols.start, cols.stop) of a weight. A packed weight's slice is whole blocks of each
-    row's bytes; a split inside a block is refused (dequantizing it would give up the packed
-    form)."""
-    if not isinstance(w, GGMLWeight):
-        return w[:, cols.start : cols.stop]
-    block, type_size = GGML_QUANT_SIZES[w.qtype]
-    if cols.start % block or cols.stop % block:
-        raise InvalidRequestError(
-            f"{name}: tensor parallelism splits its {w.shape[1]} columns at "
-            f"{cols.start}..{cols.stop}, inside a {w.qtype.name} block of {block} columns; choose "
-            "a --tensor-parallel-size whose head split falls on block boundaries, or load with "
-            "--quantization none"
-        )
-    first, last = cols.start // block * type_size, cols.stop // block * type_size
-    data = w.data[:, first:last].contiguous()
-    return GGMLWeight(data, w.qtype, (w.shape[0], len(cols)), w.release)
-
-
-def slice_packed(kind: str, data: tuple[torch.Tensor, ...], cols: range) -> tuple:
-    """Columns of a packed form (see `quant_linear.packed_form`): int8 keeps its one scale per
-    whole row; int4 and int5 slice their groups of 32 with their scales."""
-    if kind == "int8":
-        q8, scale = data
-        return q8[:, cols.start : cols.stop].contiguous(), scale
-    group = data[0].shape[1] // data[1].shape[1]
-    if cols.start % group or cols.stop % group:
-        raise ValueError(f"columns {cols.start}..{cols.stop} split a group of {group}")
-    g0, g1 = cols.start // group, cols.stop // group
-    q, scale, low = data
-    return (
-        q[:, cols.start : cols.stop].contiguous(),
-        scale[:, g0:g1].contiguous(),
-        low[:, g0:g1].contiguous(),
-    )
-
-
-class PartedLinear(nn.Module):
-    """A row-parallel projection on one rank, computed as `len(parts)` ranks compute it: part i
-    multiplies input columns columns[i] (with the bias, if any, in part 0, as rank 0 adds it) and
-    the partial sums are added in order."""
-
-    def __init__(self, parts: list[nn.Module], columns: list[range]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.columns = [(c.start, c.stop) for c in columns]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = None
-        for (start, stop), part in zip(self.columns, self.parts):
-            y = part(x[:, start:stop].contiguous())
-            out = y if out is None else out + y
-        return out

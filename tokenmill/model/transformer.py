@@ -156,8 +156,8 @@ class Attention(nn.Module):
         normed = cfg.qk_norm or cfg.qk_norm_whole
         self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if normed else None
         self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if normed else None
-        # o_proj is row-parallel under tensor parallelism: its partial sums are all-reduced
-        self.reduce = cfg.tensor_parallel_size > 1
+        # under tensor parallelism: what each rank contributes to the gathers (model/sharding.py)
+        self.gather = cfg.gather
 
     def forward(
         self,
@@ -183,14 +183,21 @@ class Attention(nn.Module):
         out = paged_attention(
             q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap, self.window
         )
-        out = self.o_proj(out.reshape(tokens, self.q_size))
-        return _all_reduce(out) if self.reduce else out
+        out = out.reshape(tokens, self.q_size)
+        if self.gather is None:
+            return self.o_proj(out)
+        out = self.o_proj(gather_columns(out, self.gather.attention))
+        return gather_columns(out, self.gather.hidden)
 
 
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """x summed over the tensor-parallel ranks, in place."""
-    dist.all_reduce(x)
-    return x
+def gather_columns(x: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
+    """Every tensor-parallel rank's columns of a (tokens, widths[rank]) tensor, concatenated in
+    rank order. All-gather takes equal sizes, so a narrower rank's columns are padded for it."""
+    width = max(widths)
+    x = F.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x.contiguous()
+    parts = [torch.empty_like(x) for _ in widths]
+    dist.all_gather(parts, x)
+    return torch.cat([part[:, :w] for part, w in zip(parts, widths)], dim=1)
 
 
 # The MLP activations by config name; tokenmill::gated_activation knows the same names.
@@ -209,17 +216,20 @@ class MLP(nn.Module):
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
         self.act_name = cfg.hidden_act
-        # down_proj is row-parallel under tensor parallelism: its partial sums are all-reduced
-        self.reduce = cfg.tensor_parallel_size > 1
+        # under tensor parallelism: what each rank contributes to the gathers (model/sharding.py)
+        self.gather = cfg.gather
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if _fused_activation_fits(gate_up):
-            out = self.down_proj(torch.ops.tokenmill.gated_activation(gate_up, self.act_name))
+            act = torch.ops.tokenmill.gated_activation(gate_up, self.act_name)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            out = self.down_proj(ACTIVATIONS[self.act_name](gate) * up)
-        return _all_reduce(out) if self.reduce else out
+            act = ACTIVATIONS[self.act_name](gate) * up
+        if self.gather is None:
+            return self.down_proj(act)
+        out = self.down_proj(gather_columns(act, self.gather.intermediate))
+        return gather_columns(out, self.gather.hidden)
 
 
 def _fused_activation_fits(gate_up: torch.Tensor) -> bool:
