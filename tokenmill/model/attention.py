@@ -352,9 +352,7 @@ def paged_attention(
             )
         return out
     if batch.parts is None:
-        return _attend_cached(
-            q, k, v, k_cache, v_cache, batch, mask, scale, softcap, window, sinks
-        )
+        return _attend_cached(q, k, v, k_cache, v_cache, batch, mask, scale, softcap, window, sinks)
     out = torch.empty_like(q)
     for (part, tokens), part_mask in zip(batch.parts, mask):
         # each after the whole step's K/V are in the cache

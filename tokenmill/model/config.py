@@ -108,7 +108,9 @@ def _yarn_inv_freq(theta: float, dim: int, scaling: dict[str, Any]) -> torch.Ten
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
     extrapolation = 1 - ramp  # weight of the original frequencies
     steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
     pos_freqs = theta ** (steps / dim)

@@ -259,7 +259,8 @@ def _gpt_oss_moe(limit: float, alpha: float) -> dict[str, Any]:
 
 
 def hf_interleaved_experts(cfg: ModelConfig) -> bool:
-    """Whether an HF checkpoint stacks the experts as gpt-oss does (`moe.deinterleave_hf_experts`)."""
+    """Whether an HF checkpoint stacks the experts as gpt-oss does
+    (`moe.deinterleave_hf_experts`)."""
     return FAMILIES[cfg.architecture].gpt_oss
 
 
@@ -478,9 +479,7 @@ def _gguf_yarn(md: dict[str, Any], arch: str, fam: Family) -> dict[str, Any]:
     scaling = {
         "rope_type": "yarn",
         "factor": float(md[f"{arch}.rope.scaling.factor"]),
-        "original_max_position_embeddings": int(
-            md[f"{arch}.rope.scaling.original_context_length"]
-        ),
+        "original_max_position_embeddings": int(md[f"{arch}.rope.scaling.original_context_length"]),
         "beta_fast": float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
         "beta_slow": float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
         "truncate": fam.gguf_yarn_truncate,
