@@ -84,6 +84,8 @@ def chat_setup(req: ChatCompletionRequest, state: ServerState) -> ChatSetup:
         params.skip_special_tokens = False  # call markers may be special tokens
     reasoning = REASONING_PARSERS.get(state.config.reasoning_parser or "")
     opens = False
+    if reasoning is not None and reasoning.special_markers:
+        params.skip_special_tokens = False  # harmony's channel markers are special tokens
     if reasoning is not None:
         prompt_tail = engine.tokenizer.decode(prompt_ids[-REASONING_PROMPT_TAIL:])
         opens = reasoning.opens_reasoning(prompt_tail)
