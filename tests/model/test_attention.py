@@ -20,9 +20,26 @@ from tokenmill.model.attention import (
 )
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
+def _sinks(heads: int, on: bool) -> torch.Tensor | None:
+    """Attention sinks (gpt-oss): a logit per head, large enough to take much of each softmax."""
+    return torch.randn(heads, generator=torch.Generator().manual_seed(7)) * 2 + 1 if on else None
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dimension of (heads, queries, keys) scores, with each head's sink
+    logit as one more key whose weight is dropped."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.view(-1, 1, 1).expand(*scores.shape[:2], 1)
+    return torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks"),
+    [(None, None, False), (5, None, False), (None, 20.0, False), (5, None, True)],
+)
 def test_fused_decode_attention_matches_batched_matmuls(
-    window: int | None, softcap: float | None
+    window: int | None, softcap: float | None, sinks: bool
 ) -> None:
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size = 6, 2, 8, 4
@@ -36,7 +53,16 @@ def test_fused_decode_attention_matches_batched_matmuls(
     batch = AttentionBatch.build([1, 1, 1], context_lens, tables, block_size, cache.pad_slot)
     mask = batch.mask(window)
     q = torch.randn(3, heads, head_dim)
-    args = (q, cache.k[0], cache.v[0], batch.context_slots, mask, 0.35, softcap)
+    args = (
+        q,
+        cache.k[0],
+        cache.v[0],
+        batch.context_slots,
+        mask,
+        0.35,
+        softcap,
+        _sinks(heads, sinks),
+    )
     torch.testing.assert_close(
         _fused_decode_attention(*args), _matmul_decode_attention(*args), rtol=1e-5, atol=1e-5
     )
@@ -64,13 +90,22 @@ PARTS = {
 
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 20.0)])
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks"),
+    [(None, None, False), (50, None, False), (None, 20.0, False), (50, None, True)],
+)
 @pytest.mark.parametrize("head_dim", [8, 32])
 def test_prompt_attention_matches_per_sequence_attention(
-    window: int | None, softcap: float | None, cache_dtype: torch.dtype, step: str, head_dim: int
+    window: int | None,
+    softcap: float | None,
+    sinks: bool,
+    cache_dtype: torch.dtype,
+    step: str,
+    head_dim: int,
 ) -> None:
     """None of the ways a step's prompts attend (`STEPS`) may change any result. A float16 cache
-    holds the new keys rounded, and a float32 model reads them back widened."""
+    holds the new keys rounded, and a float32 model reads them back widened. Sinks take the paths
+    of softcaps: the kernel's, or PyTorch's explicit softmax and decode matmuls."""
     torch.manual_seed(0)
     heads, kv_heads, block_size, scale = 4, 2, 16, 0.3
     query_lens, context_lens = STEPS[step]
@@ -91,8 +126,19 @@ def test_prompt_attention_matches_per_sequence_attention(
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim)
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    sink_logits = _sinks(heads, sinks)
     out = paged_attention(
-        q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), scale, softcap, window
+        q,
+        k,
+        v,
+        cache.k[0],
+        cache.v[0],
+        batch,
+        batch.mask(window),
+        scale,
+        softcap,
+        window,
+        sink_logits,
     )
     assert out.dtype == torch.float32
     slot_of_token = batch.slot_mapping
@@ -116,9 +162,8 @@ def test_prompt_attention_matches_per_sequence_attention(
         allowed = torch.arange(kv_len)[None, :] <= query_pos
         if window is not None:
             allowed &= query_pos - torch.arange(kv_len)[None, :] < window
-        expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(
-            0, 1
-        )
+        probs = _softmax(scores.masked_fill(~allowed, float("-inf")), sink_logits)
+        expected = (probs @ values).transpose(0, 1)
         torch.testing.assert_close(out[start : start + q_len], expected, rtol=1e-4, atol=1e-4)
         start += q_len
 
@@ -136,14 +181,21 @@ def test_kv_cache_dtype_follows_the_option() -> None:
 
 
 @pytest.mark.parametrize(
-    ("window", "softcap", "whole"),
-    [(None, None, True), (300, None, True), (100, None, False), (None, 20.0, False)],
+    ("window", "softcap", "sinks", "whole"),
+    [
+        (None, None, False, True),
+        (300, None, False, True),
+        (100, None, False, False),
+        (None, 20.0, False, False),
+        (None, None, True, False),
+    ],
 )
 def test_a_whole_prompt_attends_to_its_own_keys(
-    window: int | None, softcap: float | None, whole: bool, monkeypatch
+    window: int | None, softcap: float | None, sinks: bool, whole: bool, monkeypatch
 ) -> None:
     """One sequence's whole prompt takes SDPA's causal kernel on this step's K/V, rounded as the
-    cache holds them, unless a window shorter than the prompt or a softcap needs the mask."""
+    cache holds them, unless a window shorter than the prompt, a softcap or sinks need the mask
+    (and, for the last two, an explicit softmax)."""
     torch.manual_seed(1)
     heads, kv_heads, head_dim, block_size, length = 4, 2, 8, 16, 200
     cache = KVCache(
@@ -173,8 +225,19 @@ def test_a_whole_prompt_attends_to_its_own_keys(
             causal_calls.append(kwargs.get("is_causal", False)) or sdpa(*args, **kwargs)
         ),
     )
+    sink_logits = _sinks(heads, sinks)
     out = paged_attention(
-        q, k, v, cache.k[0], cache.v[0], batch, batch.mask(window), 0.3, softcap, window
+        q,
+        k,
+        v,
+        cache.k[0],
+        cache.v[0],
+        batch,
+        batch.mask(window),
+        0.3,
+        softcap,
+        window,
+        sink_logits,
     )
     assert any(causal_calls) == whole
     keys, values = (
@@ -187,8 +250,8 @@ def test_a_whole_prompt_attends_to_its_own_keys(
     allowed = positions[None, :] <= positions[:, None]
     if window is not None:
         allowed &= positions[:, None] - positions[None, :] < window
-    expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(0, 1)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    probs = _softmax(scores.masked_fill(~allowed, float("-inf")), sink_logits)
+    torch.testing.assert_close(out, (probs @ values).transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_prompts_keep_sdpa_on_cpus_with_amx_unless_batch_invariant(monkeypatch) -> None:
@@ -251,7 +314,10 @@ def _needs_kernel() -> None:
 
 
 @pytest.mark.parametrize("bound", [5000, 100])
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 20.0)])
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks"),
+    [(None, None, False), (50, None, False), (None, 20.0, False), (50, None, True)],
+)
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype"),
     DTYPES_AND_CACHE_DTYPES,
@@ -260,6 +326,7 @@ def test_a_step_past_the_pair_bound_attends_through_the_kernel_in_groups(
     bound: int,
     window: int | None,
     softcap: float | None,
+    sinks: bool,
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
     monkeypatch,
@@ -279,9 +346,14 @@ def test_a_step_past_the_pair_bound_attends_through_the_kernel_in_groups(
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
     k, v = k.to(dtype), v.to(dtype)
 
+    sink_logits = _sinks(heads, sinks)
+
     def attend(batch: AttentionBatch) -> torch.Tensor:
         mask = batch.mask(window)
-        return paged_attention(q, k, v, cache.k[0], cache.v[0], batch, mask, 0.3, softcap, window)
+        cache_k, cache_v = cache.k[0], cache.v[0]
+        return paged_attention(
+            q, k, v, cache_k, cache_v, batch, mask, 0.3, softcap, window, sink_logits
+        )
 
     build_args = (query_lens, context_lens, tables, block_size, cache.pad_slot)
     whole = AttentionBatch.build(*build_args, kernel_prompts=True)
@@ -308,7 +380,10 @@ def test_a_step_past_the_pair_bound_attends_through_the_kernel_in_groups(
     assert torch.equal(attend(grouped), expected)
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (40, None), (None, 20.0)])
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks"),
+    [(None, None, False), (40, None, False), (None, 20.0, False), (40, None, True)],
+)
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype"),
     DTYPES_AND_CACHE_DTYPES,
@@ -316,6 +391,7 @@ def test_a_step_past_the_pair_bound_attends_through_the_kernel_in_groups(
 def test_a_tokens_attention_does_not_depend_on_how_the_step_is_packed(
     window: int | None,
     softcap: float | None,
+    sinks: bool,
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
     monkeypatch,
@@ -345,6 +421,7 @@ def test_a_tokens_attention_does_not_depend_on_how_the_step_is_packed(
 
     q, k, v = qkv(length + 1)
     others = qkv(sum(others_query))
+    sink_logits = _sinks(heads, sinks)
 
     def attend(first: int, end: int, with_others: bool) -> torch.Tensor:
         """Tokens [first, end) of the sequence in one step, their outputs."""
@@ -373,6 +450,7 @@ def test_a_tokens_attention_does_not_depend_on_how_the_step_is_packed(
             scale,
             softcap,
             window,
+            sink_logits,
         )
         return out[: end - first]
 

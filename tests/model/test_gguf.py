@@ -20,13 +20,16 @@ from tokenmill.errors import ModelFileError
 from tokenmill.model.gguf_file import GGUFFile, read_gguf_metadata
 from tokenmill.model.quant import SUPPORTED_QTYPES, GGMLWeight, dequantize
 
-QUANTIZED = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+QUANTIZED = [
+    Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4
+]  # fmt: skip
 # gguf.quants.quantize supports these
 PY_QUANTIZABLE = [Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 # Byte offsets of the fp16 scale fields (d, dmin) within each block.
 F16_FIELDS = {
     Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
     Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.MXFP4: (),  # an E8M0 exponent byte: every bit pattern is a finite scale
 }  # fmt: skip
 # Logical shapes (torch order); (520, 512) spans more than one dequantization chunk.
 SHAPES = [(256,), (3, 256), (2, 3, 256), (520, 512)]

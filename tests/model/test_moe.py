@@ -1,6 +1,8 @@
 """Mixture-of-experts families: tiny random HF models (per-expert and stacked safetensors) and their
 GGUF twins, written as llama.cpp's converter writes them, give transformers' logits; the expert
-dispatch computes each token alike whatever its batch and runs only the experts tokens picked."""
+dispatch computes each token alike whatever its batch and runs only the experts tokens picked.
+gpt-oss (attention sinks, YaRN, biased experts with the clamped SwiGLU, MXFP4 experts in GGUF) has
+its own section."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.model import kernels
+from tokenmill.model.config import SLIDING_ATTENTION
 from tokenmill.model.loader import load_model
 from tokenmill.model.moe import MoE
 from tokenmill.model.quant_linear import QuantLinear
@@ -284,7 +288,193 @@ def test_gguf_matches_transformers(family: str, qtype: Q, quantization: str, tmp
         _assert_matches_transformers(loaded, hf, atol=PACKED_ATOL, mean_atol=PACKED_MEAN_ATOL)
 
 
+# ---------------------------------------------------------------- gpt-oss
+
+GPT_OSS = dict(
+    COMMON,
+    head_dim=16,
+    intermediate_size=64,  # 2 x 64 columns of gate/up against 64 rows of hidden: no square stacks
+    num_local_experts=6,
+    sliding_window=6,  # the prompts pass it: the sliding layers mask what the full ones see
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+)
+
+
+def _gpt_oss_model() -> transformers.PreTrainedModel:
+    """A tiny random gpt-oss; large enough biases, sinks and expert weights that the sinks, the
+    router's bias and the SwiGLU's clamps all move the logits."""
+    config = transformers.GptOssConfig(**GPT_OSS)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            elif name.endswith(("router.weight", "_bias", "router.bias", "sinks")):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("gate_up_proj"):
+                p.normal_(0.0, 0.6)  # |gate| and |up| pass the limit of 7 for some tokens
+    return model.eval()
+
+
+@pytest.mark.parametrize("attention", ["kernel", "pytorch"])
+def test_gpt_oss_hf_logits_match_transformers(attention: str, tmp_path, monkeypatch) -> None:
+    """Every attention path takes the sinks: tokenmill's kernel (prompts and decodes) and, without
+    it, PyTorch's (explicit softmax for prompts, matmuls for decodes)."""
+    if attention == "pytorch":
+        monkeypatch.setattr(kernels, "loaded", lambda: False)
+    hf = _gpt_oss_model()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(tmp_path, dtype="fp32", progress=False)
+    cfg = loaded.config
+    assert cfg.attention_sinks and cfg.attention_bias and cfg.output_bias
+    assert cfg.layer_types[:2] == [SLIDING_ATTENTION, "full_attention"]
+    assert cfg.rope.scaling["rope_type"] == "yarn" and cfg.rope.attention_factor > 1.3
+    assert cfg.moe.scoring == "topk_softmax" and cfg.moe.swiglu_limit == 7.0
+    _assert_matches_transformers(loaded, hf, atol=1e-4)
+
+
+def _write_gpt_oss_gguf(path: Path, hf, qtype: Q, fused: bool) -> dict:
+    """Write hf as llama.cpp's converter (GptOssModel) does: gate and up out of their alternate
+    columns into ffn_gate_exps and ffn_up_exps (or, fused, gate rows then up rows in
+    ffn_gate_up_exps), the stacks transposed to (experts, out, in) and quantized to qtype, their
+    biases beside them, the pre-feed-forward norm as post_attention_norm, the sinks as attn_sinks;
+    returns hf's state dict as the file encodes it."""
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([chr(c) for c in range(33, 127)] + ["ab", "<|return|>"])
+    writer.add_token_types([1] * (VOCAB - 1) + [3])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(VOCAB - 1)
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.router": "ffn_gate_inp",
+    }
+    encoded = {}
+    for hf_name, tensor in hf.state_dict().items():
+        data = tensor.float().numpy()
+        parts = hf_name.removeprefix("model.").split(".")
+        if parts[0] != "layers":
+            base, suffix = ".".join(parts[:-1]), parts[-1]
+            base = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[base]
+            writer.add_tensor(f"{base}.{suffix}", data)
+            encoded[hf_name] = tensor
+            continue
+        blk, rest = f"blk.{parts[1]}", ".".join(parts[2:])
+        if rest == "self_attn.sinks":
+            writer.add_tensor(f"{blk}.attn_sinks.weight", data)
+        elif rest in ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"):
+            weight = rest.endswith("proj")
+            if weight:  # (experts, hidden, 2 x width) -> (experts, 2 x width, hidden)
+                data = np.ascontiguousarray(data.transpose(0, 2, 1))
+            gate, up = data[:, 0::2], data[:, 1::2]
+            kind, store = ("weight", qtype) if weight else ("bias", Q.F32)
+            if fused:
+                both = _store(
+                    writer, f"{blk}.ffn_gate_up_exps.{kind}", np.concatenate([gate, up], 1), store
+                )
+                gate, up = np.split(both, 2, axis=1)
+            else:
+                gate = _store(writer, f"{blk}.ffn_gate_exps.{kind}", gate, store)
+                up = _store(writer, f"{blk}.ffn_up_exps.{kind}", up, store)
+            both = np.stack([gate, up], axis=2).reshape(data.shape)  # alternate again
+            encoded[hf_name] = torch.from_numpy(both.transpose(0, 2, 1) if weight else both)
+        elif (
+            rest == "mlp.experts.down_proj"
+        ):  # (experts, width, hidden) -> (experts, hidden, width)
+            stored = _store(writer, f"{blk}.ffn_down_exps.weight", data.transpose(0, 2, 1), qtype)
+            encoded[hf_name] = torch.from_numpy(np.ascontiguousarray(stored.transpose(0, 2, 1)))
+        elif rest == "mlp.experts.down_proj_bias":
+            writer.add_tensor(f"{blk}.ffn_down_exps.bias", data)
+        else:
+            base, suffix = rest.rsplit(".", 1)
+            writer.add_tensor(f"{blk}.{names[base]}.{suffix}", data)
+        encoded.setdefault(hf_name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return encoded
+
+
+@pytest.mark.parametrize(
+    "qtype, quantization, fused",
+    [
+        (Q.F32, "none", False),
+        (Q.F32, "none", True),
+        (Q.MXFP4, "none", False),
+        (Q.MXFP4, "gguf", True),
+    ],
+)
+def test_gpt_oss_gguf_matches_transformers(
+    qtype: Q, quantization: str, fused: bool, tmp_path
+) -> None:
+    """MXFP4 experts dequantize exactly as ggml does ("none"); kept packed ("gguf") they are
+    re-quantized to int8 per row."""
+    hf = _gpt_oss_model()
+    path = tmp_path / "model.gguf"
+    hf.load_state_dict(_write_gpt_oss_gguf(path, hf, qtype, fused))
+    loaded = load_model(path, progress=False, quantization=quantization)
+    cfg = loaded.config
+    assert cfg.architecture == "gpt-oss" and cfg.attention_sinks and cfg.rope_local is None
+    assert cfg.layer_types[:2] == [SLIDING_ATTENTION, "full_attention"]
+    assert cfg.rope.scaling["truncate"] is False
+    experts = loaded.model.layers[0].mlp.experts
+    assert all(isinstance(e.gate_up_proj, QuantLinear) for e in experts) == (quantization == "gguf")
+    if quantization == "none":
+        _assert_matches_transformers(loaded, hf, atol=1e-4)
+    else:
+        _assert_matches_transformers(loaded, hf, atol=PACKED_ATOL, mean_atol=PACKED_MEAN_ATOL)
+
+
 # ---------------------------------------------------------------- dispatch
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_loads(tmp_path_factory) -> dict[str, object]:
+    """The tiny gpt-oss as dense fp32 layers and with packed MXFP4 experts (fp32 and bf16)."""
+    path = tmp_path_factory.mktemp("gpt-oss") / "model.gguf"
+    _write_gpt_oss_gguf(path, _gpt_oss_model(), Q.MXFP4, fused=False)
+    return {
+        "dense": load_model(path, progress=False, quantization="none"),
+        "packed": load_model(path, progress=False, quantization="gguf"),
+        "packed-bf16": load_model(path, dtype="bf16", progress=False, quantization="gguf"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -303,11 +493,13 @@ def mixtral_loads(tmp_path_factory) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("kind", ["dense", "packed", "packed-bf16"])
-def test_a_token_routed_in_a_batch_equals_the_token_alone(mixtral_loads, kind: str) -> None:
-    block = mixtral_loads[kind].model.layers[0].mlp
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_a_token_routed_in_a_batch_equals_the_token_alone(request, family: str, kind: str) -> None:
+    loaded = request.getfixturevalue(f"{family}_loads")[kind]
+    block = loaded.model.layers[0].mlp
     assert isinstance(block, MoE)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
-    x = x.to(mixtral_loads[kind].dtype)
+    x = x.to(loaded.dtype)
     with torch.no_grad():
         _, picked = torch.topk(block.router(x), block.settings.top_k)
         batched = block(x)
@@ -317,8 +509,11 @@ def test_a_token_routed_in_a_batch_equals_the_token_alone(mixtral_loads, kind: s
 
 
 @pytest.mark.parametrize("kind", ["dense", "packed", "packed-bf16"])
-def test_batched_prompts_give_the_logits_of_each_prompt_alone(mixtral_loads, kind: str) -> None:
-    loaded = mixtral_loads[kind]
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_batched_prompts_give_the_logits_of_each_prompt_alone(
+    request, family: str, kind: str
+) -> None:
+    loaded = request.getfixturevalue(f"{family}_loads")[kind]
     prompts = [[5, 9, 3, 70, 1, 1, 44], [8, 2, 60, 61, 62, 63, 64, 65, 66, 67, 11], [7, 7, 30]]
     runner = ModelRunner(loaded, num_blocks=16, block_size=4, kv_cache_dtype="float32")
     tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]

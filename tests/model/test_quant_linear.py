@@ -23,10 +23,12 @@ from tokenmill.model.quant_linear import (
     amx_tiles,
     dense_packed_form,
     exact_groups,
+    int4_rows_layout,
     merge_packed,
     pack_fifth_bits,
     pack_int4_rows,
     pack_tiles,
+    packed_form,
     tiles_layout,
     unpack_int4_rows,
     unpack_tiles,
@@ -190,14 +192,26 @@ def _layout_bound(
     return q.float() * packed.units[:, None] / 2 + lows + 1e-6
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q5_K])
+def _mxfp4_blocks(shape: tuple[int, int], exponents: range) -> torch.Tensor:
+    """Random MXFP4 blocks with exponent bytes in this range."""
+    rng = np.random.default_rng(39)
+    raw = random_blocks(Q.MXFP4, shape, rng)
+    raw.reshape(-1, 17)[:, 0] = rng.integers(exponents.start, exponents.stop, raw.size // 17)
+    return torch.from_numpy(raw)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.MXFP4])
 @pytest.mark.parametrize("cols", [256, 288])  # 288: a last group without a pair
 def test_gguf_5bit_formats_keep_their_values(qtype: Q, cols: int) -> None:
     """exact_groups gives ggml's own dequantization (q up to 31), and the row layout with its plane
-    of fifth bits keeps it (Q5_K's scale products rounded to float16 as Q4_K's are)."""
+    of fifth bits keeps it (Q5_K's scale products rounded to float16 as Q4_K's are). MXFP4's
+    doubled e2m1 values are q - 16, their lows float16 where its exponents allow."""
     shape = (6, cols if qtype != Q.Q5_K else 256)
     raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(int(qtype))))
+    if qtype == Q.MXFP4:
+        raw = _mxfp4_blocks(shape, quant_linear._MXFP4_FLOAT16_LOWS)
     weight = GGMLWeight(raw, qtype, shape)
+    assert packed_form(weight)[0] == ("int5" if int4_rows_layout() else "int8")
     q, scale, low = exact_groups(weight)
     assert q.max() > 15 and q.max() <= 31
     torch.testing.assert_close(
@@ -208,6 +222,12 @@ def test_gguf_5bit_formats_keep_their_values(qtype: Q, cols: int) -> None:
     assert (
         (rows - weight.dequantize()).abs() <= _layout_bound(q, packed, low, qtype == Q.Q5_K)
     ).all()
+
+
+def test_mxfp4_past_float16_lows_packs_as_int8() -> None:
+    shape = (2, 64)
+    weight = GGMLWeight(_mxfp4_blocks(shape, range(140, 256)), Q.MXFP4, shape)
+    assert packed_form(weight)[0] == "int8"
 
 
 def test_merging_int4_with_5bit_parts_keeps_both_exact() -> None:
@@ -236,12 +256,14 @@ def test_tile_layout_keeps_the_values(bits: int) -> None:
     torch.testing.assert_close(unpack_tiles(packed), _int4_dense(q, scale, low), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.MXFP4])
 def test_gguf_formats_keep_their_values_in_tiles(qtype: Q) -> None:
     """Unlike the row layout, tiles hold each group's scale and low in float32: ggml's values
     exactly."""
     shape = (16, 256)
     raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(int(qtype))))
+    if qtype == Q.MXFP4:
+        raw = _mxfp4_blocks(shape, quant_linear._MXFP4_FLOAT16_LOWS)
     weight = GGMLWeight(raw, qtype, shape)
     q, scale, low = exact_groups(weight)
     bits = 5 if qtype in quant_linear.INT5_EXACT else 4

@@ -85,3 +85,33 @@ def test_reasoning_that_never_closes_is_all_reasoning(client) -> None:
     ).choices[0]
     assert choice.finish_reason == "length"
     assert choice.message.content is None and choice.message.reasoning_content
+
+
+@pytest.fixture(scope="module")
+def harmony_client(tmp_path_factory, one_torch_thread):
+    """A server with gpt-oss's reasoning parser, over the tiny model (its `<|im_start|>` stands
+    for harmony's special marker tokens)."""
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny-harmony"))
+    running = RunningServer(
+        LLMEngine(path, num_kv_blocks=64, max_model_len=256),
+        ServerConfig("tiny", api_key=API_KEY, reasoning_parser="gpt-oss"),
+    )
+    yield openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0), running
+    running.stop()
+
+
+def test_harmony_keeps_special_tokens_and_refuses_constraints(harmony_client) -> None:
+    """The harmony parser reads channel markers, which are special tokens: the output keeps them
+    (here, output that opens no channel is all content). An output constraint could not allow
+    the final channel's header: refused, saying so."""
+    client, running = harmony_client
+    marker = str(running.async_engine.tokenizer.added_token_id("<|im_start|>"))
+    choice = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=3, logit_bias={marker: 100}
+    ).choices[0]
+    assert choice.message.content == "<|im_start|>" * 3
+    assert getattr(choice.message, "reasoning_content", None) is None
+    with pytest.raises(openai.BadRequestError, match="reasoning-parser gpt-oss"):
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=3, extra_body={"guided_choice": ["a"]}
+        )

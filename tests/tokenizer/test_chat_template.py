@@ -6,11 +6,16 @@ import copy
 from pathlib import Path
 
 import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from tokenmill.tokenizer import Tokenizer, TokenizerError
-from tokenmill.tokenizer.chat_template import builtin_chat_template
+from tokenmill.tokenizer.chat_template import builtin_chat_template, render_chat_template
 
 DATA = Path(__file__).parent.parent / "data" / "tokenizer-vectors"
+# openai/gpt-oss-20b's chat_template.jinja (harmony), as TRL keeps it (chat_templates/gptoss.jinja)
+HARMONY_TEMPLATE = (
+    Path(__file__).parent.parent / "data" / "gpt-oss-chat-template.jinja"
+).read_text()
 GEMMA3_TEMPLATE = builtin_chat_template("gemma3")
 
 CONVERSATIONS = [
@@ -117,3 +122,109 @@ def test_template_errors_are_reported(gemma3_chat: Tokenizer) -> None:
         )
     with pytest.raises(TokenizerError, match="empty conversation"):
         gemma3_chat.apply_chat_template([])
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city"},
+                "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+            },
+            "required": ["city"],
+        },
+    },
+}
+HARMONY_CONVERSATIONS = [  # (messages, tools, chat_template_kwargs)
+    ([{"role": "user", "content": "Hi!"}], None, {}),
+    (
+        [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "thinking": "Add them."},
+            {"role": "user", "content": "And 3+3?"},
+        ],
+        None,
+        {
+            "reasoning_effort": "high",
+            "builtin_tools": ["browser", "python"],
+            "model_identity": "You are a test.",
+        },
+    ),
+    (
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "thinking": "Call the tool.",
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "sunny"},
+        ],
+        [WEATHER_TOOL],
+        {},
+    ),
+]
+
+
+@pytest.mark.parametrize("messages, tools, kwargs", HARMONY_CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gpt_oss_harmony_template_matches_transformers(
+    messages, tools, kwargs, add_generation_prompt: bool
+) -> None:
+    """gpt-oss's template: its kwargs (reasoning effort, built-in tools, identity), the date from
+    strftime_now, tools in TypeScript, reasoning as `thinking`."""
+    ours = render_chat_template(
+        HARMONY_TEMPLATE,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        special_tokens={},
+        extra=kwargs,
+    )
+    theirs = render_jinja_template(
+        conversations=[messages],
+        chat_template=HARMONY_TEMPLATE,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        **kwargs,
+    )[0][0]
+    assert ours == theirs
+    assert ours.startswith("<|start|>system<|message|>")
+    assert ours.endswith("<|start|>assistant") == add_generation_prompt
+    assert ("Reasoning: high" in ours) == ("reasoning_effort" in kwargs)
+
+
+def test_gpt_oss_takes_reasoning_content_as_thinking() -> None:
+    """The OpenAI API's `reasoning_content` reaches harmony's analysis channel."""
+    messages, tools, _ = HARMONY_CONVERSATIONS[2]
+    as_thinking = render_chat_template(
+        HARMONY_TEMPLATE,
+        messages,
+        add_generation_prompt=True,
+        tools=tools,
+        special_tokens={},
+        extra={},
+    )
+    renamed = [
+        {("reasoning_content" if k == "thinking" else k): v for k, v in m.items()} for m in messages
+    ]
+    ours = render_chat_template(
+        HARMONY_TEMPLATE,
+        renamed,
+        add_generation_prompt=True,
+        tools=tools,
+        special_tokens={},
+        extra={},
+    )
+    assert ours == as_thinking
+    assert "<|channel|>analysis<|message|>Call the tool.<|end|>" in ours

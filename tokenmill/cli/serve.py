@@ -201,8 +201,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSERS),
-        help="split a <think> model's reasoning into reasoning_content; output constraints "
-        "start after it (default: none, the reasoning stays in content)",
+        help="split a <think> model's reasoning (gpt-oss: its harmony analysis channel) into "
+        "reasoning_content; output constraints start after it (default: none, the reasoning "
+        "stays in content)",
     )
     p.add_argument(
         "--allowed-origins",

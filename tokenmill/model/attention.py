@@ -327,11 +327,13 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's cached context.
 
     q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); returns (T, heads, head_dim); mask:
-    `batch.mask(window)`; window: the sliding window, if any.
+    `batch.mask(window)`; window: the sliding window, if any; sinks: (heads,) float32 logits
+    that join each head's softmax denominator and weigh no value (gpt-oss's attention sinks).
     """
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
     k_cache.index_copy_(0, batch.slot_mapping, k)
@@ -339,18 +341,18 @@ def paged_attention(
     if batch.token_context_slots is not None:
         # every token of the step as a query of the decode kernel
         return torch.ops.tokenmill.decode_attention(
-            q, k_cache, v_cache, batch.token_context_slots, mask, scale, softcap
+            q, k_cache, v_cache, batch.token_context_slots, mask, scale, softcap, sinks
         )
     if batch.kernel_groups is not None:
         out = torch.empty_like(q)
         for first, end, width in batch.kernel_groups:
             slots, group_mask = batch.kernel_group(first, end, width, window)
             out[first:end] = torch.ops.tokenmill.decode_attention(
-                q[first:end], k_cache, v_cache, slots, group_mask, scale, softcap
+                q[first:end], k_cache, v_cache, slots, group_mask, scale, softcap, sinks
             )
         return out
     if batch.parts is None:
-        return _attend_cached(q, k, v, k_cache, v_cache, batch, mask, scale, softcap, window)
+        return _attend_cached(q, k, v, k_cache, v_cache, batch, mask, scale, softcap, window, sinks)
     out = torch.empty_like(q)
     for (part, tokens), part_mask in zip(batch.parts, mask):
         # each after the whole step's K/V are in the cache
@@ -365,6 +367,7 @@ def paged_attention(
             scale,
             softcap,
             window,
+            sinks,
         )
     return out
 
@@ -380,13 +383,17 @@ def _attend_cached(
     scale: float,
     softcap: float | None,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` once this step's K/V (k, v, in the cache's dtype) are in the cache, for a
     batch not in parts."""
     if batch.max_q == 1:  # pure decode: one token per sequence, tokens already in batch order
-        return _decode_attention(q, k_cache, v_cache, batch.context_slots, mask, scale, softcap)
+        return _decode_attention(
+            q, k_cache, v_cache, batch.context_slots, mask, scale, softcap, sinks
+        )
     num_heads, head_dim = q.shape[1:]
-    if batch.fresh_prompts and softcap is None and (window is None or batch.max_q <= window):
+    plain = softcap is None and sinks is None  # what SDPA computes
+    if batch.fresh_prompts and plain and (window is None or batch.max_q <= window):
         # Prompts without cached context attend to their own K/V in causal order: no gather from
         # the cache, no mask tensor, and SDPA's causal kernel skips the masked half (faster than
         # masked blocks of `QUERY_BLOCK` queries). The K/V are rounded as the cache holds them, so
@@ -416,6 +423,7 @@ def _attend_cached(
             mask[:, :, first:end, :seen],
             scale,
             softcap,
+            sinks,
         )
         for first, end, seen in batch.query_blocks
     ]
@@ -432,6 +440,7 @@ def _decode_attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, in the fastest form where it runs: tokenmill's kernel where
     it is built (`decode_attention_fits`), else `FUSED_DECODE_MAX_HEAD_DIM` decides.
@@ -441,11 +450,11 @@ def _decode_attention(
     """
     if decode_attention_fits(q, k_cache):
         return torch.ops.tokenmill.decode_attention(
-            q, k_cache, v_cache, slots, mask, scale, softcap
+            q, k_cache, v_cache, slots, mask, scale, softcap, sinks
         )
     fused = torch.compiler.is_compiling() and q.shape[-1] <= FUSED_DECODE_MAX_HEAD_DIM
     attend = _fused_decode_attention if fused else _matmul_decode_attention
-    return attend(q, k_cache, v_cache, slots, mask, scale, softcap)
+    return attend(q, k_cache, v_cache, slots, mask, scale, softcap, sinks)
 
 
 def decode_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -476,6 +485,7 @@ def _matmul_decode_attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention as two batched matmuls over the gathered context, grouping query heads by
     their KV head. For a single query row, SDPA's flash kernel costs far more in setup than the
@@ -490,7 +500,9 @@ def _matmul_decode_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
+    if sinks is not None:
+        sinks = sinks.view(1, kv_heads, num_heads // kv_heads, 1)
+    out = torch.matmul(_softmax(scores, -1, sinks), v.float())
     return out.to(q.dtype).view(b, num_heads, head_dim)
 
 
@@ -502,6 +514,7 @@ def _fused_decode_attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention written as broadcast products and sums, for a compiled graph.
 
@@ -519,8 +532,10 @@ def _fused_decode_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask.view(b, -1, 1, 1), float("-inf"))
+    if sinks is not None:
+        sinks = sinks.view(1, 1, kv_heads, num_heads // kv_heads)
     # (B, kv_heads, group, head_dim)
-    out = (torch.softmax(scores, dim=1)[..., None] * values).sum(1)
+    out = (_softmax(scores, 1, sinks)[..., None] * values).sum(1)
     return out.to(q.dtype).view(b, num_heads, head_dim)
 
 
@@ -531,25 +546,43 @@ def _attend(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return _softcapped_attention(q, k, v, mask, scale, softcap)
+    return _explicit_attention(q, k, v, mask, scale, softcap, sinks)
 
 
-def _softcapped_attention(
+def _explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention with tanh-capped scores (Gemma 2), which SDPA cannot express."""
+    """Attention with tanh-capped scores (Gemma 2) or sinks (gpt-oss), which SDPA cannot
+    express."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    if sinks is not None:
+        sinks = sinks.view(1, -1, 1, 1)
+    return torch.matmul(_softmax(scores.float(), -1, sinks).to(q.dtype), v)
+
+
+def _softmax(scores: torch.Tensor, dim: int, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax of scores along dim; with sinks (shaped to broadcast against scores, one along
+    dim), each row's sink logit joins the denominator as one more score whose weight is dropped:
+    the one place the Python paths take attention sinks (the kernel's is `merge_chunks`)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=dim)
+    shape = list(scores.shape)
+    shape[dim] = 1
+    combined = torch.cat((scores, sinks.to(scores.dtype).expand(shape)), dim=dim)
+    return torch.softmax(combined, dim=dim).narrow(dim, 0, scores.shape[dim])

@@ -41,9 +41,11 @@ class RopeSettings:
             return inv / torch.tensor(
                 self.scaling["short_factor"], dtype=torch.float32, device="cpu"
             )
+        if rope_type == "yarn":
+            return _yarn_inv_freq(self.theta, rotary_dim, self.scaling)
         raise ValueError(
             f"unsupported rope scaling type {rope_type!r} "
-            "(supported: default, linear, llama3, longrope)"
+            "(supported: default, linear, llama3, longrope, yarn)"
         )
 
     def long_inv_freq(self, rotary_dim: int) -> tuple[torch.Tensor, int] | None:
@@ -62,8 +64,14 @@ class RopeSettings:
 
     @property
     def attention_factor(self) -> float:
-        """What cos and sin are multiplied by (LongRoPE's attention scaling), 1 otherwise."""
-        return float((self.scaling or {}).get("attention_factor", 1.0))
+        """What cos and sin are multiplied by (LongRoPE's and YaRN's attention scaling), 1
+        otherwise."""
+        scaling = self.scaling or {}
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        if scaling.get("rope_type") == "yarn":
+            return _yarn_attention_factor(scaling)
+        return 1.0
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -81,6 +89,47 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(theta: float, dim: int, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (transformers' `_compute_yarn_parameters`): interpolated (divided by the factor)
+    frequencies for the slow dimensions, the original ones for the fast, and a linear ramp between
+    the dimensions that turn beta_slow and beta_fast times over the original context; `truncate`
+    (default on, off for gpt-oss) rounds the ramp's ends to whole dimensions."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dimension(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
+    extrapolation = 1 - ramp  # weight of the original frequencies
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+    pos_freqs = theta ** (steps / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """YaRN's scaling of cos and sin where the config does not give it: 0.1 ln(factor) + 1, or
+    the ratio of two such terms where `mscale` and `mscale_all_dim` are given (DeepSeek)."""
+    factor = float(scaling["factor"])
+
+    def mscale(weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale()
+
+
 @dataclass(frozen=True)
 class MoESettings:
     """A mixture-of-experts feed-forward (see model/moe.py): a router picks `top_k` of
@@ -96,6 +145,12 @@ class MoESettings:
     shared_intermediate_size: int = 0  # an expert every token runs (Qwen2-MoE); 0: none
     shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)
     dense_layers: tuple[int, ...] = ()  # layers with a plain MLP instead (Qwen's mlp_only_layers)
+    router_bias: bool = False  # the router's logits have a bias (gpt-oss)
+    expert_bias: bool = False  # the experts' projections have biases (gpt-oss)
+    # gpt-oss's clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit), instead of the family's activation; None: the plain gated MLP
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "topk_softmax"):
@@ -157,6 +212,7 @@ class ModelConfig:
     post_norm: bool = False  # norms after attention and the MLP instead of before (OLMo 2)
     residual_scale: float = 1.0  # attention and MLP outputs scaled before the residual (Granite)
     logits_scaling: float = 1.0  # logits are divided by this (Granite)
+    attention_sinks: bool = False  # a learned logit per head joins each softmax (gpt-oss)
 
     def __post_init__(self) -> None:
         if not self.layer_types:

@@ -36,6 +36,12 @@ class Family:
     # MoE: the top-k weights renormalized where a GGUF file does not say (llama.cpp's per-arch
     # choice; HF configs say it with norm_topk_prob)
     gguf_norm_topk: bool = False
+    # gpt-oss: attention sinks, biased router and experts with the clamped SwiGLU, top-k logits
+    # softmaxed, HF expert stacks (experts, in, out) with gate and up in alternate columns
+    gpt_oss: bool = False
+    # YaRN's ramp ends rounded to whole dimensions where a GGUF file does not say (GGUF has no
+    # key for it); gpt-oss leaves them unrounded, as OpenAI's model and transformers do
+    gguf_yarn_truncate: bool = True
 
 
 FAMILIES: dict[str, Family] = {
@@ -64,6 +70,7 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family(gguf_permuted_qk=True, no_rope_every=4),
     "olmo2": Family(qk_norm=True, post_norm=True, qk_norm_whole=True),
     "granite": Family(gguf_permuted_qk=True),
+    "gpt-oss": Family(gpt_oss=True, sliding_pattern=2, gguf_yarn_truncate=False),
 }
 
 # Families tokenmill knows but does not run yet, and why (docs/design/newer-families.md)
@@ -111,6 +118,7 @@ HF_MODEL_TYPES = {
     "smollm3": "smollm3",
     "olmo2": "olmo2",
     "granite": "granite",
+    "gpt_oss": "gpt-oss",
 }
 
 
@@ -200,17 +208,18 @@ def config_from_hf(hf: Any) -> ModelConfig:
         sliding_window=sliding,
         layer_types=layer_types,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        moe=_hf_moe(hf),
+        moe=_hf_moe(hf, fam),
         rotary_dim=_hf_rotary_dim(hf, head_dim),
         no_rope_layers=tuple(i for i, has_rope in enumerate(uses_rope) if not has_rope),
         post_norm=fam.post_norm,
         qk_norm_whole=fam.qk_norm_whole,
         residual_scale=float(getattr(hf, "residual_multiplier", None) or 1.0),
         logits_scaling=float(getattr(hf, "logits_scaling", None) or 1.0),
+        attention_sinks=fam.gpt_oss,
     )
 
 
-def _hf_moe(hf: Any) -> MoESettings | None:
+def _hf_moe(hf: Any, fam: Family) -> MoESettings | None:
     """The mixture-of-experts settings of an HF config, None for a dense model."""
     experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
     if not experts:
@@ -220,15 +229,39 @@ def _hf_moe(hf: Any) -> MoESettings | None:
     dense_only = set(getattr(hf, "mlp_only_layers", None) or [])
     norm = getattr(hf, "norm_topk_prob", None)
     shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
-    return MoESettings(
-        num_experts=experts,
-        top_k=hf.num_experts_per_tok,
-        intermediate_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
+    settings = dict(
         norm_topk=True if norm is None else bool(norm),  # Mixtral's config has no switch: on
         shared_intermediate_size=shared,
         shared_gate=shared > 0,  # Qwen2-MoE always gates its shared expert
         dense_layers=tuple(i for i in range(layers) if i in dense_only or (i + 1) % step),
     )
+    if fam.gpt_oss:
+        settings |= _gpt_oss_moe(hf.swiglu_limit, hf.swiglu_alpha)
+    return MoESettings(
+        num_experts=experts,
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
+        **settings,
+    )
+
+
+def _gpt_oss_moe(limit: float, alpha: float) -> dict[str, Any]:
+    """gpt-oss's MoESettings beyond the counts: the softmax of the top-k biased router logits,
+    experts with biases and the clamped SwiGLU."""
+    return dict(
+        scoring="topk_softmax",
+        norm_topk=False,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=float(limit),
+        swiglu_alpha=float(alpha),
+    )
+
+
+def hf_interleaved_experts(cfg: ModelConfig) -> bool:
+    """Whether an HF checkpoint stacks the experts as gpt-oss does
+    (`moe.deinterleave_hf_experts`)."""
+    return FAMILIES[cfg.architecture].gpt_oss
 
 
 def _hf_rotary_dim(hf: Any, head_dim: int) -> int | None:
@@ -366,6 +399,8 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     scaling = None
     if md.get(f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
+    elif md.get(f"{arch}.rope.scaling.type") == "yarn":
+        scaling = _gguf_yarn(md, str(arch), fam)
     sliding = md.get(f"{arch}.attention.sliding_window")
     layer_types: list[str] = []
     rope_local = None
@@ -381,7 +416,8 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
                 SLIDING_ATTENTION if (i + 1) % int(pattern) else FULL_ATTENTION
                 for i in range(num_layers)
             ]
-        rope_local = RopeSettings(theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)))
+        if not fam.gpt_oss:  # Gemma 3's sliding layers turn at their own base
+            rope_local = RopeSettings(theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)))
     elif arch == "gemma2" and sliding:
         layer_types = [
             SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
@@ -434,7 +470,23 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
         qk_norm_whole=fam.qk_norm_whole,
         residual_scale=float(md.get(f"{arch}.residual_scale", 1.0)),
         logits_scaling=float(md.get(f"{arch}.logit_scale", 1.0)),
+        attention_sinks=fam.gpt_oss,
     )
+
+
+def _gguf_yarn(md: dict[str, Any], arch: str, fam: Family) -> dict[str, Any]:
+    """YaRN from the keys llama.cpp's converter writes, in transformers' terms."""
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(md[f"{arch}.rope.scaling.factor"]),
+        "original_max_position_embeddings": int(md[f"{arch}.rope.scaling.original_context_length"]),
+        "beta_fast": float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        "truncate": fam.gguf_yarn_truncate,
+    }
+    if f"{arch}.rope.scaling.yarn_attn_factor" in md:
+        scaling["attention_factor"] = float(md[f"{arch}.rope.scaling.yarn_attn_factor"])
+    return scaling
 
 
 def _gguf_moe(
@@ -452,13 +504,18 @@ def _gguf_moe(
         raise ValueError(
             f"{source}: a shared expert without {arch}.expert_shared_feed_forward_length"
         )
+    settings = dict(
+        norm_topk=bool(md.get(f"{arch}.expert_weights_norm", fam.gguf_norm_topk)),
+        shared_intermediate_size=shared,
+        shared_gate="blk.0.ffn_gate_inp_shexp.weight" in tensor_names,
+    )
+    if fam.gpt_oss:  # llama.cpp's fixed limit and alpha (OpenAI's, no GGUF key gives them)
+        settings |= _gpt_oss_moe(limit=7.0, alpha=1.702)
     return MoESettings(
         num_experts=int(experts),
         top_k=int(used),
         intermediate_size=int(md.get(f"{arch}.expert_feed_forward_length", ffn)),
-        norm_topk=bool(md.get(f"{arch}.expert_weights_norm", fam.gguf_norm_topk)),
-        shared_intermediate_size=shared,
-        shared_gate="blk.0.ffn_gate_inp_shexp.weight" in tensor_names,
+        **settings,
     )
 
 
@@ -524,6 +581,10 @@ def gguf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
         return None
     kind = m.group(2)
     ours = _GGUF_LAYER_NAMES.get(kind)
+    if kind == "attn_sinks":
+        return f"layers.{m.group(1)}.attn.sinks"  # a vector without a suffix, as in HF's
+    if kind == "post_attention_norm" and not (cfg.sandwich_norm or cfg.post_norm):
+        ours = "ffn_norm"  # gpt-oss's name for the norm before the feed-forward
     if kind == "attn_qkv":
         ours = "attn.qkv_proj"
     elif kind == "ffn_up" and FAMILIES[cfg.architecture].fused_gate_up:

@@ -241,6 +241,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer |= {"attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,)}
         if cfg.qk_norm_whole:
             layer |= {"attn.q_norm.weight": (q,), "attn.k_norm.weight": (kv,)}
+        if cfg.attention_sinks:
+            layer["attn.sinks"] = (cfg.num_heads,)
         if cfg.layer_is_moe(i):
             layer = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
             layer |= {f"mlp.{k}": v for k, v in moe.layer_shapes(cfg).items()}
@@ -556,7 +558,10 @@ def _open_hf_dir(
         from tokenmill.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_hf_dir(path)
-    return config, _hf_weights(shards, config), tokenizer
+    weights = _hf_weights(shards, config)
+    if families.hf_interleaved_experts(config):
+        weights = moe.deinterleave_hf_experts(weights)
+    return config, weights, tokenizer
 
 
 def _hf_weights(shards: list[Path], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

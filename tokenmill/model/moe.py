@@ -10,7 +10,11 @@ layers themselves compute each row alike whatever the batch: see `QuantLinear`, 
 
 Checkpoints store experts one by one (HF) or stacked in one tensor per projection (GGUF's
 `ffn_*_exps`, fused HF tensors); `expert_tensors` turns a stack into per-expert views of it, so a
-GGUF stack stays in its packed format, each expert's rows a slice of the file's bytes.
+GGUF stack stays in its packed format, each expert's rows a slice of the file's bytes. gpt-oss's HF
+stacks are (experts, in, out) with gate and up in alternate columns: `deinterleave_hf_experts`
+turns them into the (experts, out, in) stacks of gate rows then up rows that the others have.
+
+gpt-oss's experts (`ClampedSwiGLU`) have biases and a clamped SwiGLU of their own.
 """
 
 from __future__ import annotations
@@ -36,7 +40,12 @@ class MoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.settings = moe
-        self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=moe.router_bias)
+        if moe.swiglu_limit is not None:
+
+            def make_mlp(width: int) -> nn.Module:
+                return ClampedSwiGLU(cfg.hidden_size, width, moe.swiglu_limit, moe.swiglu_alpha)
+
         self.experts = nn.ModuleList(
             make_mlp(moe.intermediate_size) for _ in range(moe.num_experts)
         )
@@ -53,6 +62,24 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared
         return out
+
+
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's expert: down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)) with
+    g = min(gate, limit), gate and up in one biased matmul (gate rows, then up rows), as
+    transformers' `GptOssExperts` computes it; the loader replaces both layers."""
+
+    def __init__(self, hidden: int, width: int, limit: float, alpha: float) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * width)
+        self.down_proj = nn.Linear(width, hidden)
+        self.limit, self.alpha = limit, alpha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
 def route(logits: torch.Tensor, settings: MoESettings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +128,17 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The checkpoint tensors of one MoE feed-forward, by our name under `mlp.`, with shapes."""
     moe, h = cfg.moe, cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"router.weight": (moe.num_experts, h)}
+    if moe.router_bias:
+        shapes["router.bias"] = (moe.num_experts,)
     for e in range(moe.num_experts):
         shapes |= _mlp_shapes(f"experts.{e}", h, moe.intermediate_size)
+        if moe.expert_bias:
+            width = moe.intermediate_size
+            shapes |= {
+                f"experts.{e}.gate_proj.bias": (width,),
+                f"experts.{e}.up_proj.bias": (width,),
+                f"experts.{e}.down_proj.bias": (h,),
+            }
     if moe.shared_intermediate_size:
         shapes |= _mlp_shapes("shared_expert", h, moe.shared_intermediate_size)
     if moe.shared_gate:
@@ -146,6 +182,28 @@ def expert_tensors(weights: Iterator[tuple[str, Weight]]) -> Iterator[tuple[str,
                 yield f"{prefix}.{e}.up_proj.{kind}", _rows(part, half, 2 * half)
             else:
                 yield f"{prefix}.{e}.{proj}.{kind}", part
+
+
+def deinterleave_hf_experts(
+    weights: Iterator[tuple[str, Weight]],
+) -> Iterator[tuple[str, Weight]]:
+    """gpt-oss's HF stacks (`experts.gate_up_proj` (experts, hidden, 2 x width) with gate and up in
+    alternate columns, its bias alike, `experts.down_proj` (experts, width, hidden)) as the
+    (experts, rows, cols) stacks of gate rows then up rows that `expert_tensors` splits; the
+    other tensors as they are."""
+    for name, tensor in weights:
+        m = _STACKED.fullmatch(name)
+        if m is None:
+            yield name, tensor
+            continue
+        proj, kind = m.group(2), m.group(3)
+        if proj == "gate_up_proj":
+            if kind == "weight":
+                tensor = tensor.transpose(1, 2)
+            tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+        elif kind == "weight":
+            tensor = tensor.transpose(1, 2)
+        yield name, tensor.contiguous()
 
 
 def _expert(stack: Weight, e: int, count: int) -> Weight:

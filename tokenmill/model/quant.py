@@ -163,6 +163,31 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return q.mul_(dl).view(n, 256)
 
 
+# MXFP4's e2m1 values, doubled (ggml's kvalues_mxfp4): the block scale is half the power of two
+_MXFP4_VALUES = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32
+)
+
+
+def mxfp4_scale(b: torch.Tensor) -> torch.Tensor:
+    """The scale of each MXFP4 block (n, 17 bytes) as float32 (n, 1): 2^(e - 128) for its E8M0
+    exponent byte e (ggml_e8m0_to_fp32_half's bits, for e < 2 too), which the doubled values
+    multiply."""
+    e = b[:, :1].to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
+def mxfp4_values(b: torch.Tensor) -> torch.Tensor:
+    """The doubled e2m1 values (n, 32) float32 of MXFP4 blocks: 32 4-bit codes, low nibbles
+    first."""
+    return _MXFP4_VALUES[_unpack(b[:, 1:17], 1, 4).view(-1, 32).long()]
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's experts: 32 e2m1 values under one power-of-two scale."""
+    return mxfp4_values(b).mul_(mxfp4_scale(b))
+
+
 _KERNELS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q8_0: _q8_0,
     Q.Q4_0: _q4_0,
@@ -174,6 +199,7 @@ _KERNELS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
+    Q.MXFP4: _mxfp4,
 }
 
 SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = frozenset(_DENSE_DTYPES) | frozenset(_KERNELS)

@@ -32,7 +32,8 @@ from tokenmill.model.quant import GGMLWeight
 Q = GGMLQuantizationType
 INT4_GROUP = 32
 INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
-INT5_EXACT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K})
+# MXFP4's doubled e2m1 values (-12..12) under a power-of-two scale are 5-bit q - 16 too
+INT5_EXACT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.MXFP4})
 # An int8 matrix of at least this many weights (larger than the CPU caches: an output head) has
 # kernels of its own and never gets a dense copy. At batch 1 in a compiled graph inductor's fused
 # reduction ("streamed") reads its bytes faster than `_weight_int8pack_mm`. Beyond the GEMV's batch
@@ -394,9 +395,9 @@ def is_large_int8(kind: str, weights: int) -> bool:
 
 
 def exact_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, low) of a Q4_0/Q4_1/Q4_K weight (q in 0..15) or a Q5_0/Q5_1/Q5_K one (q in 0..31):
-    q (rows, cols), scale and low (rows, cols / 32) float32, with w = scale * q + low exactly as
-    ggml dequantizes."""
+    """(q, scale, low) of a Q4_0/Q4_1/Q4_K weight (q in 0..15) or a Q5_0/Q5_1/Q5_K or MXFP4 one
+    (q in 0..31): q (rows, cols), scale and low (rows, cols / 32) float32, with
+    w = scale * q + low exactly as ggml dequantizes."""
     rows, cols = w.shape
     _, type_size = quant.GGML_QUANT_SIZES[w.qtype]
     b = w.data.contiguous().view(-1, type_size)
@@ -425,6 +426,10 @@ def exact_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         else:  # the fifth bits in bytes 16-47, the nibbles after them
             q = quant._unpack(b[:, 48:176], 4, 4) | (quant._unpack(b[:, 16:48], 1, 1) << 4)
         q = q.view(n * 8, 32)
+    elif w.qtype == Q.MXFP4:
+        q = (quant.mxfp4_values(b) + 16).to(torch.uint8)
+        scale = quant.mxfp4_scale(b)
+        low = -16 * scale
     else:
         raise ValueError(f"{w.qtype.name} has no exact 4- or 5-bit form")
     return q.reshape(rows, cols), scale.reshape(rows, cols // 32), low.reshape(rows, cols // 32)
@@ -462,7 +467,12 @@ def packed_form(w: GGMLWeight) -> Packed:
     """
     if w.qtype in INT4_EXACT and w.shape[1] % INT4_GROUP == 0:
         return "int4", exact_groups(w)
-    if w.qtype in INT5_EXACT and w.shape[1] % INT4_GROUP == 0 and int4_rows_layout():
+    if (
+        w.qtype in INT5_EXACT
+        and w.shape[1] % INT4_GROUP == 0
+        and int4_rows_layout()
+        and _lows_fit_float16(w)
+    ):
         return "int5", exact_groups(w)
     rows, cols = w.shape
     q8 = torch.empty(rows, cols, dtype=torch.int8)
@@ -472,6 +482,21 @@ def packed_form(w: GGMLWeight) -> Packed:
         part = GGMLWeight(w.data[start : start + step], w.qtype, (min(step, rows - start), cols))
         q8[start : start + step], scales[start : start + step] = quantize_int8(part.dequantize())
     return "int8", (q8, scales)
+
+
+# MXFP4's E8M0 exponent bytes whose lows (-16 x 2^(e - 128)) float16 holds exactly, as the row
+# layout keeps them: scales 2^-28 to 2^11, far beyond any model's weights
+_MXFP4_FLOAT16_LOWS = range(100, 140)
+
+
+def _lows_fit_float16(w: GGMLWeight) -> bool:
+    """Whether the row layout's float16 lows hold the weight's exactly (checked for MXFP4, whose
+    lows are not float16 in the file)."""
+    if w.qtype != Q.MXFP4:
+        return True
+    exponents = w.data.contiguous().view(-1, 17)[:, 0]
+    low, high = _MXFP4_FLOAT16_LOWS.start, _MXFP4_FLOAT16_LOWS.stop
+    return bool(((exponents >= low) & (exponents < high)).all())
 
 
 def dense_packed_form(weight: torch.Tensor, mode: str) -> Packed:

@@ -158,6 +158,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if normed else None
         # under tensor parallelism: what each rank contributes to the gathers (model/sharding.py)
         self.gather = cfg.gather
+        # a logit per head in each softmax's denominator (gpt-oss)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
 
     def forward(
         self,
@@ -180,8 +182,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        sinks = None if self.sinks is None else self.sinks.float()
         out = paged_attention(
-            q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap, self.window
+            q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap, self.window, sinks
         )
         out = out.reshape(tokens, self.q_size)
         if self.gather is None:

@@ -85,6 +85,15 @@ def chat_setup(req: ChatCompletionRequest, state: ServerState, model: ServedMode
         params.skip_special_tokens = False  # call markers may be special tokens
     reasoning = REASONING_PARSERS.get(state.config.reasoning_parser or "")
     opens = False
+    if reasoning is not None and reasoning.special_markers:
+        if params.structured_outputs is not None:
+            # the answer opens with a channel header of its own, which no constraint allows
+            raise InvalidRequestError(
+                "output constraints (response_format, structured_outputs, a forced tool call) "
+                f"are not supported with --reasoning-parser {reasoning.name} yet: drop them, or "
+                "serve without the reasoning parser"
+            )
+        params.skip_special_tokens = False  # harmony's channel markers are special tokens
     if reasoning is not None:
         prompt_tail = engine.tokenizer.decode(prompt_ids[-REASONING_PROMPT_TAIL:])
         opens = reasoning.opens_reasoning(prompt_tail)

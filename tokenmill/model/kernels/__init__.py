@@ -216,6 +216,7 @@ def _decode_attention_shape(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 

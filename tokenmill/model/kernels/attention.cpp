@@ -7,7 +7,9 @@
 // takes one chunk of a sequence's context for one KV head (see `run`): scores by dot products, a
 // max-subtracted exp and the value rows summed in fp32, each row read from memory once. A float32
 // model's cache may hold float16 or bfloat16 rows, widened as they are loaded: a decode step of many
-// sequences reads the whole cache, so half the bytes make it faster.
+// sequences reads the whole cache, so half the bytes make it faster. A model with attention sinks
+// (gpt-oss) gives each query head a logit that joins its softmax denominator, added where a head's
+// chunks are merged.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -149,13 +151,16 @@ void attend_chunk(const T* q_in, const C* k_cache, const C* v_cache, const int64
 }
 
 // out = sum_c exp(top_c - M) acc_c / sum_c exp(top_c - M) total_c over one head's chunks, M their
-// largest maximum; chunks without an admitted key (total 0) are left out, zeros if all are.
+// largest maximum; chunks without an admitted key (total 0) are left out, zeros if all are. A sink
+// (where not null) adds exp(sink - M) to the denominator, M then the larger of it and the maxima.
 template <typename T>
-void merge_chunks(const float* tops, const float* totals, const float* accs, int64_t chunks, int64_t dim, T* out) {
+void merge_chunks(const float* tops, const float* totals, const float* accs, int64_t chunks, int64_t dim,
+                  const float* sink, T* out) {
   using namespace simd;
-  const float highest = *std::max_element(tops, tops + chunks);
+  float highest = *std::max_element(tops, tops + chunks);
+  if (sink) highest = std::max(highest, *sink);
   float acc[kMaxHeadDim] = {};
-  float denominator = 0.0f;
+  float denominator = sink ? std::exp(*sink - highest) : 0.0f;
   for (int64_t c = 0; c < chunks; ++c) {
     if (totals[c] == 0.0f) continue;
     const float w = std::exp(tops[c] - highest);
@@ -172,7 +177,8 @@ void merge_chunks(const float* tops, const float* totals, const float* accs, int
 // chunks' partial results are merged per (sequence, query head).
 template <typename T, typename C>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-         const at::Tensor& mask, at::Tensor& out, double scale, std::optional<double> softcap) {
+         const at::Tensor& mask, at::Tensor& out, double scale, std::optional<double> softcap,
+         const float* sinks) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), context = slots.size(1);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads, row_stride = kv_heads * dim;
   const int64_t chunks = (context + kChunk - 1) / kChunk;
@@ -221,13 +227,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
   at::parallel_for(0, batch * heads, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      merge_chunks(tops + t * chunks, totals + t * chunks, accs + t * chunks * dim, chunks, dim, op + t * dim);
+      merge_chunks(tops + t * chunks, totals + t * chunks, accs + t * chunks * dim, chunks, dim,
+                   sinks ? sinks + t % heads : nullptr, op + t * dim);
   });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& mask, double scale,
-                            std::optional<double> softcap) {
+                            std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: expected q (batch, heads, head_dim) and caches (slots, kv_heads, head_dim)");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
@@ -244,16 +251,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t context = slots.size(1);
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == batch * context,
               "decode_attention: mask must be bool with one entry per slot");
+  at::Tensor sinks_f;
+  if (sinks) {
+    TORCH_CHECK(sinks->numel() == heads, "decode_attention: sinks must have one logit per query head");
+    sinks_f = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sp = sinks ? sinks_f.data_ptr<float>() : nullptr;
   const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), mc = mask.contiguous();
   at::Tensor out = at::empty_like(qc);
   if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16, at::BFloat16>(qc, k_cache, v_cache, sc, mc, out, scale, softcap);
+    run<at::BFloat16, at::BFloat16>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
   } else if (cache_dtype == at::kHalf) {
-    run<float, c10::Half>(qc, k_cache, v_cache, sc, mc, out, scale, softcap);
+    run<float, c10::Half>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
   } else if (cache_dtype == at::kBFloat16) {
-    run<float, at::BFloat16>(qc, k_cache, v_cache, sc, mc, out, scale, softcap);
+    run<float, at::BFloat16>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
   } else {
-    run<float, float>(qc, k_cache, v_cache, sc, mc, out, scale, softcap);
+    run<float, float>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
   }
   return out;
 }
@@ -262,7 +275,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale, "
-        "float? softcap) -> Tensor");
+        "float? softcap, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_attention", &decode_attention); }
