@@ -41,9 +41,11 @@ class RopeSettings:
             return inv / torch.tensor(
                 self.scaling["short_factor"], dtype=torch.float32, device="cpu"
             )
+        if rope_type == "yarn":
+            return _yarn_inv_freq(inv, self.theta, rotary_dim, self.scaling)
         raise ValueError(
             f"unsupported rope scaling type {rope_type!r} "
-            "(supported: default, linear, llama3, longrope)"
+            "(supported: default, linear, llama3, longrope, yarn)"
         )
 
     def long_inv_freq(self, rotary_dim: int) -> tuple[torch.Tensor, int] | None:
@@ -81,6 +83,54 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, theta: float, rotary_dim: int, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by the factor), those turning more than beta_fast times kept, with a
+    linear ramp between them (as transformers computes it)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    dims = torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `factor` times the original (1 within it)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class MLASettings:
+    """Multi-head latent attention (DeepSeek-V2/V3, see model/mla.py and docs/design/mla.md).
+
+    Keys and values of every head are decompressed from one latent vector per token; the cache
+    holds that latent (kv_lora_rank wide, normalized) and the shared rope key (qk_rope_head_dim),
+    as one head of width kv_lora_rank + qk_rope_head_dim that serves as key and as value."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # the query's own low-rank compression; 0: one q_proj (V2-Lite)
+    # rope over adjacent pairs of the rope dimensions (DeepSeek's layout), not halves
+    rope_interleaved: bool = True
+
+
 @dataclass(frozen=True)
 class MoESettings:
     """A mixture-of-experts feed-forward (see model/moe.py): a router picks `top_k` of
@@ -90,16 +140,31 @@ class MoESettings:
     top_k: int
     intermediate_size: int  # of each routed expert
     # "softmax": the top-k of the softmax over all experts (Mixtral, Qwen, OLMoE);
-    # "topk_softmax": the softmax over the top-k logits (gpt-oss)
+    # "topk_softmax": the softmax over the top-k logits (gpt-oss);
+    # "sigmoid": the top-k of each expert's sigmoid (DeepSeek-V3)
     scoring: str = "softmax"
     norm_topk: bool = False  # the top-k weights divided by their sum (Mixtral, Qwen3-MoE)
     shared_intermediate_size: int = 0  # an expert every token runs (Qwen2-MoE); 0: none
     shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)
     dense_layers: tuple[int, ...] = ()  # layers with a plain MLP instead (Qwen's mlp_only_layers)
+    # grouped top-k (DeepSeek): the experts fall into num_groups equal groups, and a token picks
+    # its experts from its topk_groups best groups only, ranked by their best score (softmax) or
+    # the sum of their best two (sigmoid, as DeepSeek-V3's noaux_tc)
+    num_groups: int = 1
+    topk_groups: int = 1
+    # a per-expert bias added to the scores for choosing the experts only, not to their weights
+    # (DeepSeek-V3's e_score_correction_bias, GGUF's exp_probs_b)
+    score_bias: bool = False
+    routed_scale: float = 1.0  # the routed experts' weights are multiplied by this (DeepSeek)
 
     def __post_init__(self) -> None:
-        if self.scoring not in ("softmax", "topk_softmax"):
+        if self.scoring not in ("softmax", "topk_softmax", "sigmoid"):
             raise ValueError(f"unsupported expert scoring {self.scoring!r}")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"{self.num_experts} experts in {self.num_groups} groups, {self.topk_groups} of "
+                "them used: the groups must split the experts evenly, and at least one be used"
+            )
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(
                 f"{self.top_k} experts per token is not between 1 and the {self.num_experts} "
@@ -146,6 +211,9 @@ class ModelConfig:
     post_norm: bool = False  # norms after attention and the MLP instead of before (OLMo 2)
     residual_scale: float = 1.0  # attention and MLP outputs scaled before the residual (Granite)
     logits_scaling: float = 1.0  # logits are divided by this (Granite)
+    # multi-head latent attention (DeepSeek-V2/V3); num_kv_heads is then 1 and head_dim the
+    # cached latent's width, kv_lora_rank + qk_rope_head_dim (see model/mla.py)
+    mla: MLASettings | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -164,6 +232,11 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def kv_shared(self) -> bool:
+        """Whether the cache's values are its keys (one tensor per layer): MLA's latent."""
+        return self.mla is not None
 
     @property
     def rope_dim(self) -> int:
