@@ -62,8 +62,12 @@ VARIANTS = {
             routed_scaling_factor=1.5,
         ),
     ),
-    # V2-Lite: no query compression, ungrouped
-    "v2-lite": ("DeepseekV2Config", dict(q_lora_rank=None, n_routed_experts=6)),
+    # V2-Lite: no query compression, ungrouped; a latent head tokenmill's attention kernel does not
+    # take (72 is no multiple of 16, as DeepSeek's 576 is over its 512): the SDPA and matmul paths
+    "v2-lite": (
+        "DeepseekV2Config",
+        dict(q_lora_rank=None, n_routed_experts=6, kv_lora_rank=64, qk_rope_head_dim=8),
+    ),
     # V3: sigmoid scores with a choice bias, grouped by each group's best two, renormalized and
     # scaled; YaRN rope (with its softmax scale), interleaved rope pairs
     "v3": (
@@ -83,7 +87,7 @@ VARIANTS = {
 
 def _hf_model(variant: str) -> transformers.PreTrainedModel:
     config_class, extra = VARIANTS[variant]
-    config = getattr(transformers, config_class)(**COMMON, **extra)
+    config = getattr(transformers, config_class)(**(COMMON | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norms and choice biases; a wider router spreads the tokens
@@ -104,7 +108,8 @@ def test_hf_logits_match_transformers(variant: str, tmp_path: Path) -> None:
     hf.save_pretrained(tmp_path, safe_serialization=True)
     loaded = load_model(tmp_path, dtype="fp32", progress=False)
     cfg = loaded.config
-    assert cfg.mla is not None and (cfg.num_kv_heads, cfg.head_dim) == (1, 32 + 16)
+    latent = hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
+    assert cfg.mla is not None and (cfg.num_kv_heads, cfg.head_dim) == (1, latent)
     assert cfg.moe.dense_layers == (0,) and cfg.moe.shared_intermediate_size == 64
     assert cfg.moe.score_bias == (variant == "v3")
     _assert_matches_transformers(loaded, hf, atol=1e-4)
