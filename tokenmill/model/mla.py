@@ -12,7 +12,7 @@ keys into the output too; those columns are dropped before W_UV.
 
 Checkpoints hold the up-projections as HF's kv_b_proj (heads x (nope + v) rows of the latent) or,
 from llama.cpp's newer converter, as attn_k_b (W_UK transposed per head) and attn_v_b (W_UV);
-`up_projections` turns either into our k_up and v_up stacks.
+`up_projections` turns either into our per-head stacks k_absorb (W_UK^T) and v_up (W_UV).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class LatentAttention(nn.Module):
             self.q_proj = nn.Linear(h, heads * qk_head, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
-        # per head: the latent's key part (qk_nope_head_dim rows) and value (v_head_dim rows)
-        self.k_up = nn.Parameter(torch.empty(heads, mla.qk_nope_head_dim, mla.kv_lora_rank))
+        # per head, as (out, in) weights: W_UK^T turns q_nope into a query of the latent, and
+        # W_UV the attended latent into the head's value
+        self.k_absorb = nn.Parameter(torch.empty(heads, mla.kv_lora_rank, mla.qk_nope_head_dim))
         self.v_up = nn.Parameter(torch.empty(heads, mla.v_head_dim, mla.kv_lora_rank))
         self.o_proj = nn.Linear(heads * mla.v_head_dim, h, bias=False)
 
@@ -82,10 +83,10 @@ class LatentAttention(nn.Module):
             q_pe, k_pe = _pairs_to_halves(q_pe), _pairs_to_halves(k_pe)
         q_pe, k_pe = apply_rotary(q_pe, *rope), apply_rotary(k_pe, *rope)
         # q_nope[h] . (W_UK[h] c) = (W_UK[h]^T q_nope[h]) . c
-        query = torch.cat((_per_head(q_nope, self.k_up, transposed=True), q_pe), dim=-1)
+        query = torch.cat((_per_head(q_nope, self.k_absorb), q_pe), dim=-1)
         key = torch.cat((latent[:, None], k_pe), dim=-1)
         out = paged_attention(query, key, key, k_cache, v_cache, batch, mask, self.scale)
-        values = _per_head(out[..., : mla.kv_lora_rank], self.v_up, transposed=False)
+        values = _per_head(out[..., : mla.kv_lora_rank], self.v_up)
         return self.o_proj(values.reshape(tokens, -1))
 
 
@@ -96,18 +97,13 @@ def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def _per_head(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """x (tokens, heads, a) times each head's matrix w[h]: x[:, h] @ w[h] (w: (heads, a, b)) when
-    transposed, else x[:, h] @ w[h]^T (w: (heads, b, a)). In float32 on CPU, head by head through
-    tokenmill's dense kernel, so a token's result does not depend on its batch; else one batched
-    matmul."""
+def _per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (tokens, heads, a) through each head's (out, in) weight w[h] (w: (heads, b, a)): (tokens,
+    heads, b). In float32 on CPU head by head through tokenmill's dense kernel, so a token's result
+    does not depend on its batch; else one batched matmul."""
     if x.dtype == torch.float32 and x.device.type == "cpu":
-        rows = w.transpose(1, 2) if transposed else w
-        return torch.stack(
-            [invariant_linear(x[:, h], rows[h].contiguous()) for h in range(x.shape[1])], dim=1
-        )
-    w = w if transposed else w.transpose(1, 2)
-    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+        return torch.stack([invariant_linear(x[:, h], w[h]) for h in range(x.shape[1])], dim=1)
+    return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -117,7 +113,7 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {
         "kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, h),
         "kv_a_layernorm.weight": (mla.kv_lora_rank,),
-        "k_up": (heads, mla.qk_nope_head_dim, mla.kv_lora_rank),
+        "k_absorb": (heads, mla.kv_lora_rank, mla.qk_nope_head_dim),
         "v_up": (heads, mla.v_head_dim, mla.kv_lora_rank),
         "o_proj.weight": (h, heads * mla.v_head_dim),
     }
@@ -140,8 +136,8 @@ def up_projections(
     weights: Iterator[tuple[str, Weight]], cfg: ModelConfig
 ) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's tensors with MLA's up-projections as our per-head stacks, dense float32:
-    k_up (heads, qk_nope, kv_lora_rank) and v_up (heads, v_head_dim, kv_lora_rank), from HF's
-    kv_b_proj or from GGUF's attn_k_b (heads, kv_lora_rank, qk_nope) and attn_v_b."""
+    k_absorb (heads, kv_lora_rank, qk_nope) and v_up (heads, v_head_dim, kv_lora_rank), from HF's
+    kv_b_proj or from GGUF's attn_k_b (k_absorb's layout) and attn_v_b (v_up's)."""
     for name, tensor in weights:
         m = _UP.fullmatch(name)
         if m is None or cfg.mla is None:
@@ -155,9 +151,7 @@ def up_projections(
         if kind == "kv_b_proj":
             per_head = dense.reshape(cfg.num_heads, -1, mla.kv_lora_rank)
             k_up, v_up = per_head.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
-            yield f"{prefix}.k_up", k_up.contiguous()
+            yield f"{prefix}.k_absorb", k_up.transpose(1, 2).contiguous()
             yield f"{prefix}.v_up", v_up.contiguous()
-        elif kind == "k_b_proj":
-            yield f"{prefix}.k_up", dense.transpose(1, 2).contiguous()
         else:
-            yield f"{prefix}.v_up", dense
+            yield f"{prefix}.{'k_absorb' if kind == 'k_b_proj' else 'v_up'}", dense
