@@ -38,7 +38,12 @@ def blocks_for_budget(
     config = loaded.config
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, loaded.dtype, loaded.model.device.type)
     per_block = KVCache.bytes_per_block(
-        config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype
+        config.num_layers,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        shared_kv=config.kv_shared,
     )
     if budget < per_block:
         raise InvalidRequestError(
@@ -68,7 +73,7 @@ class KVWarmer:
     def _warm_units(cache: KVCache, pool: BlockPool) -> Iterator[bool]:
         if cache.k[0].device.type != "cpu":  # device memory is resident once allocated
             return
-        blocks, tensors = pool.blocks, cache.k + cache.v
+        blocks, tensors = pool.blocks, cache.tensors
         block_bytes = tensors[0][: cache.block_size].nbytes
         span = max(1, KV_WARM_BYTES // block_bytes)
         ahead = KV_WARM_AHEAD // (len(tensors) * block_bytes)

@@ -94,6 +94,7 @@ class ModelRunner:
             cfg.head_dim,
             dtype=resolve_kv_cache_dtype(kv_cache_dtype, loaded.dtype, device.type),
             device=device,
+            shared_kv=cfg.kv_shared,
         )
         # by batch size: 1, and 2 for 2 or more
         self._compiled_decode: dict[int, AOTCompiledFunction] | None = None

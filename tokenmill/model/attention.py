@@ -81,6 +81,9 @@ class KVCache:
     all the memory at once): every slot a sequence reads was written first. The one extra slot,
     `pad_slot`, is zero and never written; padded context positions point at it, so garbage
     (possibly NaN) can never leak into attention through a masked position.
+
+    shared_kv: the values are the keys, `v[layer] is k[layer]` (multi-head latent attention caches
+    one latent per token that serves as both, see model/mla.py): half the memory.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        shared_kv: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -100,17 +104,27 @@ class KVCache:
         # cache in place, which it can only do without copying for a tensor that is not a view.
         shape = (self.pad_slot + 1, num_kv_heads, head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = (
+            self.k
+            if shared_kv
+            else [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        )
         self.zero_pad_slot()
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the pool once: the keys and the values, or the keys alone where the
+        values are the keys."""
+        return self.k if self.v is self.k else self.k + self.v
 
     def zero_pad_slot(self) -> None:
         """(Re)zero the pad slot, e.g. after a warm-up step that wrote its K/V there."""
-        for t in self.k + self.v:
+        for t in self.tensors:
             t[self.pad_slot].zero_()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
+        return sum(t.nbytes for t in self.tensors)
 
     def zero_blocks(self, tensor: torch.Tensor, first_block: int, end_block: int) -> None:
         """Zero blocks [first_block, end_block) of one of the pool's tensors (`k[i]` or `v[i]`)."""
@@ -118,9 +132,17 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        shared_kv: bool = False,
     ) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        per_tensor = (
+            num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        )
+        return per_tensor if shared_kv else 2 * per_tensor
 
 
 @dataclass

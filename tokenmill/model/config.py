@@ -121,13 +121,32 @@ def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
     """YaRN's scaling of cos and sin where the config does not give it: 0.1 ln(factor) + 1, or
     the ratio of two such terms where `mscale` and `mscale_all_dim` are given (DeepSeek)."""
     factor = float(scaling["factor"])
-
-    def mscale(weight: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
-
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
-    return mscale()
+        mscale, mscale_all = float(scaling["mscale"]), float(scaling["mscale_all_dim"])
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `factor` times the original (1 within it)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class MLASettings:
+    """Multi-head latent attention (DeepSeek-V2/V3, see model/mla.py and docs/design/mla.md).
+
+    Keys and values of every head are decompressed from one latent vector per token; the cache
+    holds that latent (kv_lora_rank wide, normalized) and the shared rope key (qk_rope_head_dim),
+    as one head of width kv_lora_rank + qk_rope_head_dim that serves as key and as value."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # the query's own low-rank compression; 0: one q_proj (V2-Lite)
+    # rope over adjacent pairs of the rope dimensions (DeepSeek's layout), not halves
+    rope_interleaved: bool = True
 
 
 @dataclass(frozen=True)
@@ -139,7 +158,8 @@ class MoESettings:
     top_k: int
     intermediate_size: int  # of each routed expert
     # "softmax": the top-k of the softmax over all experts (Mixtral, Qwen, OLMoE);
-    # "topk_softmax": the softmax over the top-k logits (gpt-oss)
+    # "topk_softmax": the softmax over the top-k logits (gpt-oss);
+    # "sigmoid": the top-k of each expert's sigmoid (DeepSeek-V3)
     scoring: str = "softmax"
     norm_topk: bool = False  # the top-k weights divided by their sum (Mixtral, Qwen3-MoE)
     shared_intermediate_size: int = 0  # an expert every token runs (Qwen2-MoE); 0: none
@@ -151,10 +171,24 @@ class MoESettings:
     # g = min(gate, limit), instead of the family's activation; None: the plain gated MLP
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # grouped top-k (DeepSeek): the experts fall into num_groups equal groups, and a token picks
+    # its experts from its topk_groups best groups only, ranked by their best score (softmax) or
+    # the sum of their best two (sigmoid, as DeepSeek-V3's noaux_tc)
+    num_groups: int = 1
+    topk_groups: int = 1
+    # a per-expert bias added to the scores for choosing the experts only, not to their weights
+    # (DeepSeek-V3's e_score_correction_bias, GGUF's exp_probs_b)
+    score_bias: bool = False
+    routed_scale: float = 1.0  # the routed experts' weights are multiplied by this (DeepSeek)
 
     def __post_init__(self) -> None:
-        if self.scoring not in ("softmax", "topk_softmax"):
+        if self.scoring not in ("softmax", "topk_softmax", "sigmoid"):
             raise ValueError(f"unsupported expert scoring {self.scoring!r}")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"{self.num_experts} experts in {self.num_groups} groups, {self.topk_groups} of "
+                "them used: the groups must split the experts evenly, and at least one be used"
+            )
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(
                 f"{self.top_k} experts per token is not between 1 and the {self.num_experts} "
@@ -213,6 +247,9 @@ class ModelConfig:
     residual_scale: float = 1.0  # attention and MLP outputs scaled before the residual (Granite)
     logits_scaling: float = 1.0  # logits are divided by this (Granite)
     attention_sinks: bool = False  # a learned logit per head joins each softmax (gpt-oss)
+    # multi-head latent attention (DeepSeek-V2/V3); num_kv_heads is then 1 and head_dim the
+    # cached latent's width, kv_lora_rank + qk_rope_head_dim (see model/mla.py)
+    mla: MLASettings | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -231,6 +268,11 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def kv_shared(self) -> bool:
+        """Whether the cache's values are its keys (one tensor per layer): MLA's latent."""
+        return self.mla is not None
 
     @property
     def rope_dim(self) -> int:

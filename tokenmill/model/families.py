@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -10,9 +11,11 @@ from typing import Any
 from tokenmill.model.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
+    MLASettings,
     ModelConfig,
     MoESettings,
     RopeSettings,
+    yarn_mscale,
 )
 from tokenmill.model.encoder import ENCODER_MODEL_TYPES
 
@@ -71,6 +74,8 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family(qk_norm=True, post_norm=True, qk_norm_whole=True),
     "granite": Family(gguf_permuted_qk=True),
     "gpt-oss": Family(gpt_oss=True, sliding_pattern=2, gguf_yarn_truncate=False),
+    # DeepSeek-V2 and V3 (llama.cpp's "deepseek2"): latent attention, see model/mla.py
+    "deepseek2": Family(),
 }
 
 # Families tokenmill knows but does not run yet, and why (docs/design/newer-families.md)
@@ -119,6 +124,8 @@ HF_MODEL_TYPES = {
     "olmo2": "olmo2",
     "granite": "granite",
     "gpt_oss": "gpt-oss",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
 }
 
 
@@ -182,14 +189,17 @@ def config_from_hf(hf: Any) -> ModelConfig:
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
     if getattr(hf, "clip_qkv", None) is not None:
         raise ValueError("clip_qkv (clamped q/k/v projections) is not supported")
-    return ModelConfig(
+    config = ModelConfig(
         architecture=name,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        # DeepSeek's latent attention caches one head (`_hf_deepseek`)
+        num_kv_heads=1
+        if name == "deepseek2"
+        else getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
@@ -217,6 +227,73 @@ def config_from_hf(hf: Any) -> ModelConfig:
         logits_scaling=float(getattr(hf, "logits_scaling", None) or 1.0),
         attention_sinks=fam.gpt_oss,
     )
+    return _hf_deepseek(hf, config) if name == "deepseek2" else config
+
+
+def _hf_deepseek(hf: Any, cfg: ModelConfig) -> ModelConfig:
+    """DeepSeek-V2/V3: latent attention (as one cached KV head, see model/mla.py), YaRN's
+    softmax scale, and their routing: V2 softmax scores, grouped by each group's best expert
+    where topk_method says so; V3 sigmoid scores with a bias for choosing, grouped by each
+    group's best two."""
+    if hf.attention_bias:
+        raise ValueError("DeepSeek attention with biases (attention_bias) is not supported")
+    rope = hf.qk_rope_head_dim
+    mla = MLASettings(
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=rope,
+        v_head_dim=hf.v_head_dim,
+        q_lora_rank=hf.q_lora_rank or 0,
+        rope_interleaved=bool(getattr(hf, "rope_interleave", True)),  # V2's is always
+    )
+    rope_settings, mscale = _yarn_factor(cfg.rope, hf.max_position_embeddings)
+    v3 = hf.model_type == "deepseek_v3"
+    grouped = v3 or hf.topk_method == "group_limited_greedy"
+    moe = MoESettings(
+        num_experts=hf.n_routed_experts,
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=hf.moe_intermediate_size,
+        scoring="sigmoid" if v3 else "softmax",
+        norm_topk=bool(hf.norm_topk_prob),
+        shared_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0),
+        dense_layers=tuple(range(hf.first_k_dense_replace or 0)),
+        num_groups=(hf.n_group or 1) if grouped else 1,
+        topk_groups=(hf.topk_group or 1) if grouped else 1,
+        score_bias=v3,
+        routed_scale=float(hf.routed_scaling_factor),
+    )
+    return _with_mla(cfg, mla, rope_settings, mscale, moe)
+
+
+def _with_mla(
+    cfg: ModelConfig, mla: MLASettings, rope: RopeSettings, mscale: float, moe: MoESettings | None
+) -> ModelConfig:
+    """cfg with latent attention: one cached KV head as wide as the latent and the rope key."""
+    return dataclasses.replace(
+        cfg,
+        num_kv_heads=1,
+        head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim,
+        rotary_dim=mla.qk_rope_head_dim,
+        rope=rope,
+        attn_scale=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5 * mscale**2,
+        moe=moe,
+        mla=mla,
+    )
+
+
+def _yarn_factor(rope: RopeSettings, max_positions: int) -> tuple[RopeSettings, float]:
+    """YaRN with its factor filled in where the config leaves it to the context length, and the
+    factor whose square scales DeepSeek's softmax (1 without YaRN), from mscale_all_dim as
+    transformers computes it (`RopeSettings.attention_factor` scales cos and sin)."""
+    scaling = rope.scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return rope, 1.0
+    factor = float(
+        scaling.get("factor") or max_positions / scaling["original_max_position_embeddings"]
+    )
+    mscale_all = scaling.get("mscale_all_dim")
+    softmax_mscale = yarn_mscale(factor, mscale_all) if mscale_all else 1.0
+    return RopeSettings(theta=rope.theta, scaling=scaling | {"factor": factor}), softmax_mscale
 
 
 def _hf_moe(hf: Any, fam: Family) -> MoESettings | None:
@@ -354,6 +431,8 @@ _HF_MOE_NAMES = [
     (r"^block_sparse_moe\.", "mlp."),  # Mixtral
     (r"^mlp\.gate\.", "mlp.router."),
     (r"^mlp\.shared_expert_gate\.", "mlp.shared_gate."),
+    (r"^mlp\.shared_experts\.", "mlp.shared_expert."),  # DeepSeek
+    (r"^mlp\.router\.e_score_correction_bias$", "mlp.score_bias"),  # DeepSeek-V3
     (r"^(mlp\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
     (r"^(mlp\.experts\.\d+)\.w3\.", r"\1.up_proj."),
     (r"^(mlp\.experts\.\d+)\.w2\.", r"\1.down_proj."),
@@ -433,7 +512,7 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     # llama.cpp's fixed NoPE step (SmolLM3): no GGUF key gives it
     every = fam.no_rope_every
     no_rope = tuple(i for i in range(num_layers) if every and (i + 1) % every == 0)
-    return ModelConfig(
+    config = ModelConfig(
         architecture=str(arch),
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -472,6 +551,69 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
         logits_scaling=float(md.get(f"{arch}.logit_scale", 1.0)),
         attention_sinks=fam.gpt_oss,
     )
+    return _gguf_deepseek(md, config, tensor_names, source) if arch == "deepseek2" else config
+
+
+# llama.cpp's expert_gating_func values
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def _gguf_deepseek(
+    md: dict[str, Any], cfg: ModelConfig, tensor_names: set[str], source: str
+) -> ModelConfig:
+    """DeepSeek-V2/V3 as llama.cpp's converter writes them: the attention's sizes in
+    attention.kv_lora_rank, q_lora_rank, key_length_mla and value_length_mla (older files: the
+    per-head key_length and value_length), YaRN in rope.scaling.*, whose yarn_log_multiplier is
+    0.1 x mscale_all_dim, and the routing in expert_gating_func (softmax where absent, as
+    llama.cpp reads it), expert_group_count, expert_group_used_count, expert_weights_scale and the
+    exp_probs_b biases."""
+    arch = "deepseek2"
+
+    def key(suffix: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{suffix}", default)
+        if value is None:
+            raise ValueError(f"{source}: missing metadata key {arch}.{suffix}")
+        return value
+
+    rope = int(key("rope.dimension_count"))
+    suffix = "_mla" if f"{arch}.attention.key_length_mla" in md else ""
+    key_length = key(f"attention.key_length{suffix}")
+    value_length = key(f"attention.value_length{suffix}")
+    mla = MLASettings(
+        kv_lora_rank=int(key("attention.kv_lora_rank")),
+        qk_nope_head_dim=int(key_length) - rope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(value_length),
+        q_lora_rank=int(md.get(f"{arch}.attention.q_lora_rank", 0)),
+    )
+    rope_settings, mscale = cfg.rope, 1.0
+    if md.get(f"{arch}.rope.scaling.type") == "yarn":
+        factor = float(key("rope.scaling.factor"))
+        scaling = {
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "beta_fast": float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+            "attention_factor": 1.0,  # mscale equals mscale_all_dim, as llama.cpp takes it
+        }
+        rope_settings = RopeSettings(theta=cfg.rope.theta, scaling=scaling)
+        log_mul = float(md.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0))
+        mscale = 1.0 + log_mul * math.log(factor) if factor > 1 else 1.0
+    gating = int(md.get(f"{arch}.expert_gating_func", 1))
+    if gating not in _GGUF_GATING:
+        raise ValueError(f"{source}: unsupported {arch}.expert_gating_func {gating}")
+    moe = cfg.moe and dataclasses.replace(
+        cfg.moe,
+        scoring=_GGUF_GATING[gating],
+        norm_topk=bool(md.get(f"{arch}.expert_weights_norm", False)),
+        dense_layers=tuple(range(int(md.get(f"{arch}.leading_dense_block_count", 0)))),
+        num_groups=int(md.get(f"{arch}.expert_group_count", 1)),
+        topk_groups=int(md.get(f"{arch}.expert_group_used_count", 1)),
+        score_bias=any(name.endswith(".exp_probs_b.bias") for name in tensor_names),
+        routed_scale=float(md.get(f"{arch}.expert_weights_scale", 1.0)),
+    )
+    return _with_mla(cfg, mla, rope_settings, mscale, moe)
 
 
 def _gguf_yarn(md: dict[str, Any], arch: str, fam: Family) -> dict[str, Any]:
@@ -500,6 +642,9 @@ def _gguf_moe(
     if not used:
         raise ValueError(f"{source}: missing metadata key {arch}.expert_used_count")
     shared = int(md.get(f"{arch}.expert_shared_feed_forward_length", 0))
+    if not shared:  # DeepSeek's files give the count of shared experts as wide as the routed
+        width = int(md.get(f"{arch}.expert_feed_forward_length", ffn))
+        shared = int(md.get(f"{arch}.expert_shared_count", 0)) * width
     if "blk.0.ffn_up_shexp.weight" in tensor_names and not shared:
         raise ValueError(
             f"{source}: a shared expert without {arch}.expert_shared_feed_forward_length"
@@ -565,6 +710,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_gate",
+    # DeepSeek's latent attention (see model/mla.py)
+    "attn_q_a": "attn.q_a_proj",
+    "attn_q_a_norm": "attn.q_a_layernorm",
+    "attn_q_b": "attn.q_b_proj",
+    "attn_kv_a_mqa": "attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "attn.kv_a_layernorm",
+    "attn_kv_b": "attn.kv_b_proj",
+    "attn_k_b": "attn.k_b_proj",
+    "attn_v_b": "attn.v_b_proj",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
 
@@ -587,6 +741,8 @@ def gguf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
         ours = "ffn_norm"  # gpt-oss's name for the norm before the feed-forward
     if kind == "attn_qkv":
         ours = "attn.qkv_proj"
+    elif kind == "exp_probs_b":  # DeepSeek-V3's expert choice bias, a vector of its own
+        return f"layers.{m.group(1)}.mlp.score_bias"
     elif kind == "ffn_up" and FAMILIES[cfg.architecture].fused_gate_up:
         ours = "mlp.gate_up_proj"  # llama.cpp's Phi-3 keeps gate and up in one tensor
     return None if ours is None else f"layers.{m.group(1)}.{ours}.{suffix}"

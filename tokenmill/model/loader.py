@@ -13,7 +13,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.errors import ModelFileError
-from tokenmill.model import families, moe
+from tokenmill.model import families, mla, moe
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.dense_linear import DenseLinear, invariant_kernel_builds
 from tokenmill.model.gguf_file import GGUFFile
@@ -147,10 +147,13 @@ def load_model(
             f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})"
         )
     config, weights, tokenizer = _open(path)
-    if shard is not None and (config.moe is not None or config.qk_norm_whole):
+    if shard is not None and (
+        config.moe is not None or config.qk_norm_whole or config.mla is not None
+    ):
         raise ValueError(
             f"tensor parallelism does not split {config.architecture} models yet (mixture-of-"
-            "experts layers, or q/k norms over all heads); run them with --tensor-parallel-size 1"
+            "experts layers, q/k norms over all heads, or latent attention); run them with "
+            "--tensor-parallel-size 1"
         )
     if quantization == "auto":
         quantization = "none" if path.is_dir() else "gguf"
@@ -248,6 +251,9 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer |= {f"mlp.{k}": v for k, v in moe.layer_shapes(cfg).items()}
         if cfg.sandwich_norm or cfg.post_norm:
             layer |= {"attn_post_norm.weight": (h,), "ffn_post_norm.weight": (h,)}
+        if cfg.mla is not None:
+            layer = {k: v for k, v in layer.items() if not k.startswith("attn.")}
+            layer |= {f"attn.{k}": v for k, v in mla.layer_shapes(cfg).items()}
         shapes |= {f"layers.{i}.{k}": v for k, v in layer.items()}
     return shapes
 
@@ -277,7 +283,9 @@ class _Builder:
         expected = checkpoint_shapes(self.config)
         state: dict[str, Weight] = {}
         for name, tensor in tqdm(
-            moe.expert_tensors(_split_fused(weights, self.config, self.path)),
+            mla.up_projections(
+                moe.expert_tensors(_split_fused(weights, self.config, self.path)), self.config
+            ),
             desc=f"loading {self.path.name}",
             total=len(expected),
             unit="tensor",
@@ -306,6 +314,8 @@ class _Builder:
             for target, parts in FUSED.items():
                 if target.startswith("mlp.") and config.layer_is_moe(i):
                     continue
+                if target == "attn.qkv_proj" and config.mla is not None:
+                    continue  # latent attention's projections (`_build_mla`)
                 ws = [state.pop(f"layers.{i}.{p}.weight") for p in parts]
                 bs = [state.pop(f"layers.{i}.{p}.bias", None) for p in parts]
                 if lay is not None:
@@ -315,6 +325,8 @@ class _Builder:
                 setattr(getattr(layer, owner), attr, self.linear(ws, bs, x_block))
             if config.layer_is_moe(i):
                 self._build_moe(f"layers.{i}.mlp", layer.mlp, state)
+            if config.mla is not None:
+                self._build_mla(f"layers.{i}.attn", layer.attn, state)
         embed = state.pop("embed.weight")
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
@@ -364,6 +376,18 @@ class _Builder:
         if block.shared_gate is not None:
             weight = state.pop(f"{prefix}.shared_gate.weight")
             block.shared_gate = self.linear([weight], [None], COARSE_X_BLOCK, packed=False)
+        if block.score_bias is not None:  # float32, as the scores it is added to
+            bias = _dense(state.pop(f"{prefix}.score_bias"), torch.float32)
+            block.score_bias = nn.Parameter(bias, requires_grad=False)
+
+    def _build_mla(self, prefix: str, attn: mla.LatentAttention, state: dict[str, Weight]) -> None:
+        """The projections of a latent attention layer, packed or dense as any other; its norms and
+        per-head up-projections (dense) load with the rest of the state."""
+        names = ["q_a_proj", "q_b_proj"] if attn.settings.q_lora_rank else ["q_proj"]
+        for name in [*names, "kv_a_proj_with_mqa"]:
+            weight = state.pop(f"{prefix}.{name}.weight")
+            layer = self.linear([weight], [None], COARSE_X_BLOCK)
+            setattr(attn, name, layer)
 
     def _build_mlp(self, prefix: str, mlp: nn.Module, state: dict[str, Weight]) -> None:
         gate, up, down = (f"{prefix}.{p}" for p in ("gate_proj", "up_proj", "down_proj"))

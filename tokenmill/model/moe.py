@@ -52,9 +52,15 @@ class MoE(nn.Module):
         shared = moe.shared_intermediate_size
         self.shared_expert = make_mlp(shared) if shared else None
         self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if moe.shared_gate else None
+        # added to the scores to choose the experts (DeepSeek-V3), float32 as the scores
+        self.score_bias = (
+            nn.Parameter(torch.empty(moe.num_experts), requires_grad=False)
+            if moe.score_bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.router(x), self.settings)
+        weights, experts = route(self.router(x), self.settings, self.score_bias)
         out = run_experts(x, weights, experts, self.experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -82,18 +88,45 @@ class ClampedSwiGLU(nn.Module):
         return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
-def route(logits: torch.Tensor, settings: MoESettings) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, settings: MoESettings, score_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's expert weights (tokens, top_k) in float32 and expert ids (tokens, top_k),
-    from the router's logits (tokens, experts), as the family scores them."""
+    from the router's logits (tokens, experts), as the family scores them; score_bias: added to
+    the scores to choose the experts, not to their weights."""
     logits = logits.float()
-    if settings.scoring == "softmax":
-        weights, experts = logits.softmax(dim=-1).topk(settings.top_k, dim=-1)
-    else:  # "topk_softmax"
+    if settings.scoring == "topk_softmax":
         top, experts = logits.topk(settings.top_k, dim=-1)
         weights = top.softmax(dim=-1)
+    else:
+        scores = logits.softmax(dim=-1) if settings.scoring == "softmax" else logits.sigmoid()
+        choice = scores if score_bias is None else scores + score_bias.float()
+        if settings.topk_groups < settings.num_groups:
+            choice = _best_groups_only(choice, settings)
+        if choice is scores:
+            weights, experts = scores.topk(settings.top_k, dim=-1)
+        else:
+            experts = choice.topk(settings.top_k, dim=-1).indices
+            weights = scores.gather(1, experts)
     if settings.norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if settings.routed_scale != 1.0:
+        weights = weights * settings.routed_scale
     return weights, experts
+
+
+def _best_groups_only(choice: torch.Tensor, settings: MoESettings) -> torch.Tensor:
+    """The choice scores with every expert outside each token's `topk_groups` best groups at
+    -inf: groups ranked by their best score, or by the sum of their best two for sigmoid scores
+    (DeepSeek-V2's group_limited_greedy and V3's noaux_tc)."""
+    groups = choice.view(choice.shape[0], settings.num_groups, -1)
+    if settings.scoring == "sigmoid":
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = groups.amax(dim=-1)
+    best = group_scores.topk(settings.topk_groups, dim=-1).indices
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return groups.masked_fill(~kept[:, :, None], float("-inf")).view_as(choice)
 
 
 def run_experts(
@@ -143,6 +176,8 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= _mlp_shapes("shared_expert", h, moe.shared_intermediate_size)
     if moe.shared_gate:
         shapes["shared_gate.weight"] = (1, h)
+    if moe.score_bias:
+        shapes["score_bias"] = (moe.num_experts,)
     return shapes
 
 

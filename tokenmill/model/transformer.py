@@ -245,7 +245,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         pre, post = not cfg.post_norm, cfg.sandwich_norm or cfg.post_norm
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
-        self.attn = Attention(cfg, layer)
+        if cfg.mla is not None:
+            # imported here: model/mla.py builds on this module's norm and rotary embedding
+            from tokenmill.model.mla import LatentAttention
+
+            self.attn = LatentAttention(cfg, layer)
+        else:
+            self.attn = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
         self.mlp = MoE(cfg, lambda width: MLP(cfg, width)) if cfg.layer_is_moe(layer) else MLP(cfg)
         self.attn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
