@@ -38,7 +38,12 @@ def blocks_for_budget(
     config = loaded.config
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, loaded.dtype, loaded.model.device.type)
     per_block = KVCache.bytes_per_block(
-        config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype
+        config.num_layers,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        shapes=config.kv_cache_shapes(),  # each layer's own, none for layers sharing a cache
     )
     if budget < per_block:
         raise InvalidRequestError(
@@ -69,9 +74,9 @@ class KVWarmer:
         if cache.k[0].device.type != "cpu":  # device memory is resident once allocated
             return
         blocks, tensors = pool.blocks, cache.k + cache.v
-        block_bytes = tensors[0][: cache.block_size].nbytes
-        span = max(1, KV_WARM_BYTES // block_bytes)
-        ahead = KV_WARM_AHEAD // (len(tensors) * block_bytes)
+        block_bytes = [t[: cache.block_size].nbytes for t in tensors]  # layers may differ
+        span = max(1, KV_WARM_BYTES // max(block_bytes))
+        ahead = KV_WARM_AHEAD // sum(block_bytes)
         for first in range(0, len(blocks), span):
             while first >= pool.used_end + ahead:
                 yield False

@@ -64,6 +64,14 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family(gguf_permuted_qk=True, no_rope_every=4),
     "olmo2": Family(qk_norm=True, post_norm=True, qk_norm_whole=True),
     "granite": Family(gguf_permuted_qk=True),
+    # layers of two shapes, KV shared between layers, per-layer inputs (see _hf_gemma4)
+    "gemma4": Family(
+        hidden_act="gelu_tanh",
+        qk_norm=True,
+        sandwich_norm=True,
+        scaled_embeddings=True,
+        sliding_pattern=6,
+    ),
 }
 
 # Families tokenmill knows but does not run yet, and why (docs/design/newer-families.md)
@@ -71,9 +79,10 @@ _LINEAR_ATTENTION = (
     "its linear-attention (Gated DeltaNet) layers keep a recurrent state per request, which "
     "tokenmill's paged KV cache does not hold yet; run a model whose layers all attend instead"
 )
-_GEMMA4 = (
-    "Gemma 4's per-layer input embeddings, KV shared between layers and per-layer head and MLP "
-    "widths are not implemented yet; run Gemma 3 instead"
+_GEMMA4_MOE = (
+    "Gemma 4's mixture-of-experts block (26B-A4B: a dense MLP beside routed experts, each with "
+    "norms of its own, and a normed, scaled router) is not implemented yet; run a dense Gemma 4 "
+    "(E2B, E4B, 31B) instead"
 )
 _SEE = " (see docs/design/newer-families.md)"
 UNSUPPORTED_HF_MODEL_TYPES = {
@@ -83,7 +92,6 @@ UNSUPPORTED_HF_MODEL_TYPES = {
             _LINEAR_ATTENTION,
             ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
         ),
-        (_GEMMA4, ("gemma4", "gemma4_text")),
     )
     for model_type in model_types
 }
@@ -91,7 +99,6 @@ UNSUPPORTED_GGUF_ARCHITECTURES = {
     "qwen3next": _LINEAR_ATTENTION + _SEE,
     "qwen35": _LINEAR_ATTENTION + _SEE,
     "qwen35moe": _LINEAR_ATTENTION + _SEE,
-    "gemma4": _GEMMA4 + _SEE,
 }
 
 # HF `model_type` -> family name
@@ -111,6 +118,7 @@ HF_MODEL_TYPES = {
     "smollm3": "smollm3",
     "olmo2": "olmo2",
     "granite": "granite",
+    "gemma4_text": "gemma4",
 }
 
 
@@ -151,7 +159,9 @@ def config_from_hf(hf: Any) -> ModelConfig:
         )
     name = HF_MODEL_TYPES[model_type]
     fam = FAMILIES[name]
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    # Gemma 4's head width and KV heads differ by layer: its config gives them per layer only
+    first = hf.per_layer_config[0] if name == "gemma4" else hf
+    head_dim = getattr(first, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope, rope_local = _hf_rope(hf)
     rope = _longrope_factor(rope, hf.max_position_embeddings)
     attention_bias = bool(getattr(hf, "attention_bias", False)) or fam.qkv_bias
@@ -174,6 +184,9 @@ def config_from_hf(hf: Any) -> ModelConfig:
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
     if getattr(hf, "clip_qkv", None) is not None:
         raise ValueError("clip_qkv (clamped q/k/v projections) is not supported")
+    gemma4 = _hf_gemma4(hf) if name == "gemma4" else {}
+    if gemma4:
+        attn_scale = 1.0
     return ModelConfig(
         architecture=name,
         vocab_size=hf.vocab_size,
@@ -181,7 +194,7 @@ def config_from_hf(hf: Any) -> ModelConfig:
         intermediate_size=hf.intermediate_size,
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        num_kv_heads=getattr(first, "num_key_value_heads", None) or hf.num_attention_heads,
         head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
@@ -207,6 +220,45 @@ def config_from_hf(hf: Any) -> ModelConfig:
         qk_norm_whole=fam.qk_norm_whole,
         residual_scale=float(getattr(hf, "residual_multiplier", None) or 1.0),
         logits_scaling=float(getattr(hf, "logits_scaling", None) or 1.0),
+        **gemma4,
+    )
+
+
+def _hf_gemma4(hf: Any) -> dict[str, Any]:
+    """Gemma 4's layer options (`ModelConfig`) from its text config; refuses what is not
+    implemented."""
+    if getattr(hf, "enable_moe_block", False):
+        raise ValueError(f"model_type {hf.model_type!r} is not supported: {_GEMMA4_MOE}{_SEE}")
+    if getattr(hf, "use_bidirectional_attention", None) == "all":
+        raise ValueError(
+            "bidirectional attention (use_bidirectional_attention='all') is not "
+            "supported: tokenmill's decoder attends causally"
+        )
+    layers = range(hf.num_hidden_layers)
+    per_layer = [hf.per_layer_config[i] for i in layers]
+    width = hf.hidden_size_per_layer_input or 0
+    if width and hf.vocab_size_per_layer_input != hf.vocab_size:
+        raise ValueError(
+            f"a per-layer input vocabulary of {hf.vocab_size_per_layer_input} tokens for "
+            f"{hf.vocab_size} tokens is not supported"
+        )
+    shared = hf.num_kv_shared_layers
+    wide = hf.use_double_wide_mlp
+    return dict(
+        layer_head_dims=tuple(c.head_dim for c in per_layer),
+        layer_kv_heads=tuple(c.num_key_value_heads for c in per_layer),
+        layer_intermediate_sizes=tuple(
+            hf.intermediate_size * (2 if wide and i >= len(layers) - shared else 1) for i in layers
+        ),
+        kv_shared_layers=shared,
+        k_as_v_layers=tuple(
+            i
+            for i in layers[: len(layers) - shared]  # layers with keys of their own
+            if hf.attention_k_eq_v and hf.layer_types[i] == FULL_ATTENTION
+        ),
+        value_norm=True,
+        layer_scalars=True,
+        per_layer_input_size=width,
     )
 
 
@@ -295,11 +347,15 @@ def hf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
         return "embed.weight"
     if name in ("norm.weight", "lm_head.weight"):
         return name
+    if name in _HF_PER_LAYER_NAMES:
+        return _HF_PER_LAYER_NAMES[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if not m:
         return None
     layer, rest = m.groups()
     rest = rest.replace("self_attn.", "attn.")
+    for theirs, ours in _HF_LAYER_INPUT_NAMES.items():
+        rest = rest.replace(theirs, ours)
     norms = {"input_layernorm": "attn_norm"}
     if cfg.sandwich_norm or cfg.post_norm:
         norms |= {
@@ -315,6 +371,18 @@ def hf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
         rest = re.sub(pattern, replacement, rest)
     return f"layers.{layer}.{rest}"
 
+
+# Gemma 4's per-layer inputs: HF names -> ours
+_HF_PER_LAYER_NAMES = {
+    "embed_tokens_per_layer.weight": "per_layer_embed.weight",
+    "per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+_HF_LAYER_INPUT_NAMES = {
+    "per_layer_input_gate.": "per_layer_gate.",
+    "per_layer_projection.": "per_layer_proj.",
+    "post_per_layer_input_norm.": "per_layer_norm.",
+}
 
 # HF mixture-of-experts names -> ours (see model/moe.py), applied in order
 _HF_MOE_NAMES = [
@@ -352,7 +420,7 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
     kv_heads = key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):
+    if isinstance(kv_heads, list) and arch != "gemma4":  # Gemma 4's: see _gguf_gemma4
         # per-layer lists are allowed by the format; we need them uniform
         if len(set(kv_heads)) != 1:
             raise ValueError(f"{source}: per-layer KV head counts are not supported")
@@ -390,10 +458,16 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     attn_scale = md.get(f"{arch}.attention.scale")  # Granite
     if arch in ("gemma2", "gemma3"):
         attn_scale = head_dim**-0.5  # query_pre_attn_scalar equals head_dim for released sizes
+    gemma4 = (
+        _gguf_gemma4(md, num_layers, layer_types, tensor_names, source) if arch == "gemma4" else {}
+    )
+    if gemma4:
+        attn_scale, rotary_dim = 1.0, None
+        head_dim, kv_heads = gemma4["layer_head_dims"][0], gemma4["layer_kv_heads"][0]
     embed_scale = float(md.get(f"{arch}.embedding_scale", 1.0))  # Granite
     if fam.scaled_embeddings:
         embed_scale = math.sqrt(hidden)
-    rotary_dim = md.get(f"{arch}.rope.dimension_count")
+    rotary_dim = None if gemma4 else md.get(f"{arch}.rope.dimension_count")
     # llama.cpp's fixed NoPE step (SmolLM3): no GGUF key gives it
     every = fam.no_rope_every
     no_rope = tuple(i for i in range(num_layers) if every and (i + 1) % every == 0)
@@ -434,6 +508,39 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
         qk_norm_whole=fam.qk_norm_whole,
         residual_scale=float(md.get(f"{arch}.residual_scale", 1.0)),
         logits_scaling=float(md.get(f"{arch}.logit_scale", 1.0)),
+        **gemma4,
+    )
+
+
+def _gguf_gemma4(
+    md: dict[str, Any], num_layers: int, layer_types: list[str], names: set[str], source: str
+) -> dict[str, Any]:
+    """Gemma 4's layer options (`ModelConfig`) as llama.cpp's converter writes them: head widths
+    of global and sliding layers (`key_length`, `key_length_swa`), per-layer KV head counts and
+    MLP widths, values from the keys' projection where a layer has no `attn_v`."""
+    if md.get("gemma4.expert_count"):
+        raise ValueError(f"architecture 'gemma4' in {source} is not supported: {_GEMMA4_MOE}{_SEE}")
+    if not layer_types:
+        raise ValueError(f"{source}: missing metadata key gemma4.attention.sliding_window")
+
+    def per_layer(value: Any) -> tuple[int, ...]:
+        return (
+            tuple(int(v) for v in value) if isinstance(value, list) else (int(value),) * num_layers
+        )
+
+    full, swa = md["gemma4.attention.key_length"], md["gemma4.attention.key_length_swa"]
+    head_dims = tuple(int(full if t == FULL_ATTENTION else swa) for t in layer_types)
+    shared = int(md.get("gemma4.attention.shared_kv_layers", 0))
+    writes = range(num_layers - shared)
+    return dict(
+        layer_head_dims=head_dims,
+        layer_kv_heads=per_layer(md["gemma4.attention.head_count_kv"]),
+        layer_intermediate_sizes=per_layer(md["gemma4.feed_forward_length"]),
+        kv_shared_layers=shared,
+        k_as_v_layers=tuple(i for i in writes if f"blk.{i}.attn_v.weight" not in names),
+        value_norm=True,
+        layer_scalars="blk.0.layer_output_scale.weight" in names,
+        per_layer_input_size=int(md.get("gemma4.embedding_length_per_layer_input", 0)),
     )
 
 
@@ -508,8 +615,19 @@ _GGUF_LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_gate",
+    # Gemma 4's per-layer inputs
+    "inp_gate": "per_layer_gate",
+    "proj": "per_layer_proj",
+    "post_norm": "per_layer_norm",
 }
-_GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "embed",
+    "output_norm": "norm",
+    "output": "lm_head",
+    "per_layer_token_embd": "per_layer_embed",
+    "per_layer_model_proj": "per_layer_model_proj",
+    "per_layer_proj_norm": "per_layer_proj_norm",
+}
 
 
 def gguf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
@@ -523,6 +641,8 @@ def gguf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
     if not m:
         return None
     kind = m.group(2)
+    if kind == "layer_output_scale":  # Gemma 4's scalar: a parameter of the layer itself
+        return f"layers.{m.group(1)}.layer_scalar"
     ours = _GGUF_LAYER_NAMES.get(kind)
     if kind == "attn_qkv":
         ours = "attn.qkv_proj"

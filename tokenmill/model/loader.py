@@ -155,10 +155,13 @@ def load_model(
             f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})"
         )
     config, weights, tokenizer = _open(path)
-    if shard is not None and (config.moe is not None or config.qk_norm_whole):
+    if shard is not None and (
+        config.moe is not None or config.qk_norm_whole or config.layers_differ
+    ):
         raise ValueError(
             f"tensor parallelism does not split {config.architecture} models yet (mixture-of-"
-            "experts layers, or q/k norms over all heads); run them with --tensor-parallel-size 1"
+            "experts layers, q/k norms over all heads, or layers of different shapes); run them "
+            "with --tensor-parallel-size 1"
         )
     if quantization == "auto":
         quantization = "none" if path.is_dir() else "gguf"
@@ -210,16 +213,21 @@ def _open(
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the loaders look for, by our name, with its shape in the checkpoint."""
-    h, q, kv, ffn = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    width = cfg.per_layer_input_size
+    if width:
+        shapes |= {
+            "per_layer_embed.weight": (cfg.vocab_size, cfg.num_layers * width),
+            "per_layer_model_proj.weight": (cfg.num_layers * width, h),
+            "per_layer_proj_norm.weight": (width,),
+        }
     for i in range(cfg.num_layers):
+        head_dim = cfg.layer_head_dim(i)
+        q, kv = cfg.num_heads * head_dim, cfg.layer_kv_head_count(i) * head_dim
+        ffn = cfg.layer_intermediate_size(i)
         layer = {
             "attn.q_proj.weight": (q, h),
             "attn.k_proj.weight": (kv, h),
@@ -246,7 +254,7 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if not cfg.post_norm:
             layer |= {"attn_norm.weight": (h,), "ffn_norm.weight": (h,)}
         if cfg.qk_norm:
-            layer |= {"attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,)}
+            layer |= {"attn.q_norm.weight": (head_dim,), "attn.k_norm.weight": (head_dim,)}
         if cfg.qk_norm_whole:
             layer |= {"attn.q_norm.weight": (q,), "attn.k_norm.weight": (kv,)}
         if cfg.layer_is_moe(i):
@@ -254,6 +262,19 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer |= {f"mlp.{k}": v for k, v in moe.layer_shapes(cfg).items()}
         if cfg.sandwich_norm or cfg.post_norm:
             layer |= {"attn_post_norm.weight": (h,), "ffn_post_norm.weight": (h,)}
+        if width:
+            layer |= {
+                "per_layer_gate.weight": (width, h),
+                "per_layer_proj.weight": (h, width),
+                "per_layer_norm.weight": (h,),
+            }
+        if cfg.layer_scalars:
+            layer["layer_scalar"] = (1,)
+        # the projections (and k norm) a layer without keys or values of its own lacks
+        absent = ("attn.v_proj",) if i in cfg.k_as_v_layers else ()
+        if cfg.kv_source(i) != i:
+            absent = ("attn.k_proj", "attn.v_proj", "attn.k_norm")
+        layer = {k: v for k, v in layer.items() if k.rpartition(".")[0] not in absent}
         shapes |= {f"layers.{i}.{k}": v for k, v in layer.items()}
     return shapes
 
@@ -313,6 +334,7 @@ class _Builder:
             for target, parts in FUSED.items():
                 if target.startswith("mlp.") and config.layer_is_moe(i):
                     continue
+                parts = [p for p in parts if f"layers.{i}.{p}.weight" in expected]  # see k_as_v
                 ws = [state.pop(f"layers.{i}.{p}.weight") for p in parts]
                 bs = [state.pop(f"layers.{i}.{p}.bias", None) for p in parts]
                 cols = None
@@ -328,6 +350,13 @@ class _Builder:
                 setattr(getattr(layer, owner), attr, module)
             if config.layer_is_moe(i):
                 self._build_moe(f"layers.{i}.mlp", layer.mlp, state)
+            if config.per_layer_input_size:
+                for attr in ("per_layer_gate", "per_layer_proj"):
+                    name = f"layers.{i}.{attr}"
+                    weight = state.pop(f"{name}.weight")
+                    setattr(layer, attr, self.linear([weight], [None], COARSE_X_BLOCK, name=name))
+        if config.per_layer_input_size:
+            self._build_per_layer_inputs(model, state)
         embed = state.pop("embed.weight")
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
@@ -359,6 +388,22 @@ class _Builder:
         if left:
             raise ModelFileError(self.path, f"no weights for {', '.join(left[:3])}")
         return model.eval().requires_grad_(False)
+
+    def _build_per_layer_inputs(self, model: Transformer, state: dict[str, Weight]) -> None:
+        """Gemma 4's second embedding table, looked up from the file's rows where it stays
+        quantized (as the main one: it is the largest tensor of the smaller models), and the
+        projection of the main embedding."""
+        table = state.pop("per_layer_embed.weight")
+        if self.quantization == "gguf" and isinstance(table, GGMLWeight):
+            model.per_layer_embed = QuantEmbedding(table, self.dtype)
+        else:
+            model.per_layer_embed = nn.Embedding.from_pretrained(
+                _dense(table, self.dtype), freeze=True
+            )
+            _release([table])
+        name = "per_layer_model_proj"
+        weight = state.pop(f"{name}.weight")
+        model.per_layer_model_proj = self.linear([weight], [None], COARSE_X_BLOCK, name=name)
 
     def _build_moe(self, prefix: str, block: moe.MoE, state: dict[str, Weight]) -> None:
         """The layers of a mixture-of-experts feed-forward. The router and the shared expert's gate
@@ -408,7 +453,8 @@ class _Builder:
         """The input columns of each of `REDUCTION_PARTS` ranks for o_proj and down_proj, which
         one rank computes as those ranks would (see `PartedLinear`); None where the model cannot
         be split over that many ranks."""
-        if self.config.moe is not None or self.config.qk_norm_whole:
+        config = self.config
+        if config.moe is not None or config.qk_norm_whole or config.layers_differ:
             return None  # tensor parallelism does not split these (see load_model)
         try:
             lays = [self._layout(state, Shard(r, REDUCTION_PARTS)) for r in range(REDUCTION_PARTS)]
