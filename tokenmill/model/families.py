@@ -410,6 +410,8 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     """Map GGUF metadata (llama.cpp's keys) onto `ModelConfig`."""
     arch = md.get("general.architecture")
     fam = _family(str(arch), source)
+    if arch == "gemma4" and md.get("gemma4.expert_count"):
+        raise ValueError(f"architecture 'gemma4' in {source} is not supported: {_GEMMA4_MOE}{_SEE}")
 
     def key(suffix: str, default: Any = None) -> Any:
         value = md.get(f"{arch}.{suffix}", default)
@@ -462,7 +464,7 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
         _gguf_gemma4(md, num_layers, layer_types, tensor_names, source) if arch == "gemma4" else {}
     )
     if gemma4:
-        attn_scale, rotary_dim = 1.0, None
+        attn_scale = 1.0
         head_dim, kv_heads = gemma4["layer_head_dims"][0], gemma4["layer_kv_heads"][0]
     embed_scale = float(md.get(f"{arch}.embedding_scale", 1.0))  # Granite
     if fam.scaled_embeddings:
@@ -518,8 +520,6 @@ def _gguf_gemma4(
     """Gemma 4's layer options (`ModelConfig`) as llama.cpp's converter writes them: head widths
     of global and sliding layers (`key_length`, `key_length_swa`), per-layer KV head counts and
     MLP widths, values from the keys' projection where a layer has no `attn_v`."""
-    if md.get("gemma4.expert_count"):
-        raise ValueError(f"architecture 'gemma4' in {source} is not supported: {_GEMMA4_MOE}{_SEE}")
     if not layer_types:
         raise ValueError(f"{source}: missing metadata key gemma4.attention.sliding_window")
 
@@ -528,6 +528,10 @@ def _gguf_gemma4(
             tuple(int(v) for v in value) if isinstance(value, list) else (int(value),) * num_layers
         )
 
+    needed = [f"gemma4.attention.{k}" for k in ("key_length", "key_length_swa", "head_count_kv")]
+    missing = [k for k in needed + ["gemma4.feed_forward_length"] if k not in md]
+    if missing:
+        raise ValueError(f"{source}: missing metadata key {missing[0]}")
     full, swa = md["gemma4.attention.key_length"], md["gemma4.attention.key_length_swa"]
     head_dims = tuple(int(full if t == FULL_ATTENTION else swa) for t in layer_types)
     shared = int(md.get("gemma4.attention.shared_kv_layers", 0))
