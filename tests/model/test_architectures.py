@@ -7,7 +7,9 @@ import pytest
 import torch
 import transformers
 
+from tokenmill.engine.kv_memory import blocks_for_budget
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.model.attention import KVCache
 from tokenmill.model.loader import load_model
 
 BLOCK = 4
@@ -96,6 +98,29 @@ ARCHITECTURES = {
             **TOKEN_IDS,
         ),
     ),
+    # two layer shapes (global: wider heads, one KV head, values from the keys' projection,
+    # a quarter of each head rotated), the last two layers sharing the caches of layers 1 and 2
+    # with double-wide MLPs, per-layer inputs
+    "gemma4": (
+        "Gemma4TextConfig",
+        dict(
+            num_hidden_layers=5,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=96,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"]
+            + ["sliding_attention"] * 2
+            + ["full_attention"],
+            final_logit_softcapping=30.0,
+            **TOKEN_IDS,
+        ),
+    ),
 }
 
 PROMPT_LENS = [3, 11, 20]
@@ -104,13 +129,16 @@ DECODE_STEPS = 8
 
 def _hf_model(name: str) -> transformers.PreTrainedModel:
     config_class, extra = ARCHITECTURES[name]
-    config = getattr(transformers, config_class)(**COMMON, **extra)
+    config = getattr(transformers, config_class)(**(COMMON | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norms, so that the (1 + w) Gemma convention is exercised
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.normal_(0.0, 0.3)
+        for pname, b in model.named_buffers():  # Gemma 4's scalars, 1 when initialized
+            if pname.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
     return model.eval()
 
 
@@ -140,11 +168,17 @@ def _tokenmill_steps(
     return outputs
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_logits_match_transformers(name: str, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("name", "batch_invariant"),
+    [(name, True) for name in ARCHITECTURES]
+    # Gemma 4's KV-sharing layers read this step's K/V back from their source layer's cache:
+    # through SDPA too, where prompts otherwise attend to their own K/V as computed
+    + [("gemma4", False)],
+)
+def test_logits_match_transformers(name: str, batch_invariant: bool, tmp_path) -> None:
     hf = _hf_model(name)
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    loaded = load_model(tmp_path, dtype="fp32", progress=False)
+    loaded = load_model(tmp_path, dtype="fp32", progress=False, batch_invariant=batch_invariant)
 
     gen = torch.Generator().manual_seed(1)
     prompts = [
@@ -198,3 +232,58 @@ def test_longrope_takes_the_long_factors_past_the_original_context(tmp_path) -> 
                 ref.append(out.logits[0, -1])
             decode = torch.stack([ours[1 + s][i] for s in range(DECODE_STEPS)])
             torch.testing.assert_close(decode, torch.stack(ref), atol=1e-4, rtol=0)
+
+
+def test_gemma4_cache_holds_the_writing_layers_in_their_shapes(tmp_path) -> None:
+    """Layers sharing another layer's cache have no tensor, the others their own shape, and the
+    KV memory accounting counts exactly those tensors."""
+    _hf_model("gemma4").save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(tmp_path, dtype="fp32", progress=False)
+    config = loaded.config
+    assert [config.kv_source(i) for i in range(5)] == [0, 1, 2, 2, 1]
+    assert config.k_as_v_layers == (1,)
+    runner = ModelRunner(loaded, num_blocks=6, block_size=BLOCK, kv_cache_dtype="float32")
+    shapes = [tuple(t.shape[1:]) for t in runner.cache.k]
+    assert shapes == [(2, 16), (1, 32), (2, 16)]
+    per_block = KVCache.bytes_per_block(
+        config.num_layers,
+        BLOCK,
+        config.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        shapes=config.kv_cache_shapes(),
+    )
+    assert per_block * 6 == sum(t[:-1].nbytes for t in runner.cache.k + runner.cache.v)
+    assert blocks_for_budget(per_block * 6, loaded, BLOCK, "float32") == 6
+
+
+def test_gemma4_multimodal_checkpoint_runs_its_text_model(tmp_path) -> None:
+    """A Gemma4ForConditionalGeneration checkpoint loads its text_config and language model's
+    weights (the vision tower is left out) and computes its text logits."""
+    _, extra = ARCHITECTURES["gemma4"]
+    text = transformers.Gemma4TextConfig(**(COMMON | extra))
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=16,
+    )
+    config = transformers.Gemma4Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None
+    )
+    torch.manual_seed(0)
+    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if "norm" in pname:
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(tmp_path, dtype="fp32", progress=False)
+    prompt = [5, 9, 3, 70, 1, 44]
+    runner = ModelRunner(loaded, num_blocks=3, block_size=BLOCK, kv_cache_dtype="float32")
+    with torch.no_grad():
+        ours = runner.all_logits([prompt], [len(prompt)], [[0, 1]])
+        ref = hf(input_ids=torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert ref.abs().max() > 0.05, "logits too small for the comparison to mean anything"

@@ -15,9 +15,11 @@ from tokenmill.errors import ModelFileError
 from tokenmill.model.loader import load_model
 
 
-def _tiny_gguf(path: Path, arch: str = "llama") -> Path:
+def _tiny_gguf(path: Path, arch: str = "llama", experts: int = 0) -> Path:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
+    if experts:
+        writer.add_expert_count(experts)
     writer.add_embedding_length(32)
     writer.add_head_count(2)
     writer.add_tensor("token_embd.weight", np.ones((8, 32), dtype=np.float32))
@@ -64,8 +66,19 @@ def _hybrid_gguf(tmp: Path) -> Path:
     return _tiny_gguf(tmp / "model.gguf", arch="qwen3next")
 
 
-def _gemma4_gguf(tmp: Path) -> Path:
-    return _tiny_gguf(tmp / "model.gguf", arch="gemma4")
+def _gemma4_moe_gguf(tmp: Path) -> Path:
+    return _tiny_gguf(tmp / "model.gguf", arch="gemma4", experts=4)
+
+
+def _gemma4_moe_hf(tmp: Path) -> Path:
+    folder = tmp / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        '{"model_type": "gemma4_text", "enable_moe_block": true, "num_experts": 4, '
+        '"top_k_experts": 2, "moe_intermediate_size": 8}'
+    )
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(folder / "model.safetensors"))
+    return folder
 
 
 def _hybrid_hf(tmp: Path) -> Path:
@@ -104,7 +117,8 @@ CASES = {
     "unsupported architecture": (_unsupported_arch, "unsupported architecture 'mamba'"),
     "linear-attention GGUF": (_hybrid_gguf, "recurrent state per request"),
     "linear-attention HF directory": (_hybrid_hf, "recurrent state per request"),
-    "Gemma 4 GGUF": (_gemma4_gguf, "per-layer input embeddings"),
+    "Gemma 4 MoE GGUF": (_gemma4_moe_gguf, "mixture-of-experts block"),
+    "Gemma 4 MoE HF directory": (_gemma4_moe_hf, "mixture-of-experts block"),
     "missing config.json": (_missing_config, "config.json is missing"),
     "pickle-only directory": (_pickle_only, "pickle"),
     "pickle file": (_pickle_file, "pickle"),

@@ -101,6 +101,24 @@ HF_CONFIGS = {
         logits_scaling=4.0,
         **TOKEN_IDS,
     ),
+    # two layer shapes, KV shared by the last two layers (double-wide MLPs), per-layer inputs
+    "gemma4": transformers.Gemma4TextConfig(
+        **(SMALL | dict(num_hidden_layers=5)),
+        head_dim=32,
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=32,
+        vocab_size_per_layer_input=VOCAB,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"]
+        + ["sliding_attention"] * 2
+        + ["full_attention"],
+        final_logit_softcapping=30.0,
+        **TOKEN_IDS,
+    ),
 }
 # llama.cpp's converter reorders these families' q/k rows for interleaved rope
 PERMUTED_QK = ("llama", "smollm3", "granite")
@@ -121,18 +139,32 @@ LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
+    # Gemma 4
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+    "layer_scalar": "layer_output_scale",
 }
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
     name = hf_name.removeprefix("model.")
-    globals_ = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    if name.endswith("layer_scalar"):  # Gemma 4's scalar, named a weight by the converter
+        name += ".weight"
+    globals_ = {
+        "embed_tokens": "token_embd",
+        "norm": "output_norm",
+        "lm_head": "output",
+        "embed_tokens_per_layer": "per_layer_token_embd",
+        "per_layer_model_projection": "per_layer_model_proj",
+        "per_layer_projection_norm": "per_layer_proj_norm",
+    }
     base, _, suffix = name.rpartition(".")
     if base in globals_:
         return f"{globals_[base]}.{suffix}"
     _, layer, rest = base.split(".", 2)
     if rest == "post_attention_layernorm":
-        post = arch in ("gemma3", "olmo2")
+        post = arch in ("gemma3", "olmo2", "gemma4")
         return f"blk.{layer}.{'post_attention_norm' if post else 'ffn_norm'}.{suffix}"
     return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
 
@@ -157,13 +189,16 @@ def _write_gguf(
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    if arch == "gemma4":
+        _write_gemma4_metadata(writer, cfg)
+    else:
+        writer.add_feed_forward_length(cfg.intermediate_size)
+        writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     theta = (
         cfg.rope_parameters["full_attention"]["rope_theta"]
-        if arch == "gemma3"
+        if arch in ("gemma3", "gemma4")
         else cfg.rope_parameters["rope_theta"]
     )
     writer.add_rope_freq_base(theta)
@@ -235,6 +270,36 @@ def _write_gguf(
     return encoded
 
 
+def _write_gemma4_metadata(writer: gguf.GGUFWriter, cfg: transformers.Gemma4TextConfig) -> None:
+    """Gemma 4's keys and rope factors, as convert_hf_to_gguf.py's Gemma4Model writes them."""
+    layers = range(cfg.num_hidden_layers)
+    shapes = [cfg.per_layer_config[i] for i in layers]
+    swa = [t == "sliding_attention" for t in cfg.layer_types]
+    full_head, swa_head = (shapes[swa.index(is_swa)].head_dim for is_swa in (False, True))
+    first_shared = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+    wide = 2 if cfg.use_double_wide_mlp else 1
+    writer.add_feed_forward_length(
+        [cfg.intermediate_size * (wide if i >= first_shared else 1) for i in layers]
+    )
+    writer.add_head_count_kv([s.num_key_value_heads for s in shapes])
+    writer.add_key_length(full_head)
+    writer.add_value_length(full_head)
+    writer.add_key_length_swa(swa_head)
+    writer.add_value_length_swa(swa_head)
+    writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(full_head)
+    writer.add_rope_dimension_count_swa(swa_head)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_sliding_window_pattern(swa)
+    writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_shared_kv_layers(cfg.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input)
+    # proportional rope: the global layers' unrotated frequencies divided by 1e30
+    rotated = int(full_head * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * rotated + [1e30] * (full_head // 2 - rotated)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+
 def _logits(loaded, prompts: list[list[int]]) -> torch.Tensor:
     # exact comparisons
     runner = ModelRunner(loaded, num_blocks=16, block_size=8, kv_cache_dtype="float32")
@@ -260,6 +325,9 @@ def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_pat
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.normal_(0.0, 0.3)
+        for name, b in hf.named_buffers():  # Gemma 4's scalars, 1 when initialized
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
     gguf_path = tmp_path / "model.gguf"
     encoded = _write_gguf(gguf_path, hf, arch, qtype)
     hf.load_state_dict(encoded, strict=False)  # the twin holds exactly the (de)quantized weights
@@ -267,7 +335,19 @@ def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_pat
 
     from_gguf = load_model(gguf_path, progress=False, quantization=quantization)
     from_hf = load_model(tmp_path / "hf", progress=False)
-    for field in ("layer_types", "sliding_window", "rotary_dim", "no_rope_layers"):
+    for field in (
+        "layer_types",
+        "sliding_window",
+        "rotary_dim",
+        "no_rope_layers",
+        "layer_head_dims",
+        "layer_kv_heads",
+        "layer_intermediate_sizes",
+        "kv_shared_layers",
+        "k_as_v_layers",
+        "per_layer_input_size",
+        "layer_scalars",
+    ):
         assert getattr(from_gguf.config, field) == getattr(from_hf.config, field), field
     # the rope of every position, past a LongRoPE's original context too
     positions = torch.arange(64)

@@ -43,7 +43,8 @@ def blocks_for_budget(
         config.num_kv_heads,
         config.head_dim,
         dtype,
-        shared_kv=config.kv_shared,
+        shared_kv=config.latent_kv,
+        shapes=config.kv_cache_shapes(),  # each layer's own, none for layers sharing a cache
     )
     if budget < per_block:
         raise InvalidRequestError(
@@ -74,9 +75,9 @@ class KVWarmer:
         if cache.k[0].device.type != "cpu":  # device memory is resident once allocated
             return
         blocks, tensors = pool.blocks, cache.tensors
-        block_bytes = tensors[0][: cache.block_size].nbytes
-        span = max(1, KV_WARM_BYTES // block_bytes)
-        ahead = KV_WARM_AHEAD // (len(tensors) * block_bytes)
+        block_bytes = [t[: cache.block_size].nbytes for t in tensors]  # layers may differ
+        span = max(1, KV_WARM_BYTES // max(block_bytes))
+        ahead = KV_WARM_AHEAD // sum(block_bytes)
         for first in range(0, len(blocks), span):
             while first >= pool.used_end + ahead:
                 yield False

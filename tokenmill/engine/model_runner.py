@@ -94,8 +94,11 @@ class ModelRunner:
             cfg.head_dim,
             dtype=resolve_kv_cache_dtype(kv_cache_dtype, loaded.dtype, device.type),
             device=device,
-            shared_kv=cfg.kv_shared,
+            shared_kv=cfg.latent_kv,
+            shapes=cfg.kv_cache_shapes(),
         )
+        # the cache's head widths (Gemma 4's layers have two)
+        self._head_dims = sorted({t.shape[-1] for t in self.cache.k})
         # by batch size: 1, and 2 for 2 or more
         self._compiled_decode: dict[int, AOTCompiledFunction] | None = None
         # keys of the graphs whose guards held on a real step
@@ -209,12 +212,15 @@ class ModelRunner:
         if self.on_step is not None:
             self.on_step(token_ids, context_lens, block_tables)
         cache = self.cache.k[0]
-        kernel_prompts = kernel_attends_prompts(
-            self.loaded.dtype,
-            cache.dtype,
-            cache.shape[-1],
-            cache.device,
-            batch_invariant=self.loaded.batch_invariant,
+        kernel_prompts = all(
+            kernel_attends_prompts(
+                self.loaded.dtype,
+                cache.dtype,
+                head_dim,
+                cache.device,
+                batch_invariant=self.loaded.batch_invariant,
+            )
+            for head_dim in self._head_dims
         )
         batch = AttentionBatch.build(
             query_lens,

@@ -75,6 +75,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> 
 
 class KVCache:
     """One pool of cache slots per layer: `k[layer]` has shape (num_slots + 1, kv_heads, head_dim).
+    A model whose layers differ (`ModelConfig.kv_cache_shapes`) gives each tensor's shape instead;
+    layers that share another layer's cache have no tensor of their own (`ModelConfig.kv_source`).
 
     Slot s belongs to block s // block_size; blocks are handed out by the engine's block pool.
     The pool is left uninitialized (zeroing gigabytes would cost seconds at start-up and commit
@@ -96,18 +98,23 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         shared_kv: bool = False,
+        shapes: list[tuple[int, int]] | None = None,
     ) -> None:
+        """shared_kv: the values are the keys (one tensor per layer: latent attention); shapes:
+        (KV heads, head width) of each tensor, in place of num_layers tensors of num_kv_heads x
+        head_dim."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pad_slot = num_blocks * block_size
+        shapes = shapes or [(num_kv_heads, head_dim)] * num_layers
         # One tensor per layer, not views of one big tensor: a compiled step mutates each layer's
         # cache in place, which it can only do without copying for a tensor that is not a view.
-        shape = (self.pad_slot + 1, num_kv_heads, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (self.pad_slot + 1,)
+        self.k = [torch.empty((*shape, *s), dtype=dtype, device=device) for s in shapes]
         self.v = (
             self.k
             if shared_kv
-            else [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            else [torch.empty((*shape, *s), dtype=dtype, device=device) for s in shapes]
         )
         self.zero_pad_slot()
 
@@ -138,10 +145,13 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         shared_kv: bool = False,
+        shapes: list[tuple[int, int]] | None = None,
     ) -> int:
-        per_tensor = (
-            num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-        )
+        """The bytes of one block over every tensor (shared_kv, shapes: as for the
+        constructor)."""
+        shapes = shapes or [(num_kv_heads, head_dim)] * num_layers
+        elements = sum(heads * width for heads, width in shapes)
+        per_tensor = block_size * elements * torch.finfo(dtype).bits // 8
         return per_tensor if shared_kv else 2 * per_tensor
 
 
@@ -340,8 +350,8 @@ def _query_blocks(
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: AttentionBatch,
@@ -353,13 +363,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's cached context.
 
-    q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); returns (T, heads, head_dim); mask:
-    `batch.mask(window)`; window: the sliding window, if any; sinks: (heads,) float32 logits
-    that join each head's softmax denominator and weigh no value (gpt-oss's attention sinks).
+    q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim), or None for a layer that shares
+    another layer's cache (that layer has written this step's K/V there already); returns
+    (T, heads, head_dim); mask: `batch.mask(window)`; window: the sliding window, if any; sinks:
+    (heads,) float32 logits that join each head's softmax denominator and weigh no value (gpt-oss's
+    attention sinks).
     """
-    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
-    k_cache.index_copy_(0, batch.slot_mapping, k)
-    v_cache.index_copy_(0, batch.slot_mapping, v)
+    if k is None:
+        k, v = k_cache[batch.slot_mapping], v_cache[batch.slot_mapping]
+    else:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
     if batch.token_context_slots is not None:
         # every token of the step as a query of the decode kernel
         return torch.ops.tokenmill.decode_attention(

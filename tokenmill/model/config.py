@@ -43,9 +43,15 @@ class RopeSettings:
             )
         if rope_type == "yarn":
             return _yarn_inv_freq(self.theta, rotary_dim, self.scaling)
+        if rope_type == "proportional":
+            # Gemma 4's global layers: the lowest frequencies of the whole head turn, the rest are
+            # 0 (cos 1, sin 0), so a quarter of each head rotates in the rotate-half layout
+            turned = int(self.scaling.get("partial_rotary_factor", 1.0) * rotary_dim // 2)
+            inv[turned:] = 0.0
+            return inv / float(self.scaling.get("factor", 1.0))
         raise ValueError(
             f"unsupported rope scaling type {rope_type!r} "
-            "(supported: default, linear, llama3, longrope, yarn)"
+            "(supported: default, linear, llama3, longrope, yarn, proportional)"
         )
 
     def long_inv_freq(self, rotary_dim: int) -> tuple[torch.Tensor, int] | None:
@@ -250,6 +256,20 @@ class ModelConfig:
     # multi-head latent attention (DeepSeek-V2/V3); num_kv_heads is then 1 and head_dim the
     # cached latent's width, kv_lora_rank + qk_rope_head_dim (see model/mla.py)
     mla: MLASettings | None = None
+    # Layers of different shapes (Gemma 4); empty: every layer has head_dim, num_kv_heads and
+    # intermediate_size
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    # the last layers compute queries only: they attend over the cache of the last earlier layer
+    # of their kind and write none (Gemma 4)
+    kv_shared_layers: int = 0
+    k_as_v_layers: tuple[int, ...] = ()  # layers whose values are their keys' projection
+    value_norm: bool = False  # RMSNorm without weights on each value head (Gemma 4)
+    layer_scalars: bool = False  # each layer's output (the whole stream) times a learned scalar
+    # per-layer inputs (Gemma 4): a second embedding table of this width per layer, mixed with a
+    # projection of the main embedding, gates a projection added to each layer's output; 0: none
+    per_layer_input_size: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -259,25 +279,26 @@ class ModelConfig:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
             )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"{self.num_heads} attention heads is not a multiple of "
-                f"{self.num_kv_heads} KV heads"
-            )
+        for name in ("layer_head_dims", "layer_kv_heads", "layer_intermediate_sizes"):
+            values = getattr(self, name)
+            if values and len(values) != self.num_layers:
+                raise ValueError(f"{name} has {len(values)} entries for {self.num_layers} layers")
+        for layer in range(self.num_layers):
+            if self.num_heads % self.layer_kv_head_count(layer):
+                raise ValueError(
+                    f"{self.num_heads} attention heads is not a multiple of "
+                    f"{self.layer_kv_head_count(layer)} KV heads (layer {layer})"
+                )
+            self.kv_source(layer)  # a sharing layer has a layer to share with
 
     @property
     def softmax_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     @property
-    def kv_shared(self) -> bool:
+    def latent_kv(self) -> bool:
         """Whether the cache's values are its keys (one tensor per layer): MLA's latent."""
         return self.mla is not None
-
-    @property
-    def rope_dim(self) -> int:
-        """How many leading dimensions of each head the rotary embedding turns."""
-        return self.rotary_dim or self.head_dim
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding window of a layer (keys at distance >= window are masked), None for full
@@ -292,3 +313,49 @@ class ModelConfig:
         if self.layer_types[layer] == SLIDING_ATTENTION and self.rope_local is not None:
             return self.rope_local
         return self.rope
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def layer_kv_head_count(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        if self.layer_intermediate_sizes:
+            return self.layer_intermediate_sizes[layer]
+        return self.intermediate_size
+
+    def layer_rope_dim(self, layer: int) -> int:
+        """How many leading dimensions of each head of this layer the rotary embedding turns."""
+        return self.rotary_dim or self.layer_head_dim(layer)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache this layer attends over: itself, or for one of the last
+        `kv_shared_layers`, the last layer of its kind before them."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.layer_types[layer]
+        for source in range(first_shared - 1, -1, -1):
+            if self.layer_types[source] == kind:
+                return source
+        raise ValueError(f"layer {layer} shares the KV cache of no earlier {kind} layer")
+
+    def cache_layers(self) -> list[int]:
+        """The layers that write a KV cache of their own, in order: one cache tensor each."""
+        return [i for i in range(self.num_layers) if self.kv_source(i) == i]
+
+    def kv_cache_shapes(self) -> list[tuple[int, int]]:
+        """(KV heads, head width) of each cache tensor (`cache_layers`)."""
+        return [(self.layer_kv_head_count(i), self.layer_head_dim(i)) for i in self.cache_layers()]
+
+    @property
+    def layers_differ(self) -> bool:
+        """Whether layers differ in shape or share caches (tensor parallelism does not split such
+        models)."""
+        return bool(
+            self.layer_head_dims
+            or self.layer_kv_heads
+            or self.layer_intermediate_sizes
+            or self.kv_shared_layers
+        )

@@ -76,6 +76,14 @@ FAMILIES: dict[str, Family] = {
     "gpt-oss": Family(gpt_oss=True, sliding_pattern=2, gguf_yarn_truncate=False),
     # DeepSeek-V2 and V3 (llama.cpp's "deepseek2"): latent attention, see model/mla.py
     "deepseek2": Family(),
+    # layers of two shapes, KV shared between layers, per-layer inputs (see _hf_gemma4)
+    "gemma4": Family(
+        hidden_act="gelu_tanh",
+        qk_norm=True,
+        sandwich_norm=True,
+        scaled_embeddings=True,
+        sliding_pattern=6,
+    ),
 }
 
 # Families tokenmill knows but does not run yet, and why (docs/design/newer-families.md)
@@ -83,9 +91,10 @@ _LINEAR_ATTENTION = (
     "its linear-attention (Gated DeltaNet) layers keep a recurrent state per request, which "
     "tokenmill's paged KV cache does not hold yet; run a model whose layers all attend instead"
 )
-_GEMMA4 = (
-    "Gemma 4's per-layer input embeddings, KV shared between layers and per-layer head and MLP "
-    "widths are not implemented yet; run Gemma 3 instead"
+_GEMMA4_MOE = (
+    "Gemma 4's mixture-of-experts block (26B-A4B: a dense MLP beside routed experts, each with "
+    "norms of its own, and a normed, scaled router) is not implemented yet; run a dense Gemma 4 "
+    "(E2B, E4B, 31B) instead"
 )
 _SEE = " (see docs/design/newer-families.md)"
 UNSUPPORTED_HF_MODEL_TYPES = {
@@ -95,7 +104,6 @@ UNSUPPORTED_HF_MODEL_TYPES = {
             _LINEAR_ATTENTION,
             ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
         ),
-        (_GEMMA4, ("gemma4", "gemma4_text")),
     )
     for model_type in model_types
 }
@@ -103,7 +111,6 @@ UNSUPPORTED_GGUF_ARCHITECTURES = {
     "qwen3next": _LINEAR_ATTENTION + _SEE,
     "qwen35": _LINEAR_ATTENTION + _SEE,
     "qwen35moe": _LINEAR_ATTENTION + _SEE,
-    "gemma4": _GEMMA4 + _SEE,
 }
 
 # HF `model_type` -> family name
@@ -126,6 +133,7 @@ HF_MODEL_TYPES = {
     "gpt_oss": "gpt-oss",
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
+    "gemma4_text": "gemma4",
 }
 
 
@@ -166,7 +174,9 @@ def config_from_hf(hf: Any) -> ModelConfig:
         )
     name = HF_MODEL_TYPES[model_type]
     fam = FAMILIES[name]
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    # Gemma 4's head width and KV heads differ by layer: its config gives them per layer only
+    first = hf.per_layer_config[0] if name == "gemma4" else hf
+    head_dim = getattr(first, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope, rope_local = _hf_rope(hf)
     rope = _longrope_factor(rope, hf.max_position_embeddings)
     attention_bias = bool(getattr(hf, "attention_bias", False)) or fam.qkv_bias
@@ -189,6 +199,9 @@ def config_from_hf(hf: Any) -> ModelConfig:
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
     if getattr(hf, "clip_qkv", None) is not None:
         raise ValueError("clip_qkv (clamped q/k/v projections) is not supported")
+    gemma4 = _hf_gemma4(hf) if name == "gemma4" else {}
+    if gemma4:
+        attn_scale = 1.0
     config = ModelConfig(
         architecture=name,
         vocab_size=hf.vocab_size,
@@ -199,7 +212,7 @@ def config_from_hf(hf: Any) -> ModelConfig:
         # DeepSeek's latent attention caches one head (`_hf_deepseek`)
         num_kv_heads=1
         if name == "deepseek2"
-        else getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        else getattr(first, "num_key_value_heads", None) or hf.num_attention_heads,
         head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
@@ -226,6 +239,7 @@ def config_from_hf(hf: Any) -> ModelConfig:
         residual_scale=float(getattr(hf, "residual_multiplier", None) or 1.0),
         logits_scaling=float(getattr(hf, "logits_scaling", None) or 1.0),
         attention_sinks=fam.gpt_oss,
+        **gemma4,
     )
     return _hf_deepseek(hf, config) if name == "deepseek2" else config
 
@@ -278,6 +292,44 @@ def _with_mla(
         attn_scale=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5 * mscale**2,
         moe=moe,
         mla=mla,
+    )
+
+
+def _hf_gemma4(hf: Any) -> dict[str, Any]:
+    """Gemma 4's layer options (`ModelConfig`) from its text config; refuses what is not
+    implemented."""
+    if getattr(hf, "enable_moe_block", False):
+        raise ValueError(f"model_type {hf.model_type!r} is not supported: {_GEMMA4_MOE}{_SEE}")
+    if getattr(hf, "use_bidirectional_attention", None) == "all":
+        raise ValueError(
+            "bidirectional attention (use_bidirectional_attention='all') is not "
+            "supported: tokenmill's decoder attends causally"
+        )
+    layers = range(hf.num_hidden_layers)
+    per_layer = [hf.per_layer_config[i] for i in layers]
+    width = hf.hidden_size_per_layer_input or 0
+    if width and hf.vocab_size_per_layer_input != hf.vocab_size:
+        raise ValueError(
+            f"a per-layer input vocabulary of {hf.vocab_size_per_layer_input} tokens for "
+            f"{hf.vocab_size} tokens is not supported"
+        )
+    shared = hf.num_kv_shared_layers
+    wide = hf.use_double_wide_mlp
+    return dict(
+        layer_head_dims=tuple(c.head_dim for c in per_layer),
+        layer_kv_heads=tuple(c.num_key_value_heads for c in per_layer),
+        layer_intermediate_sizes=tuple(
+            hf.intermediate_size * (2 if wide and i >= len(layers) - shared else 1) for i in layers
+        ),
+        kv_shared_layers=shared,
+        k_as_v_layers=tuple(
+            i
+            for i in layers[: len(layers) - shared]  # layers with keys of their own
+            if hf.attention_k_eq_v and hf.layer_types[i] == FULL_ATTENTION
+        ),
+        value_norm=True,
+        layer_scalars=True,
+        per_layer_input_size=width,
     )
 
 
@@ -405,11 +457,15 @@ def hf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
         return "embed.weight"
     if name in ("norm.weight", "lm_head.weight"):
         return name
+    if name in _HF_PER_LAYER_NAMES:
+        return _HF_PER_LAYER_NAMES[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if not m:
         return None
     layer, rest = m.groups()
     rest = rest.replace("self_attn.", "attn.")
+    for theirs, ours in _HF_LAYER_INPUT_NAMES.items():
+        rest = rest.replace(theirs, ours)
     norms = {"input_layernorm": "attn_norm"}
     if cfg.sandwich_norm or cfg.post_norm:
         norms |= {
@@ -425,6 +481,18 @@ def hf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
         rest = re.sub(pattern, replacement, rest)
     return f"layers.{layer}.{rest}"
 
+
+# Gemma 4's per-layer inputs: HF names -> ours
+_HF_PER_LAYER_NAMES = {
+    "embed_tokens_per_layer.weight": "per_layer_embed.weight",
+    "per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+_HF_LAYER_INPUT_NAMES = {
+    "per_layer_input_gate.": "per_layer_gate.",
+    "per_layer_projection.": "per_layer_proj.",
+    "post_per_layer_input_norm.": "per_layer_norm.",
+}
 
 # HF mixture-of-experts names -> ours (see model/moe.py), applied in order
 _HF_MOE_NAMES = [
@@ -454,6 +522,8 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     """Map GGUF metadata (llama.cpp's keys) onto `ModelConfig`."""
     arch = md.get("general.architecture")
     fam = _family(str(arch), source)
+    if arch == "gemma4" and md.get("gemma4.expert_count"):
+        raise ValueError(f"architecture 'gemma4' in {source} is not supported: {_GEMMA4_MOE}{_SEE}")
 
     def key(suffix: str, default: Any = None) -> Any:
         value = md.get(f"{arch}.{suffix}", default)
@@ -464,7 +534,7 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
     kv_heads = key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):
+    if isinstance(kv_heads, list) and arch != "gemma4":  # Gemma 4's: see _gguf_gemma4
         # per-layer lists are allowed by the format; we need them uniform
         if len(set(kv_heads)) != 1:
             raise ValueError(f"{source}: per-layer KV head counts are not supported")
@@ -505,10 +575,16 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
     attn_scale = md.get(f"{arch}.attention.scale")  # Granite
     if arch in ("gemma2", "gemma3"):
         attn_scale = head_dim**-0.5  # query_pre_attn_scalar equals head_dim for released sizes
+    gemma4 = (
+        _gguf_gemma4(md, num_layers, layer_types, tensor_names, source) if arch == "gemma4" else {}
+    )
+    if gemma4:
+        attn_scale = 1.0
+        head_dim, kv_heads = gemma4["layer_head_dims"][0], gemma4["layer_kv_heads"][0]
     embed_scale = float(md.get(f"{arch}.embedding_scale", 1.0))  # Granite
     if fam.scaled_embeddings:
         embed_scale = math.sqrt(hidden)
-    rotary_dim = md.get(f"{arch}.rope.dimension_count")
+    rotary_dim = None if gemma4 else md.get(f"{arch}.rope.dimension_count")
     # llama.cpp's fixed NoPE step (SmolLM3): no GGUF key gives it
     every = fam.no_rope_every
     no_rope = tuple(i for i in range(num_layers) if every and (i + 1) % every == 0)
@@ -550,6 +626,7 @@ def config_from_gguf(md: dict[str, Any], tensor_names: set[str], source: str) ->
         residual_scale=float(md.get(f"{arch}.residual_scale", 1.0)),
         logits_scaling=float(md.get(f"{arch}.logit_scale", 1.0)),
         attention_sinks=fam.gpt_oss,
+        **gemma4,
     )
     return _gguf_deepseek(md, config, tensor_names, source) if arch == "deepseek2" else config
 
@@ -614,6 +691,40 @@ def _gguf_deepseek(
         routed_scale=float(md.get(f"{arch}.expert_weights_scale", 1.0)),
     )
     return _with_mla(cfg, mla, rope_settings, mscale, moe)
+
+
+def _gguf_gemma4(
+    md: dict[str, Any], num_layers: int, layer_types: list[str], names: set[str], source: str
+) -> dict[str, Any]:
+    """Gemma 4's layer options (`ModelConfig`) as llama.cpp's converter writes them: head widths
+    of global and sliding layers (`key_length`, `key_length_swa`), per-layer KV head counts and
+    MLP widths, values from the keys' projection where a layer has no `attn_v`."""
+    if not layer_types:
+        raise ValueError(f"{source}: missing metadata key gemma4.attention.sliding_window")
+
+    def per_layer(value: Any) -> tuple[int, ...]:
+        return (
+            tuple(int(v) for v in value) if isinstance(value, list) else (int(value),) * num_layers
+        )
+
+    needed = [f"gemma4.attention.{k}" for k in ("key_length", "key_length_swa", "head_count_kv")]
+    missing = [k for k in needed + ["gemma4.feed_forward_length"] if k not in md]
+    if missing:
+        raise ValueError(f"{source}: missing metadata key {missing[0]}")
+    full, swa = md["gemma4.attention.key_length"], md["gemma4.attention.key_length_swa"]
+    head_dims = tuple(int(full if t == FULL_ATTENTION else swa) for t in layer_types)
+    shared = int(md.get("gemma4.attention.shared_kv_layers", 0))
+    writes = range(num_layers - shared)
+    return dict(
+        layer_head_dims=head_dims,
+        layer_kv_heads=per_layer(md["gemma4.attention.head_count_kv"]),
+        layer_intermediate_sizes=per_layer(md["gemma4.feed_forward_length"]),
+        kv_shared_layers=shared,
+        k_as_v_layers=tuple(i for i in writes if f"blk.{i}.attn_v.weight" not in names),
+        value_norm=True,
+        layer_scalars="blk.0.layer_output_scale.weight" in names,
+        per_layer_input_size=int(md.get("gemma4.embedding_length_per_layer_input", 0)),
+    )
 
 
 def _gguf_yarn(md: dict[str, Any], arch: str, fam: Family) -> dict[str, Any]:
@@ -719,8 +830,19 @@ _GGUF_LAYER_NAMES = {
     "attn_kv_b": "attn.kv_b_proj",
     "attn_k_b": "attn.k_b_proj",
     "attn_v_b": "attn.v_b_proj",
+    # Gemma 4's per-layer inputs
+    "inp_gate": "per_layer_gate",
+    "proj": "per_layer_proj",
+    "post_norm": "per_layer_norm",
 }
-_GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "embed",
+    "output_norm": "norm",
+    "output": "lm_head",
+    "per_layer_token_embd": "per_layer_embed",
+    "per_layer_model_proj": "per_layer_model_proj",
+    "per_layer_proj_norm": "per_layer_proj_norm",
+}
 
 
 def gguf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
@@ -734,6 +856,8 @@ def gguf_tensor_name(name: str, cfg: ModelConfig) -> str | None:
     if not m:
         return None
     kind = m.group(2)
+    if kind == "layer_output_scale":  # Gemma 4's scalar: a parameter of the layer itself
+        return f"layers.{m.group(1)}.layer_scalar"
     ours = _GGUF_LAYER_NAMES.get(kind)
     if kind == "attn_sinks":
         return f"layers.{m.group(1)}.attn.sinks"  # a vector without a suffix, as in HF's

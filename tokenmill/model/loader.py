@@ -148,12 +148,15 @@ def load_model(
         )
     config, weights, tokenizer = _open(path)
     if shard is not None and (
-        config.moe is not None or config.qk_norm_whole or config.mla is not None
+        config.moe is not None
+        or config.qk_norm_whole
+        or config.mla is not None
+        or config.layers_differ
     ):
         raise ValueError(
             f"tensor parallelism does not split {config.architecture} models yet (mixture-of-"
-            "experts layers, q/k norms over all heads, or latent attention); run them with "
-            "--tensor-parallel-size 1"
+            "experts layers, q/k norms over all heads, latent attention or layers of different "
+            "shapes); run them with --tensor-parallel-size 1"
         )
     if quantization == "auto":
         quantization = "none" if path.is_dir() else "gguf"
@@ -205,16 +208,21 @@ def _open(
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the loaders look for, by our name, with its shape in the checkpoint."""
-    h, q, kv, ffn = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    width = cfg.per_layer_input_size
+    if width:
+        shapes |= {
+            "per_layer_embed.weight": (cfg.vocab_size, cfg.num_layers * width),
+            "per_layer_model_proj.weight": (cfg.num_layers * width, h),
+            "per_layer_proj_norm.weight": (width,),
+        }
     for i in range(cfg.num_layers):
+        head_dim = cfg.layer_head_dim(i)
+        q, kv = cfg.num_heads * head_dim, cfg.layer_kv_head_count(i) * head_dim
+        ffn = cfg.layer_intermediate_size(i)
         layer = {
             "attn.q_proj.weight": (q, h),
             "attn.k_proj.weight": (kv, h),
@@ -241,7 +249,7 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if not cfg.post_norm:
             layer |= {"attn_norm.weight": (h,), "ffn_norm.weight": (h,)}
         if cfg.qk_norm:
-            layer |= {"attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,)}
+            layer |= {"attn.q_norm.weight": (head_dim,), "attn.k_norm.weight": (head_dim,)}
         if cfg.qk_norm_whole:
             layer |= {"attn.q_norm.weight": (q,), "attn.k_norm.weight": (kv,)}
         if cfg.attention_sinks:
@@ -254,6 +262,19 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.mla is not None:
             layer = {k: v for k, v in layer.items() if not k.startswith("attn.")}
             layer |= {f"attn.{k}": v for k, v in mla.layer_shapes(cfg).items()}
+        if width:
+            layer |= {
+                "per_layer_gate.weight": (width, h),
+                "per_layer_proj.weight": (h, width),
+                "per_layer_norm.weight": (h,),
+            }
+        if cfg.layer_scalars:
+            layer["layer_scalar"] = (1,)
+        # the projections (and k norm) a layer without keys or values of its own lacks
+        absent = ("attn.v_proj",) if i in cfg.k_as_v_layers else ()
+        if cfg.kv_source(i) != i:
+            absent = ("attn.k_proj", "attn.v_proj", "attn.k_norm")
+        layer = {k: v for k, v in layer.items() if k.rpartition(".")[0] not in absent}
         shapes |= {f"layers.{i}.{k}": v for k, v in layer.items()}
     return shapes
 
@@ -316,6 +337,7 @@ class _Builder:
                     continue
                 if target == "attn.qkv_proj" and config.mla is not None:
                     continue  # latent attention's projections (`_build_mla`)
+                parts = [p for p in parts if f"layers.{i}.{p}.weight" in expected]  # see k_as_v
                 ws = [state.pop(f"layers.{i}.{p}.weight") for p in parts]
                 bs = [state.pop(f"layers.{i}.{p}.bias", None) for p in parts]
                 if lay is not None:
@@ -327,6 +349,13 @@ class _Builder:
                 self._build_moe(f"layers.{i}.mlp", layer.mlp, state)
             if config.mla is not None:
                 self._build_mla(f"layers.{i}.attn", layer.attn, state)
+            if config.per_layer_input_size:
+                for attr in ("per_layer_gate", "per_layer_proj"):
+                    name = f"layers.{i}.{attr}"
+                    weight = state.pop(f"{name}.weight")
+                    setattr(layer, attr, self.linear([weight], [None], COARSE_X_BLOCK))
+        if config.per_layer_input_size:
+            self._build_per_layer_inputs(model, state)
         embed = state.pop("embed.weight")
         head = state.pop("lm_head.weight", None)
         keep_quantized = self.quantization == "gguf" and isinstance(embed, GGMLWeight)
@@ -358,6 +387,22 @@ class _Builder:
         if left:
             raise ModelFileError(self.path, f"no weights for {', '.join(left[:3])}")
         return model.eval().requires_grad_(False)
+
+    def _build_per_layer_inputs(self, model: Transformer, state: dict[str, Weight]) -> None:
+        """Gemma 4's second embedding table, looked up from the file's rows where it stays
+        quantized (as the main one: it is the largest tensor of the smaller models), and the
+        projection of the main embedding."""
+        table = state.pop("per_layer_embed.weight")
+        if self.quantization == "gguf" and isinstance(table, GGMLWeight):
+            model.per_layer_embed = QuantEmbedding(table, self.dtype)
+        else:
+            model.per_layer_embed = nn.Embedding.from_pretrained(
+                _dense(table, self.dtype), freeze=True
+            )
+            _release([table])
+        name = "per_layer_model_proj"
+        weight = state.pop(f"{name}.weight")
+        model.per_layer_model_proj = self.linear([weight], [None], COARSE_X_BLOCK, name=name)
 
     def _build_moe(self, prefix: str, block: moe.MoE, state: dict[str, Weight]) -> None:
         """The layers of a mixture-of-experts feed-forward. The router and the shared expert's gate

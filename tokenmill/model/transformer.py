@@ -138,24 +138,32 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
+            cfg.layer_kv_head_count(layer),
+            cfg.layer_head_dim(layer),
         )
-        self.scale = cfg.softmax_scale
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim**-0.5
         self.softcap = cfg.attn_logit_softcap
         self.window = cfg.layer_window(layer)
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        # the projections of k and v this layer has: none where it attends over another layer's
+        # cache, k alone where its values are its keys' projection (Gemma 4's global layers)
+        writes = cfg.kv_source(layer) == layer
+        self.kv_parts = 0 if not writes else 1 if layer in cfg.k_as_v_layers else 2
         # q, k and v in one matmul (the loader concatenates the checkpoint's three projections)
         self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+            cfg.hidden_size, self.q_size + self.kv_parts * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
         # per head, or over all heads of q and of k at once (qk_norm_whole: OLMoE, OLMo 2)
         self.qk_norm_whole = cfg.qk_norm_whole
-        q_dim, k_dim = (self.q_size, self.kv_size) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
+        q_dim, k_dim = (self.q_size, self.kv_size) if cfg.qk_norm_whole else (self.head_dim,) * 2
         normed = cfg.qk_norm or cfg.qk_norm_whole
         self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if normed else None
-        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if normed else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if normed and writes else None
+        self.value_norm_eps = cfg.rms_norm_eps if cfg.value_norm else None
         # under tensor parallelism: what each rank contributes to the gathers (model/sharding.py)
         self.gather = cfg.gather
         # a logit per head in each softmax's denominator (gpt-oss)
@@ -172,6 +180,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """rope: the step's cos and sin tables, None in a layer without rope."""
         tokens = x.shape[0]
+        if self.kv_parts != 2:
+            return self._forward_kv_parts(x, rope, k_cache, v_cache, batch, mask)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -180,17 +190,67 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.value_norm_eps is not None:
+            v = rms_normalized(v, self.value_norm_eps)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self._attend_and_project(q, k, v, k_cache, v_cache, batch, mask)
+
+    def _forward_kv_parts(
+        self,
+        x: torch.Tensor,
+        rope: tuple | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        """`forward` of a layer without a v projection (Gemma 4): its values are its keys'
+        projection before the key norm and rope, or, with no k projection either, it attends
+        over another layer's cache, which that layer wrote this step's K/V into already."""
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].reshape(tokens, self.num_heads, self.head_dim)
+        k = v = None
+        if self.kv_parts:
+            v = qkv[:, self.q_size :].reshape(tokens, self.num_kv_heads, self.head_dim)
+            k = v if self.k_norm is None else self.k_norm(v)
+            if self.value_norm_eps is not None:
+                v = rms_normalized(v, self.value_norm_eps)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if rope is not None:
+            q = apply_rotary(q, *rope)
+            k = None if k is None else apply_rotary(k, *rope)
+        return self._attend_and_project(q, k, v, k_cache, v_cache, batch, mask)
+
+    def _attend_and_project(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        """Attention over the cache, then o_proj (under tensor parallelism, over every rank's
+        heads, and every rank's rows gathered)."""
         sinks = None if self.sinks is None else self.sinks.float()
         out = paged_attention(
             q, k, v, k_cache, v_cache, batch, mask, self.scale, self.softcap, self.window, sinks
         )
-        out = out.reshape(tokens, self.q_size)
+        out = out.reshape(q.shape[0], self.q_size)
         if self.gather is None:
             return self.o_proj(out)
         out = self.o_proj(gather_columns(out, self.gather.attention))
         return gather_columns(out, self.gather.hidden)
+
+
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without weights over the last dimension, computed in float32."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def gather_columns(x: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
@@ -253,10 +313,22 @@ class DecoderLayer(nn.Module):
         else:
             self.attn = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
-        self.mlp = MoE(cfg, lambda width: MLP(cfg, width)) if cfg.layer_is_moe(layer) else MLP(cfg)
+        self.mlp = (
+            MoE(cfg, lambda width: MLP(cfg, width))
+            if cfg.layer_is_moe(layer)
+            else MLP(cfg, cfg.layer_intermediate_size(layer))
+        )
         self.attn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
         self.ffn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
         self.residual_scale = cfg.residual_scale
+        # Gemma 4: the layer's per-layer input gated by its output, projected back and added
+        # (`Transformer.per_layer_inputs`), then the whole stream times a learned scalar
+        width = cfg.per_layer_input_size
+        self.per_layer_gate = nn.Linear(cfg.hidden_size, width, bias=False) if width else None
+        self.per_layer_proj = nn.Linear(width, cfg.hidden_size, bias=False) if width else None
+        self.per_layer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if width else None
+        self.act_name = cfg.hidden_act
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalars else None
 
     def forward(
         self,
@@ -266,7 +338,10 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         batch: AttentionBatch,
         mask: torch.Tensor | tuple[torch.Tensor, ...],
+        per_layer_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """per_layer_input: this layer's (T, per_layer_input_size) input, where the model has
+        them."""
         x = h if self.attn_norm is None else self.attn_norm(h)
         a = self.attn(x, rope, k_cache, v_cache, batch, mask)
         if self.attn_post_norm is not None:
@@ -279,7 +354,13 @@ class DecoderLayer(nn.Module):
             m = self.ffn_post_norm(m)
         if self.residual_scale != 1.0:
             m = m * self.residual_scale
-        return h + m
+        h = h + m
+        if self.per_layer_gate is not None:
+            gated = ACTIVATIONS[self.act_name](self.per_layer_gate(h)) * per_layer_input
+            h = h + self.per_layer_norm(self.per_layer_proj(gated))
+        if self.layer_scalar is not None:
+            h = h * self.layer_scalar.to(h.dtype)
+        return h
 
 
 class Transformer(nn.Module):
@@ -301,8 +382,23 @@ class Transformer(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.rotaries = {
-            kind: Rotary(cfg.layer_rope(i), cfg.rope_dim) for i, kind in enumerate(cfg.layer_types)
+            kind: Rotary(cfg.layer_rope(i), cfg.layer_rope_dim(i))
+            for i, kind in enumerate(cfg.layer_types)
         }
+        # each layer's cache tensor: its own, or the one of the layer it shares (Gemma 4)
+        sources = [cfg.kv_source(i) for i in range(cfg.num_layers)]
+        self.cache_index = [cfg.cache_layers().index(source) for source in sources]
+        # Gemma 4's per-layer inputs (see `per_layer_inputs`); the loader supplies the weights
+        width = cfg.per_layer_input_size * cfg.num_layers
+        self.per_layer_embed = (
+            nn.Embedding(cfg.vocab_size, width, _weight=torch.empty(cfg.vocab_size, width))
+            if width
+            else None
+        )
+        self.per_layer_model_proj = nn.Linear(cfg.hidden_size, width, bias=False) if width else None
+        self.per_layer_proj_norm = (
+            RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps) if width else None
+        )
         # a tied head multiplies through `invariant_linear` (set by the loader for batch-invariant
         # fp32 models), else through F.linear
         self.invariant_head = False
@@ -319,10 +415,28 @@ class Transformer(nn.Module):
         }
         ropes = {kind: r.tables(batch.positions, h.dtype) for kind, r in self.rotaries.items()}
         no_rope = self.config.no_rope_layers
+        per_layer = None if self.per_layer_embed is None else self.per_layer_inputs(input_ids, h)
         for i, (kind, layer) in enumerate(zip(self.config.layer_types, self.layers)):
             rope = None if i in no_rope else ropes[kind]
-            h = layer(h, rope, cache.k[i], cache.v[i], batch, masks[layer.attn.window])
+            c = self.cache_index[i]
+            mask = masks[layer.attn.window]
+            if per_layer is None:
+                h = layer(h, rope, cache.k[c], cache.v[c], batch, mask)
+            else:
+                h = layer(h, rope, cache.k[c], cache.v[c], batch, mask, per_layer[:, i])
         return self.norm(h)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer inputs (T, layers, width): each token's rows of the second
+        embedding table (times sqrt(width)) plus the normed projection of its scaled main
+        embedding h (times hidden_size ** -0.5), over sqrt(2)."""
+        cfg = self.config
+        shape = (input_ids.shape[0], cfg.num_layers, cfg.per_layer_input_size)
+        width = cfg.per_layer_input_size
+        table = self.per_layer_embed(input_ids) * torch.tensor(width**0.5, dtype=h.dtype)
+        projected = self.per_layer_model_proj(h) * cfg.hidden_size**-0.5
+        projected = self.per_layer_proj_norm(projected.reshape(shape))
+        return (projected + table.reshape(shape)) * 2**-0.5
 
     @property
     def device(self) -> torch.device:
