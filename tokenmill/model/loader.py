@@ -351,8 +351,7 @@ class _Builder:
                 self._build_mla(f"layers.{i}.attn", layer.attn, state)
             if config.per_layer_input_size:
                 for attr in ("per_layer_gate", "per_layer_proj"):
-                    name = f"layers.{i}.{attr}"
-                    weight = state.pop(f"{name}.weight")
+                    weight = state.pop(f"layers.{i}.{attr}.weight")
                     setattr(layer, attr, self.linear([weight], [None], COARSE_X_BLOCK))
         if config.per_layer_input_size:
             self._build_per_layer_inputs(model, state)
@@ -400,9 +399,8 @@ class _Builder:
                 _dense(table, self.dtype), freeze=True
             )
             _release([table])
-        name = "per_layer_model_proj"
-        weight = state.pop(f"{name}.weight")
-        model.per_layer_model_proj = self.linear([weight], [None], COARSE_X_BLOCK, name=name)
+        weight = state.pop("per_layer_model_proj.weight")
+        model.per_layer_model_proj = self.linear([weight], [None], COARSE_X_BLOCK)
 
     def _build_moe(self, prefix: str, block: moe.MoE, state: dict[str, Weight]) -> None:
         """The layers of a mixture-of-experts feed-forward. The router and the shared expert's gate
