@@ -64,6 +64,22 @@ def test_compiled_decode_matches_eager(runner, batch_size: int) -> None:
     assert torch.isfinite(compiled).all()
 
 
+def test_a_few_tokens_per_sequence_run_as_rows_of_the_compiled_graph(runner) -> None:
+    """A decode with its drafts (three tokens each): every token a row of the graph over its own
+    context, as the eager path computes the chunk."""
+    prompts, tables = PROMPTS, TABLES
+    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
+    step = ([[7, 8, 9]] * 3, [len(p) + 3 for p in prompts], tables)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "_forward", lambda *args: pytest.fail("the step ran eagerly"))
+        rows = runner.token_logits(*step).clone()
+        last = runner.last_token_logits(*step).clone()
+    eager = runner.model.logits(runner.hidden_states(*step))
+    assert rows.shape == eager.shape == (9, 320)
+    torch.testing.assert_close(rows, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last, eager[[2, 5, 8]], rtol=1e-4, atol=1e-4)
+
+
 def test_compiled_steps_reuse_one_logits_buffer(runner) -> None:
     prompts, tables = PROMPTS, TABLES
     runner.last_token_logits(prompts, [len(p) for p in prompts], tables)

@@ -479,6 +479,8 @@ class LLMEngine:
         inputs = (batch.token_ids, batch.context_lens, batch.block_tables)
         if last_only := batch.needs_last_token_logits_only:
             out = self.runner.last_token_logits(*inputs, argmax_only=sampling.argmax_only)
+        elif last_only := batch.samples_every_token:
+            out = self.runner.token_logits(*inputs, argmax_only=sampling.argmax_only)
         else:
             out = self.runner.hidden_states(*inputs)
         self.stats.tokens_computed += batch.num_tokens

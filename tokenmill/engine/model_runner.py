@@ -40,6 +40,9 @@ log = logging.getLogger("tokenmill.engine")
 # Inductor accumulates float sums longer than 4096 in chunks, and guards a graph traced with a
 # shorter context on staying at or below it; longer contexts would need graphs of their own.
 COMPILED_CONTEXT_MAX = 4096
+# The most new tokens per sequence that `token_logits` runs as rows of the compiled decode graph
+# (a decode with its drafts); longer (prompt chunks) run eagerly
+COMPILED_ROWS_PER_SEQUENCE = 8
 # Saved decode graphs kept (two per model and KV pool size): a change of tokenmill's model code,
 # of torch or of the KV pool's size leaves the old ones unused; more keeps more configurations
 # ready to load, at the cost of disk space
@@ -179,6 +182,10 @@ class ModelRunner:
         (the caller only takes their argmaxes), may stay in the model's dtype (see
         `Transformer.logits`)."""
         query_lens = [len(t) for t in token_ids]
+        if self._compiled_decode is not None and 1 < max(query_lens) <= COMPILED_ROWS_PER_SEQUENCE:
+            # a few tokens each (e.g. a draft model reading its accepted drafts): as rows
+            logits = self.token_logits(token_ids, context_lens, block_tables, argmax_only)
+            return logits[torch.tensor(query_lens).cumsum(0) - 1]
         flat, batch = self._inputs(token_ids, query_lens, context_lens, block_tables)
         if self._compiled_decode is not None and self._is_decode(query_lens, context_lens):
             products = self._run_compiled(flat, batch)
@@ -191,6 +198,31 @@ class ModelRunner:
         hidden = self._forward(flat, batch)
         last = torch.tensor(query_lens).cumsum(0) - 1
         return self.model.logits(hidden[last])
+
+    @torch.inference_mode()
+    def token_logits(
+        self,
+        token_ids: list[list[int]],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        argmax_only: bool = False,
+    ) -> torch.Tensor:
+        """As `all_logits` (the logits of every new token), through the compiled graph where one
+        is ready and each sequence computes at most COMPILED_ROWS_PER_SEQUENCE tokens (a decode
+        with its drafts): each token is then a row of its own over its context, the rows of one
+        sequence sharing its block table. A step writes every row's K/V before any row attends,
+        so a row sees the tokens before it, as a prompt chunk's tokens do, and its result is the
+        same either way (batch invariance). argmax_only: as for `last_token_logits`."""
+        if self._compiled_decode is None or max(map(len, token_ids)) > COMPILED_ROWS_PER_SEQUENCE:
+            return self.all_logits(token_ids, context_lens, block_tables)
+        rows = [[token] for ids in token_ids for token in ids]
+        lens = [
+            end - len(ids) + 1 + i
+            for ids, end in zip(token_ids, context_lens)
+            for i in range(len(ids))
+        ]
+        tables = [table for ids, table in zip(token_ids, block_tables) for _ in ids]
+        return self.last_token_logits(rows, lens, tables, argmax_only=argmax_only)
 
     @torch.inference_mode()
     def all_logits(

@@ -57,3 +57,9 @@ class StepBatch:
         return not self.prompt_logprob_rows and len(self.sampling_seqs) == len(
             self.token_ids
         ) == len(self.sample_rows)
+
+    @property
+    def samples_every_token(self) -> bool:
+        """Whether every token of the step is a sampling row and nothing else is scored (decodes
+        with drafts): the runner then returns every token's logits itself (`token_logits`)."""
+        return not self.prompt_logprob_rows and self.sample_rows == list(range(self.num_tokens))
