@@ -1,6 +1,7 @@
 """Fair scheduling, side by side: tenant A keeps many long requests in flight while tenant B sends
-one short request a second; B's time to first token under `--scheduling-policy fair` and `fcfs`,
-against B's on an idle server. Tenants are told apart by API key (`--api-keys-file`).
+one short request a second; B's time to first token under `--scheduling-policy fair` (alone, and
+with `--max-running-per-tenant`) and `fcfs`, against B's on an idle server, with A's output
+tokens per second beside it. Tenants are told apart by API key (`--api-keys-file`).
 
     python benchmarks/fairness.py  # SmolLM2, A: 64 streams of 256 tokens, B: 20 requests
 
@@ -66,8 +67,9 @@ async def _flood(client, stop: asyncio.Event, streams: int, max_tokens: int) -> 
     return done
 
 
-async def _measure(url: str, args: argparse.Namespace, loaded: bool) -> list[float]:
-    """B's TTFTs, one request a second, with A's flood running or not."""
+async def _measure(url: str, args: argparse.Namespace, loaded: bool) -> tuple[list[float], float]:
+    """B's TTFTs, one request a second, with A's flood running or not, and A's output tokens per
+    second meanwhile (its completed requests')."""
     import httpx
 
     limits = httpx.Limits(max_connections=args.streams + 8)
@@ -79,14 +81,15 @@ async def _measure(url: str, args: argparse.Namespace, loaded: bool) -> list[flo
             await asyncio.sleep(args.ramp)  # A's streams all running
         else:
             stop.set()
-        times = []
+        start, times = time.perf_counter(), []
         for _ in range(args.b_requests):
             started = time.perf_counter()
             times.append(await _ttft(client, "key-b", B_PROMPT, args.b_tokens))
             await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - started)))
         stop.set()
-        await flood
-    return times
+        seconds = time.perf_counter() - start
+        completed = await flood
+    return times, completed * args.a_tokens / seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b-requests", type=int, default=20, help="tenant B's requests, one a second")
     p.add_argument("--b-tokens", type=int, default=16)
     p.add_argument("--ramp", type=float, default=5.0, help="seconds for A's streams to start")
+    p.add_argument(
+        "--tenant-limit", type=int, default=16, help="fair: --max-running-per-tenant of a run"
+    )
     p.add_argument("--port", type=int, default=8777)
     args = p.parse_args(argv)
     model = common.resolve_model(args.model)
@@ -107,7 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         keys = Path(tmp) / "keys.json"
         keys.write_text(json.dumps(KEYS))
         idle = None
-        for policy in ("fair", "fcfs"):
+        runs = [
+            ("fair", []),
+            (
+                f"fair, {args.tenant_limit} per tenant",
+                ["--max-running-per-tenant", str(args.tenant_limit)],
+            ),
+            ("fcfs", []),
+        ]
+        for name, extra in runs:
+            policy = name.split(",")[0]
             cmd = common.tokenmill_serve_cmd(
                 model,
                 args.port,
@@ -117,19 +132,28 @@ def main(argv: list[str] | None = None) -> int:
                 policy,
                 "--api-keys-file",
                 str(keys),
+                *extra,
             )
-            log_path = results_dir / f"fairness-{policy}.log"
+            log_path = results_dir / f"fairness-{policy}-{len(extra)}.log"
             env = common.thread_env(args.threads)
-            with common.Server(f"tokenmill {policy}", cmd, args.port, log_path, env=env) as server:
+            with common.Server(f"tokenmill {name}", cmd, args.port, log_path, env=env) as server:
                 if idle is None:
-                    idle = statistics.median(asyncio.run(_measure(server.url, args, False)))
+                    idle = statistics.median(asyncio.run(_measure(server.url, args, False))[0])
                     log(f"B alone: p50 TTFT {idle * 1000:.1f} ms")
-                times = asyncio.run(_measure(server.url, args, True))
+                times, a_tok_s = asyncio.run(_measure(server.url, args, True))
             p50 = statistics.median(times)
-            log(f"{policy}: B's p50 TTFT {p50 * 1000:.1f} ms under A's {args.streams} streams")
-            rows.append([policy, fmt(idle * 1000), fmt(p50 * 1000), fmt_ratio(ratio(p50, idle))])
-            summary[policy] = {"idle_ttft_s": idle, "p50_ttft_s": p50, "ttfts_s": times}
-    print(common.table(["policy", "B idle p50 ms", "B loaded p50 ms", "loaded / idle"], rows))
+            log(f"{name}: B's p50 TTFT {p50 * 1000:.1f} ms under A's {args.streams} streams")
+            rows.append(
+                [name, fmt(idle * 1000), fmt(p50 * 1000), fmt_ratio(ratio(p50, idle)), fmt(a_tok_s)]
+            )
+            summary[name] = {
+                "idle_ttft_s": idle,
+                "p50_ttft_s": p50,
+                "ttfts_s": times,
+                "a_tok_s": a_tok_s,
+            }
+    headers = ["policy", "B idle p50 ms", "B loaded p50 ms", "loaded / idle", "A out tok/s"]
+    print(common.table(headers, rows))
     common.write_json(results_dir / "fairness.json", summary)
     return 0
 

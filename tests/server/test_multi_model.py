@@ -322,3 +322,22 @@ def test_loading_past_the_limit_unloads_the_least_recently_used_idle_model(two_a
     complete(client, "kept")  # b goes; kept stays loaded from now on
     with pytest.raises(openai.BadRequestError, match="at most 2 models load at once"):
         complete(client, "c")  # a and kept are both kept loaded: c can never fit
+
+
+def test_a_running_engine_handed_to_the_server_never_unloads(model_dirs, one_torch_thread) -> None:
+    """`build_app(engine, ...)` serves an engine it cannot build again: a request's keep_alive 0
+    leaves it loaded, and it goes on answering."""
+    a, _ = model_dirs
+    engine = LLMEngine(a, compile=False, max_model_len=256, num_kv_blocks=64)
+    running = RunningServer(engine, ServerConfig("solo", api_key=API_KEY))
+    try:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        ollama.Client(host=running.url, headers=headers).generate("solo", keep_alive=0)
+        client = openai.OpenAI(
+            base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0, timeout=30
+        )
+        assert complete(client, "solo", keep_alive=0)
+        with httpx.Client(base_url=running.url, headers=headers, timeout=60) as http:
+            assert statuses(http) == {"solo": "loaded"}
+    finally:
+        running.stop()

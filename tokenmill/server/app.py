@@ -57,6 +57,8 @@ def build_app(served: ModelRegistry | Engine, config: ServerConfig) -> FastAPI:
 def serving(config: ServerConfig, engine: Engine) -> ModelRegistry:
     """A registry of one running engine, kept loaded as `config.served_model_name`."""
     registry = ModelRegistry()
-    source = ModelSource(config.served_model_name, engine.model_path, 0, lambda: engine)
+    source = ModelSource(
+        config.served_model_name, engine.model_path, 0, lambda: engine, pinned=True
+    )
     registry.add(source, engine)
     return registry

@@ -90,6 +90,9 @@ class ModelSource:
     memory: int  # estimated bytes once loaded: its weights and its KV pool
     build: Callable[[], Engine]  # a running engine; blocks for the load (run on a worker thread)
     keep_alive: float = FOREVER  # seconds it stays loaded after its last request, by default
+    # never unloads, whatever a request's keep_alive: an engine handed over running, which
+    # `build` cannot make again once shut down
+    pinned: bool = False
 
 
 class ModelFinder(Protocol):
@@ -259,7 +262,7 @@ class ModelRegistry:
         except BaseException:
             self._release(entry)
             raise
-        if keep_alive is not None:
+        if keep_alive is not None and not entry.source.pinned:
             entry.keep_alive = keep_alive
         else:
             entry.keep_alive = entry.source.keep_alive
@@ -269,7 +272,7 @@ class ModelRegistry:
         """Unload a model now if no request holds it (Ollama's keep_alive 0 with no prompt)."""
         entry = self.entry(name)
         async with self._lock:
-            if entry.engine is not None and entry.users == 0:
+            if entry.engine is not None and entry.users == 0 and not entry.source.pinned:
                 await self._unload_locked(entry)
 
     def _release(self, entry: ModelEntry) -> None:
