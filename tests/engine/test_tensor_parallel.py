@@ -26,7 +26,7 @@ Q = gguf.GGMLQuantizationType
 NUM_BLOCKS, BLOCK = 64, 8
 
 
-def _engine(path: Path, tp: int, quantization: str = "none") -> LLMEngine:
+def _engine(path: Path, tp: int, quantization: str = "none", backend: str = "mp") -> LLMEngine:
     # float32 throughout, the KV cache too: an fp16 cache rounds each rank's keys at their own
     # last bit, which the 1e-4 bound would then measure
     return LLMEngine(
@@ -38,6 +38,7 @@ def _engine(path: Path, tp: int, quantization: str = "none") -> LLMEngine:
         block_size=BLOCK,
         compile=False,
         tensor_parallel_size=tp,
+        distributed_executor_backend=backend,
     )
 
 
@@ -67,12 +68,14 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in final_outputs(engine, [(p, params) for p in prompts])]
 
 
-def _compare(path: Path, vocab: int, quantization: str, ranks: int = 2) -> None:
+def _compare(
+    path: Path, vocab: int, quantization: str, ranks: int = 2, backend: str = "mp"
+) -> None:
     """Every logit and greedy token of `ranks` ranks equals one rank's, bit for bit."""
     prompts = _prompts(vocab, 16)
     results = {}
     for tp in (1, ranks):
-        engine = _engine(path, tp, quantization)
+        engine = _engine(path, tp, quantization, backend)
         try:
             results[tp] = (_logits(engine, prompts), _greedy(engine, prompts))
         finally:
@@ -92,6 +95,16 @@ def llama_3kv(tmp_path_factory) -> Path:
 
 def test_llama_with_uneven_heads_equals_one_rank(llama_3kv: Path) -> None:
     _compare(llama_3kv, 320, "none")
+
+
+def test_ray_actors_as_workers_equal_one_rank(llama_3kv: Path) -> None:
+    """--distributed-executor-backend ray: the worker is a Ray actor (a local Ray instance)."""
+    import ray
+
+    try:
+        _compare(llama_3kv, 320, "none", backend="ray")
+    finally:
+        ray.shutdown()
 
 
 def test_llama_over_three_ranks_equals_one_rank(llama_3kv: Path) -> None:
@@ -183,7 +196,7 @@ def test_unsupported_combinations_are_refused(llama_3kv: Path, tiny_loaded) -> N
     with pytest.raises(ValueError, match="at least 1"):
         LLMEngine(str(llama_3kv), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
-        LLMEngine(str(llama_3kv), tensor_parallel_size=2, distributed_executor_backend="ray")
+        LLMEngine(str(llama_3kv), tensor_parallel_size=2, distributed_executor_backend="slurm")
     with pytest.raises(ValueError, match="draft model"):
         LLMEngine(
             str(llama_3kv),

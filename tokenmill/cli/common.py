@@ -102,7 +102,8 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "--distributed-executor-backend",
         default="mp",
         choices=EXECUTOR_BACKENDS,
-        help="how tensor-parallel workers run: mp, local processes (default: mp)",
+        help="how tensor-parallel workers run: mp, local processes; ray, Ray actors on this "
+        "machine or on the Ray cluster of RAY_ADDRESS (default: mp)",
     )
 
 

@@ -52,14 +52,14 @@ TAKE_TIMEOUT_S = 1.0
 PREFILL_REPLICA = 0  # with prefill/decode disaggregation
 
 
-def import_ray() -> Any:
-    """The ray module, or an error that says how to install it."""
+def import_ray(option: str = "--data-parallel-size above 1") -> Any:
+    """The ray module, or an error that says how to install it (option: what needs it)."""
     try:
         import ray
     except ImportError as exc:
         raise TokenmillError(
-            "--data-parallel-size above 1 runs the engine replicas on Ray, which is not "
-            "installed: pip install 'tokenmill[ray]' (or pip install ray)"
+            f"{option} runs on Ray, which is not installed: pip install 'tokenmill[ray]' "
+            "(or pip install ray)"
         ) from exc
     return ray
 

@@ -82,7 +82,8 @@ class EngineConfig:
     # ranks the model is split over (see engine/tp_executor.py): this process and N-1 workers,
     # each with max(1, threads // N) threads; steps run eagerly (compile is off) when N > 1
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"  # how the workers run: "mp", local processes
+    # how the workers run: "mp", local processes; "ray", Ray actors (see engine/tp_executor.py)
+    distributed_executor_backend: str = "mp"
 
 
 @dataclass
@@ -229,6 +230,7 @@ class LLMEngine:
             _load_options(cfg),
             cfg.block_size,
             cfg.kv_cache_dtype,
+            cfg.distributed_executor_backend,
         )
 
     def _build_runner(self, model: str | Path | LoadedModel | None, progress: bool) -> None:
