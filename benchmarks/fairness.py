@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b-tokens", type=int, default=16)
     p.add_argument("--ramp", type=float, default=5.0, help="seconds for A's streams to start")
     p.add_argument(
-        "--tenant-limit", type=int, default=16, help="fair: --max-running-per-tenant of a run"
+        "--tenant-limit", type=int, default=8, help="fair: --max-running-per-tenant of a run"
     )
     p.add_argument("--port", type=int, default=8777)
     args = p.parse_args(argv)
