@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from tests.model.test_moe import VOCAB, _assert_matches_transformers, _store
+from tests.model.test_gguf_model import VOCAB, add_tiny_vocab, save
+from tests.model.test_moe import _assert_matches_transformers, _store
 from tokenmill.engine.kv_memory import blocks_for_budget
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.attention import KVCache
@@ -182,13 +183,7 @@ def _write_gguf(path: Path, hf, split_kv_b: bool, qtype: gguf.GGMLQuantizationTy
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    tokens = [chr(c) for c in range(33, 127)] + ["ab", "<|end|>"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (VOCAB - 1) + [3])
-    writer.add_token_merges(["a b"])
-    writer.add_eos_token_id(VOCAB - 1)
+    add_tiny_vocab(writer)
 
     heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     encoded = {}
@@ -227,10 +222,7 @@ def _write_gguf(path: Path, hf, split_kv_b: bool, qtype: gguf.GGMLQuantizationTy
             dense = "ffn_gate_inp" in name or data.ndim == 1
             stored = _store(writer, name, data, Q.F32 if dense else qtype)
             encoded[hf_name] = torch.from_numpy(np.ascontiguousarray(stored))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save(writer)
     return encoded
 
 

@@ -169,11 +169,32 @@ def _gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf reorders q/k rows of Llama models for interleaved rope."""
     return (
         w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     )
+
+
+def add_tiny_vocab(writer: gguf.GGUFWriter, end: str = "<|end|>") -> None:
+    """The tiny models' vocabulary, byte-level BPE: printable ASCII (its own byte-level form),
+    one merge and the end token."""
+    tokens = [chr(c) for c in range(33, 127)] + ["ab", end]
+    assert len(tokens) == VOCAB
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (VOCAB - 1) + [3])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(VOCAB - 1)
+
+
+def save(writer: gguf.GGUFWriter) -> None:
+    """Write the file: header, metadata, tensors."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def _write_gguf(
@@ -227,15 +248,7 @@ def _write_gguf(
         writer.add_embedding_scale(cfg.embedding_multiplier)
         writer.add_residual_scale(cfg.residual_multiplier)
         writer.add_logit_scale(cfg.logits_scaling)
-    # printable ASCII is its own byte-level form
-    tokens = [chr(c) for c in range(33, 127)] + ["ab", "<|end|>"]
-    assert len(tokens) == VOCAB
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (VOCAB - 1) + [3])
-    writer.add_token_merges(["a b"])
-    writer.add_eos_token_id(VOCAB - 1)
+    add_tiny_vocab(writer)
 
     encoded = {}
     for hf_name, tensor in hf.state_dict().items():
@@ -246,7 +259,7 @@ def _write_gguf(
             data = data + 1.0  # llama.cpp stores Gemma norms as 1 + w
         if arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
-            data = _permute(data, heads)
+            data = permute_qk(data, heads)
         if data.ndim == 2 and ("embed" not in hf_name or quantize_embedding):
             raw = quantize(data, qtype)
             writer.add_tensor(_gguf_name(hf_name, arch), raw, raw_dtype=qtype)
@@ -263,10 +276,7 @@ def _write_gguf(
         if arch == "gemma3" and "norm" in hf_name:
             data = data - 1.0
         encoded[hf_name] = torch.from_numpy(np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save(writer)
     return encoded
 
 

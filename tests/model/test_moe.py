@@ -16,6 +16,7 @@ import transformers
 from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
+from tests.model.test_gguf_model import VOCAB, add_tiny_vocab, permute_qk, save
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model import kernels
 from tokenmill.model.config import SLIDING_ATTENTION
@@ -24,7 +25,6 @@ from tokenmill.model.moe import MoE
 from tokenmill.model.quant_linear import QuantLinear
 from tokenmill.model.sharding import Shard
 
-VOCAB = 96
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -167,13 +167,6 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{layer_names[rest]}.{suffix}"
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter reorders q/k rows of "llama" models for interleaved rope."""
-    return (
-        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
-
-
 def _store(writer, name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """Add a tensor, quantized where it is a matrix (or a stack of them); returns what the file
     holds, dequantized."""
@@ -208,13 +201,7 @@ def _write_gguf(path: Path, hf, family: str, qtype: gguf.GGMLQuantizationType) -
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    tokens = [chr(c) for c in range(33, 127)] + ["ab", "<|end|>"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (VOCAB - 1) + [3])
-    writer.add_token_merges(["a b"])
-    writer.add_eos_token_id(VOCAB - 1)
+    add_tiny_vocab(writer)
 
     encoded = {}
     for hf_name, tensor in hf.state_dict().items():
@@ -239,7 +226,7 @@ def _write_gguf(path: Path, hf, family: str, qtype: gguf.GGMLQuantizationType) -
         permuted = arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight"))
         heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
         if permuted:
-            data = _permute(data, heads)
+            data = permute_qk(data, heads)
         dense = "ffn_gate_inp" in name or "token_embd" in name or data.ndim == 1
         stored = _store(writer, name, data, gguf.GGMLQuantizationType.F32 if dense else qtype)
         if permuted:  # back to HF's order
@@ -249,10 +236,7 @@ def _write_gguf(path: Path, hf, family: str, qtype: gguf.GGMLQuantizationType) -
                 .reshape(stored.shape)
             )
         encoded[hf_name] = torch.from_numpy(np.ascontiguousarray(stored))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save(writer)
     return encoded
 
 
@@ -370,12 +354,7 @@ def _write_gpt_oss_gguf(path: Path, hf, qtype: Q, fused: bool) -> dict:
     writer.add_expert_count(cfg.num_local_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     writer.add_expert_feed_forward_length(cfg.intermediate_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([chr(c) for c in range(33, 127)] + ["ab", "<|return|>"])
-    writer.add_token_types([1] * (VOCAB - 1) + [3])
-    writer.add_token_merges(["a b"])
-    writer.add_eos_token_id(VOCAB - 1)
+    add_tiny_vocab(writer, end="<|return|>")
     names = {
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "post_attention_norm",
@@ -425,10 +404,7 @@ def _write_gpt_oss_gguf(path: Path, hf, qtype: Q, fused: bool) -> dict:
             base, suffix = rest.rsplit(".", 1)
             writer.add_tensor(f"{blk}.{names[base]}.{suffix}", data)
         encoded.setdefault(hf_name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save(writer)
     return encoded
 
 
