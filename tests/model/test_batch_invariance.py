@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(
     not ROW_KERNELS, reason="tokenmill's kernels build only for x86 CPUs with AVX2 or AVX-512"
 )
 
-BATCHES = [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33, 48, 64, 65, 100]
+BATCHES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 14, 16, 17, 31, 32, 33, 48, 64, 65, 100]
 OUT, IN = 96, 224  # 7 groups of 32: the row kernels' blocks of 4 groups, a pair and a single one
 
 

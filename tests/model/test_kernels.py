@@ -76,7 +76,7 @@ def _within_half_a_step(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9, 13])  # 13: blocks of 8, 4 and 1 rows
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 9, 14])  # 14: blocks of 8 and 6 rows
 @pytest.mark.parametrize("means", ["gemv", "dense copy", "chunks"])
 # 3 and 9 blocks of 32: the kernels' unrolled steps and a block left
 @pytest.mark.parametrize("cols", [96, 288])
@@ -146,7 +146,7 @@ def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9, 13])  # 13: blocks of 8, 4 and 1 rows
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 9, 14])  # 14: blocks of 8 and 6 rows
 @pytest.mark.parametrize("dense", [False, True])
 # 5 and 9 groups of 32: quads, a pair and a single group left
 @pytest.mark.parametrize("cols", [160, 288])
@@ -259,7 +259,7 @@ def _random_tiles(rows: int, cols: int, bits: int, seed: int):
 
 @needs_avx512
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 9, 15])  # blocks of 8, 4, 2 and 1 rows
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 6, 7, 9, 15])  # every block of 1-8 rows
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("cols", [32, 160])
 @pytest.mark.parametrize("x_block", [8, 32])

@@ -29,11 +29,11 @@ constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kRowsPerTile = 32;
 
 // Runs kernel(rows, m0, r0, r1) over blocks of activation rows (m0: the block's first; rows: its
-// size, as a std::integral_constant for the kernel's template: 8 while that many are left, then 4,
-// then the 1-3 left), each over weight rows (or tiles of them) [r0, r1): PyTorch's intra-op threads
-// split the N weight rows, per_task at least to a task, and each thread takes its rows per_tile at a
-// time through every block of activation rows, so that with many activation rows the tile's weights
-// are read from memory once, then from cache.
+// size, as a std::integral_constant for the kernel's template: 8 while that many are left, then the
+// 1-7 left as one block, whose weights are then loaded once), each over weight rows (or tiles of
+// them) [r0, r1): PyTorch's intra-op threads split the N weight rows, per_task at least to a task,
+// and each thread takes its rows per_tile at a time through every block of activation rows, so that
+// with many activation rows the tile's weights are read from memory once, then from cache.
 template <typename Kernel>
 void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel, int64_t per_task = kRowsPerTask,
                      int64_t per_tile = kRowsPerTile) {
@@ -42,14 +42,14 @@ void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel, int64_t per_tas
       const int64_t r1 = std::min(end, r0 + per_tile);
       int64_t m0 = 0;
       for (; M - m0 >= 8; m0 += 8) kernel(std::integral_constant<int, 8>{}, m0, r0, r1);
-      if (M - m0 >= 4) {
-        kernel(std::integral_constant<int, 4>{}, m0, r0, r1);
-        m0 += 4;
-      }
       switch (M - m0) {
         case 1: kernel(std::integral_constant<int, 1>{}, m0, r0, r1); break;
         case 2: kernel(std::integral_constant<int, 2>{}, m0, r0, r1); break;
         case 3: kernel(std::integral_constant<int, 3>{}, m0, r0, r1); break;
+        case 4: kernel(std::integral_constant<int, 4>{}, m0, r0, r1); break;
+        case 5: kernel(std::integral_constant<int, 5>{}, m0, r0, r1); break;
+        case 6: kernel(std::integral_constant<int, 6>{}, m0, r0, r1); break;
+        case 7: kernel(std::integral_constant<int, 7>{}, m0, r0, r1); break;
         default: break;
       }
     }
@@ -802,7 +802,7 @@ constexpr int64_t kTilesPerTask = 2;
 constexpr int64_t kTilesPerChunk = 4;
 
 // Quantized rows (with sums) regrouped into the blocks of rows that over_row_blocks hands the tile
-// kernel (8 at a time, then 4, then the 1-3 left), each block in the rows' place: group by group,
+// kernel (8 at a time, then the 1-7 left), each block in the rows' place: group by group,
 // its rows' 32 values, 4 scales and sum side by side. The kernel then reaches every row of its block
 // from one pointer at offsets fixed when it is compiled, where a pointer per row would take more
 // registers than the loop has and spill.
@@ -811,7 +811,7 @@ void interleave_row_blocks(QuantizedRows& xq, int64_t M, int64_t K) {
   QuantizedRows out{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * groups * 4]),
                     std::unique_ptr<float[]>(new float[M * groups])};
   for (int64_t m0 = 0; m0 < M;) {
-    const int64_t rows = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0;
+    const int64_t rows = std::min<int64_t>(8, M - m0);
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t from = (m0 + i) * groups + g, to = m0 * groups + g * rows + i;
