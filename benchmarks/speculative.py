@@ -1,14 +1,19 @@
 """Speculative decoding, side by side: `tokenmill serve` without speculation, with prompt lookup
 (n-gram) and with a draft model, next to `llama-server` without and with `--model-draft`, on the
-same GGUF files and threads, one server at a time.
+same GGUF files and threads.
 
 Two workloads of chat requests, sent one at a time (concurrency 1), greedy, streamed:
 - code editing: the prompt holds a Python module to rewrite with a small change, so the answer
   copies most of the prompt (what prompt lookup is for);
 - chat: short questions with free answers.
 A tokenmill configuration also runs the code-editing workload at concurrency 32, to show what
-speculation costs a full batch (it stands down there). Output tok/s is completion tokens over the
-wall time of the workload; the first request of each workload is an untimed warm-up.
+speculation costs a full batch (it stands down there).
+
+Every server runs for the whole benchmark (idle ones use no CPU) and the configurations take turns
+request by request (32 at once: workload by workload), in an order that rotates each turn, so a
+drift of the machine's speed (which moves single runs minutes apart by up to 15%) falls on all of
+them alike. Output tok/s is a configuration's completion tokens over its requests' wall time; each
+server's first request is an untimed warm-up.
 
     python benchmarks/speculative.py  # Qwen2.5-Coder-1.5B target, 0.5B draft
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shlex
 import sys
@@ -101,21 +107,24 @@ def workload(name: str) -> list[list[dict]]:
     return [[{"role": "user", "content": q}] for q in QUESTIONS]
 
 
-async def run_workload(
-    url: str, conversations: list[list[dict]], concurrency: int, max_tokens: int
-) -> dict:
+def client(url: str):
     import httpx
     import openai
 
     # a connection per request: llama-server closes idle kept-alive connections, and a request
     # sent on one as it closes fails
     http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=1800)
-    client = openai.AsyncOpenAI(
+    return openai.AsyncOpenAI(
         base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800, http_client=http
     )
 
+
+async def run_requests(url: str, conversations: list[list[dict]], max_tokens: int) -> dict:
+    """The conversations sent all at once; completion tokens and wall seconds."""
+    api = client(url)
+
     async def one(messages: list[dict]) -> int:
-        stream = await client.chat.completions.create(
+        stream = await api.chat.completions.create(
             model="default",
             messages=messages,
             max_tokens=max_tokens,
@@ -129,63 +138,56 @@ async def run_workload(
                 tokens = chunk.usage.completion_tokens
         return tokens
 
-    await one(conversations[0])  # warm-up
-    todo = conversations[1:] * max(1, concurrency // max(len(conversations) - 1, 1))
-    gate = asyncio.Semaphore(concurrency)
-
-    async def gated(messages: list[dict]) -> int:
-        async with gate:
-            return await one(messages)
-
     start = time.perf_counter()
-    tokens = await asyncio.gather(*(gated(m) for m in todo))
+    tokens = await asyncio.gather(*(one(m) for m in conversations))
     seconds = time.perf_counter() - start
-    await client.close()
-    return {
-        "requests": len(todo),
-        "tokens": sum(tokens),
-        "seconds": seconds,
-        "tok_s": sum(tokens) / seconds,
-    }
+    await api.close()
+    return {"tokens": sum(tokens), "seconds": seconds}
+
+
+def take_turns(urls: dict[str, str], turns: list[list[list[dict]]], max_tokens: int) -> dict:
+    """Each turn's conversations (sent at once) on every server, the servers' order rotating
+    from turn to turn; per server the totals and its output tok/s."""
+    totals = {name: {"requests": 0, "tokens": 0, "seconds": 0.0} for name in urls}
+    names = list(urls)
+    for i, turn in enumerate(turns):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            run = asyncio.run(run_requests(urls[name], turn, max_tokens))
+            totals[name]["requests"] += len(turn)
+            totals[name]["tokens"] += run["tokens"]
+            totals[name]["seconds"] += run["seconds"]
+    for total in totals.values():
+        total["tok_s"] = total["tokens"] / total["seconds"]
+    return totals
 
 
 def servers(args: argparse.Namespace) -> dict[str, tuple[list[str], dict, int]]:
     target, draft = common.resolve_model(args.model), common.resolve_model(args.draft)
-    tokenmill = common.tokenmill_serve_cmd(
-        target, args.tokenmill_port, "--served-model-name", "default"
-    )
     env = common.thread_env(args.threads)
+
+    def tokenmill(port: int, *flags: str) -> tuple[list[str], dict, int]:
+        cmd = common.tokenmill_serve_cmd(target, port, "--served-model-name", "default", *flags)
+        return cmd, env, port
+
     ngram = {"method": "ngram", "num_speculative_tokens": args.ngram_tokens}
     drafted = {"model": str(draft), "num_speculative_tokens": args.draft_tokens}
+    port = args.port
     configs = {
-        "tokenmill": (tokenmill, env, args.tokenmill_port),
-        "tokenmill ngram": (
-            tokenmill + ["--speculative-config", json.dumps(ngram)],
-            env,
-            args.tokenmill_port,
-        ),
-        "tokenmill draft": (
-            tokenmill + ["--speculative-config", json.dumps(drafted)],
-            env,
-            args.tokenmill_port,
-        ),
+        "tokenmill": tokenmill(port),
+        "tokenmill ngram": tokenmill(port + 1, "--speculative-config", json.dumps(ngram)),
+        "tokenmill draft": tokenmill(port + 2, "--speculative-config", json.dumps(drafted)),
     }
     binary = common.ensure_llama(["llama-server"], build=not args.no_build)["llama-server"]
     if binary is not None:
-        llama = common.llama_server_cmd(
-            binary,
-            target,
-            args.llama_port,
-            args.threads,
-            "-c",
-            "8192",
-            "-np",
-            "1",
-            "--alias",
-            "default",
-        )
-        configs["llama.cpp"] = (llama, env, args.llama_port)
-        configs["llama.cpp draft"] = (llama + ["--model-draft", str(draft)], env, args.llama_port)
+
+        def llama(port: int, *flags: str) -> tuple[list[str], dict, int]:
+            cmd = common.llama_server_cmd(
+                binary, target, port, args.threads, "-c", "8192", "-np", "1", "--alias", "default"
+            )
+            return cmd + list(flags), env, port
+
+        configs["llama.cpp"] = llama(port + 3)
+        configs["llama.cpp draft"] = llama(port + 4, "--model-draft", str(draft))
     return {name: configs[name] for name in args.engines.split(",") if name in configs}
 
 
@@ -194,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ngram-tokens", type=int, default=8, help="K of prompt lookup")
+    p.add_argument(
+        "--ngram-tokens",
+        type=int,
+        default=7,
+        help="K of prompt lookup (7: a decode and its drafts fit one compiled step's 8 rows)",
+    )
     p.add_argument("--draft-tokens", type=int, default=3, help="K of the draft model")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument(
@@ -211,33 +218,35 @@ def main(argv: list[str] | None = None) -> int:
         default="code-editing,chat",
         help="workloads run at concurrency 1 (comma-separated; empty: none)",
     )
-    p.add_argument("--tokenmill-port", type=int, default=8775)
-    p.add_argument("--llama-port", type=int, default=8776)
+    p.add_argument("--turns", type=int, default=2, help="times each workload's requests are sent")
+    p.add_argument("--port", type=int, default=8775, help="the first of five ports")
     p.add_argument("--no-build", action="store_true")
     args = p.parse_args(argv)
     results_dir = Path(common.RESULTS)
-    out: dict[str, dict] = {}
-    for name, (cmd, env, port) in servers(args).items():
-        with common.Server(
-            name,
-            cmd,
-            port,
-            results_dir / "logs" / f"spec-{name.replace(' ', '-')}.log",
-            env=env,
-            startup_timeout=1800,
-        ) as server:
-            runs = {}
-            for load in filter(None, args.workloads.split(",")):
-                runs[load] = asyncio.run(
-                    run_workload(server.url, workload(load), 1, args.max_tokens)
-                )
-                log(f"{name} {load}: {runs[load]['tok_s']:.1f} tok/s")
-            if name in args.batch_check.split(","):
-                runs["code-editing c=32"] = asyncio.run(
-                    run_workload(server.url, workload("code-editing"), 32, 128)
-                )
-                log(f"{name} code-editing c=32: {runs['code-editing c=32']['tok_s']:.1f} tok/s")
-            out[name] = {"command": shlex.join(cmd), **runs}
+    configs = servers(args)
+    out = {name: {"command": shlex.join(cmd)} for name, (cmd, _, _) in configs.items()}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, (cmd, env, port) in configs.items():
+            log_path = results_dir / "logs" / f"spec-{name.replace(' ', '-')}.log"
+            server = common.Server(name, cmd, port, log_path, env=env, startup_timeout=1800)
+            urls[name] = stack.enter_context(server).url
+        for load in filter(None, args.workloads.split(",")):
+            warm_up, *timed = workload(load)
+            take_turns(urls, [[warm_up]], args.max_tokens)
+            runs = take_turns(urls, [[c] for c in timed] * args.turns, args.max_tokens)
+            for name, run in runs.items():
+                out[name][load] = run
+                log(f"{name} {load}: {run['tok_s']:.1f} tok/s")
+        batched = {name: urls[name] for name in args.batch_check.split(",") if name in urls}
+        if batched:
+            _, *timed = workload("code-editing")
+            full = [timed * (32 // len(timed)) + timed[: 32 % len(timed)]]
+            take_turns(batched, full[:1], 16)  # warm-up
+            runs = take_turns(batched, full * args.turns, 128)
+            for name, run in runs.items():
+                out[name]["code-editing c=32"] = run
+                log(f"{name} code-editing c=32: {run['tok_s']:.1f} tok/s")
     loads = ["code-editing", "chat", "code-editing c=32"]
     print(
         common.table(
