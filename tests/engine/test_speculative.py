@@ -82,12 +82,13 @@ def test_greedy_equals_plain_decoding_on_the_tiny_model(tiny_loaded) -> None:
 
 
 class RepeatDrafter:
-    """Drafts the last token again, every step."""
+    """Drafts the last token again, k times, every step."""
 
-    num_speculative_tokens = 1
+    def __init__(self, k: int = 1) -> None:
+        self.num_speculative_tokens = k
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        return token_ids[-1:][:limit]
+        return token_ids[-1:] * min(self.num_speculative_tokens, limit)
 
 
 def test_a_sequence_whose_drafts_miss_pauses_its_drafting(tiny_loaded, monkeypatch) -> None:
@@ -299,6 +300,30 @@ def test_a_draft_model_gives_plain_decodings_greedy_outputs(
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
     else:
         assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft model"])
+def test_after_one_accepted_draft_only_prompt_lookup_drafts_fewer(
+    tiny_model_dir, tiny_draft_dir, method: str, monkeypatch
+) -> None:
+    """Every verification accepts one draft: prompt lookup then proposes at most two, a draft
+    model its K (3) again."""
+    monkeypatch.setattr(llm_engine, "accepted_drafts", lambda drafts, sampled: min(1, len(drafts)))
+    config = {"method": "ngram", "num_speculative_tokens": 3}
+    if method == "draft model":
+        config = {"model": tiny_draft_dir, "num_speculative_tokens": 3}
+    engine = LLMEngine(
+        str(tiny_model_dir), num_kv_blocks=512, max_model_len=512, speculative_config=config
+    )
+    if method == "ngram":
+        engine.speculative = RepeatDrafter(3)
+    _run(engine, REPETITIVE[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    drafts, verifications = engine.stats.spec_num_draft_tokens, engine.stats.spec_num_drafts
+    assert verifications > 10
+    if method == "draft model":  # 3 each, but the last, short of room
+        assert drafts >= 3 * (verifications - 1) + 1
+    else:  # 3 the first time, then 2 each
+        assert drafts <= 3 + 2 * (verifications - 1)
 
 
 def test_a_draft_model_with_a_reduced_vocabulary_drafts_from_it_only(

@@ -573,7 +573,8 @@ class LLMEngine:
                 self.stats.spec_num_drafts += 1
                 self.stats.spec_num_draft_tokens += len(drafts)
                 self.stats.spec_num_accepted_tokens += accepted
-                seq.max_drafts = accepted + 1  # fewer drafts while few are accepted
+                if self.drafter is None:  # prompt lookup: fewer drafts while few are accepted
+                    seq.max_drafts = accepted + 1
                 seq.draft_misses = 0 if accepted else seq.draft_misses + 1
                 if seq.draft_misses:  # and fewer steps with drafts while none are
                     seq.draft_pause = min(2 ** (seq.draft_misses - 1), SPECULATION_MAX_PAUSE)
@@ -607,9 +608,11 @@ class LLMEngine:
 
     def _draft(self, seqs: list[Sequence]) -> None:
         """Drafts for the next step of each sequence that goes on, while few enough
-        run for verifying them to pay (SPECULATION_MAX_BATCH): at most one more than its last
-        drafts had accepted, and none for a while after drafts that all missed
-        (SPECULATION_MAX_PAUSE), so a sequence whose drafts miss spends little on them."""
+        run for verifying them to pay (SPECULATION_MAX_BATCH), and none for a while after drafts
+        that all missed (SPECULATION_MAX_PAUSE), so a sequence whose drafts miss spends little on
+        them. Prompt lookup proposes at most one more than its last drafts had accepted: a copied
+        passage that parted from the text tends to part again. A draft model drafts its K each
+        time: its drafts follow the verified text, however many of its last ones were accepted."""
         if len(self.scheduler.running) > SPECULATION_MAX_BATCH:
             return
         for seq in seqs:

@@ -105,7 +105,7 @@ class Sequence:
     num_computed_tokens: int = 0
     # speculative decoding: tokens drafted to follow this sequence, verified in its next step
     draft_token_ids: list[int] = field(default_factory=list)
-    max_drafts: int | None = None  # how many to draft next: one more than the last accepted
+    max_drafts: int | None = None  # prompt lookup's next drafts: one more than last accepted
     draft_misses: int = 0  # verifications in a row that accepted no draft
     draft_pause: int = 0  # steps to decode without drafting before drafting again
     draft_computed: int = 0  # leading tokens whose KV the draft model holds (its own pool)
