@@ -107,21 +107,17 @@ def workload(name: str) -> list[list[dict]]:
     return [[{"role": "user", "content": q}] for q in QUESTIONS]
 
 
-def client(url: str):
+async def run_requests(url: str, conversations: list[list[dict]], max_tokens: int) -> dict:
+    """The conversations sent all at once; completion tokens and wall seconds."""
     import httpx
     import openai
 
     # a connection per request: llama-server closes idle kept-alive connections, and a request
     # sent on one as it closes fails
     http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=1800)
-    return openai.AsyncOpenAI(
+    api = openai.AsyncOpenAI(
         base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800, http_client=http
     )
-
-
-async def run_requests(url: str, conversations: list[list[dict]], max_tokens: int) -> dict:
-    """The conversations sent all at once; completion tokens and wall seconds."""
-    api = client(url)
 
     async def one(messages: list[dict]) -> int:
         stream = await api.chat.completions.create(

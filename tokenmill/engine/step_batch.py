@@ -61,5 +61,6 @@ class StepBatch:
     @property
     def samples_every_token(self) -> bool:
         """Whether every token of the step is a sampling row and nothing else is scored (decodes
-        with drafts): the runner then returns every token's logits itself (`token_logits`)."""
-        return not self.prompt_logprob_rows and self.sample_rows == list(range(self.num_tokens))
+        with drafts): the runner then returns every token's logits itself (`token_logits`).
+        Sampling rows are distinct token indices, so as many of them as tokens are all of them."""
+        return not self.prompt_logprob_rows and len(self.sample_rows) == self.num_tokens
