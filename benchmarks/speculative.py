@@ -198,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         default=7,
         help="K of prompt lookup (7: a decode and its drafts fit one compiled step's 8 rows)",
     )
-    p.add_argument("--draft-tokens", type=int, default=3, help="K of the draft model")
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=6,
+        help="K of the draft model, at most (it stops drafting after an unsure draft)",
+    )
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument(
         "--engines",

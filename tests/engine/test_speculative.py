@@ -276,11 +276,15 @@ def tiny_draft_dir(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("draft", ["itself", "another"])
+@pytest.mark.parametrize("min_confidence", [0.0, 0.2])
 def test_a_draft_model_gives_plain_decodings_greedy_outputs(
-    tiny_model_dir, tiny_draft_dir, draft: str
+    tiny_model_dir, tiny_draft_dir, draft: str, min_confidence: float, monkeypatch
 ) -> None:
     """The target as its own draft: every draft is accepted, which holds only if the draft
-    model's KV follows each sequence exactly; another model: drafts are rejected."""
+    model's KV follows each sequence exactly; another model: drafts are rejected. The tiny
+    drafts' confidence is mostly 0.1-0.5: with a minimum of 0.2 sequences of a step stop
+    drafting at different drafts."""
+    monkeypatch.setattr(llm_engine, "DRAFT_MIN_CONFIDENCE", min_confidence)
     path = str(tiny_model_dir) if draft == "itself" else tiny_draft_dir
     # the target loaded as the draft is (in the default dtype), for the same numerics
     plain = LLMEngine(str(tiny_model_dir), num_kv_blocks=512, max_model_len=512, max_num_seqs=8)
@@ -307,8 +311,9 @@ def test_after_one_accepted_draft_only_prompt_lookup_drafts_fewer(
     tiny_model_dir, tiny_draft_dir, method: str, monkeypatch
 ) -> None:
     """Every verification accepts one draft: prompt lookup then proposes at most two, a draft
-    model its K (3) again."""
+    model (sure of its drafts) its K (3) again."""
     monkeypatch.setattr(llm_engine, "accepted_drafts", lambda drafts, sampled: min(1, len(drafts)))
+    monkeypatch.setattr(llm_engine, "DRAFT_MIN_CONFIDENCE", 0.0)
     config = {"method": "ngram", "num_speculative_tokens": 3}
     if method == "draft model":
         config = {"model": tiny_draft_dir, "num_speculative_tokens": 3}
@@ -326,12 +331,33 @@ def test_after_one_accepted_draft_only_prompt_lookup_drafts_fewer(
         assert drafts <= 3 + 2 * (verifications - 1)
 
 
+@pytest.mark.parametrize("min_confidence", [0.0, 1.0])
+def test_a_draft_model_drafts_no_further_after_an_unsure_draft(
+    tiny_model_dir, tiny_draft_dir, min_confidence: float, monkeypatch
+) -> None:
+    """A draft model sure of nothing drafts one token a step; sure of everything, its K (3)."""
+    monkeypatch.setattr(llm_engine, "DRAFT_MIN_CONFIDENCE", min_confidence)
+    config = {"model": tiny_draft_dir, "num_speculative_tokens": 3}
+    engine = LLMEngine(
+        str(tiny_model_dir), num_kv_blocks=512, max_model_len=512, speculative_config=config
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _run(engine, REPETITIVE[:2], params)
+    drafts, verifications = engine.stats.spec_num_draft_tokens, engine.stats.spec_num_drafts
+    assert verifications > 10
+    if min_confidence == 1.0:
+        assert drafts == verifications
+    else:
+        assert drafts > 2 * verifications
+
+
 def test_a_draft_model_with_a_reduced_vocabulary_drafts_from_it_only(
     tiny_model_dir, monkeypatch
 ) -> None:
     """The target as its own draft, its head cut to the first 48 ids and the special tokens:
     drafts come from those ids, the target's tokens past them are drafts rejected, and the
     outputs stay plain decoding's."""
+    monkeypatch.setattr(llm_engine, "DRAFT_MIN_CONFIDENCE", 0.0)
     common = dict(num_kv_blocks=512, max_model_len=512, max_num_seqs=8)
     plain = LLMEngine(str(tiny_model_dir), **common)
     config = {"model": str(tiny_model_dir), "num_speculative_tokens": 3, "draft_vocab_size": 48}
@@ -345,9 +371,9 @@ def test_a_draft_model_with_a_reduced_vocabulary_drafts_from_it_only(
     draft_ids = spec._draft_ids
 
     def recording(logits):
-        ids = draft_ids(logits)
+        ids, confident = draft_ids(logits)
         drafted.extend(ids)
-        return ids
+        return ids, confident
 
     monkeypatch.setattr(spec, "_draft_ids", recording)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -367,9 +393,11 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_loaded, smollm2_ggu
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_no_blocks_leak_through_aborts_and_preemptions(
-    tiny_loaded, tiny_draft_dir, speculating_batches, method: str
+    tiny_loaded, tiny_draft_dir, speculating_batches, method: str, monkeypatch
 ) -> None:
-    # a pool too small for every sequence at once: the scheduler preempts and recomputes
+    # a pool too small for every sequence at once: the scheduler preempts and recomputes; the
+    # draft model's sequences stop drafting at different drafts
+    monkeypatch.setattr(llm_engine, "DRAFT_MIN_CONFIDENCE", 0.2)
     config = NGRAM if method == "ngram" else {"model": tiny_draft_dir}
     engine = LLMEngine(
         tiny_loaded, num_kv_blocks=24, max_model_len=256, compile=False, speculative_config=config

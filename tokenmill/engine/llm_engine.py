@@ -26,6 +26,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import FINISHED_STATUS, Request, Sequence
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.speculative import (
+    DRAFT_MIN_CONFIDENCE,
     SPECULATION_MAX_BATCH,
     SPECULATION_MAX_PAUSE,
     SpeculativeConfig,
@@ -39,7 +40,7 @@ from tokenmill.model.encoder import pool
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.model.sharding import Shard
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
-from tokenmill.sample.sampler import SamplerOutput, greedy_ids
+from tokenmill.sample.sampler import SamplerOutput
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -441,36 +442,47 @@ class LLMEngine:
     def _draft_with_model(self, sched: SchedulerOutput) -> None:
         """The draft model's greedy drafts for the sequences scheduled with room for them (their
         drafts are placeholders until now): it reads what it has not read of each sequence, up to
-        and with its last token, then drafts one token at a time, all sequences at once."""
-        seqs = [s for s in sched.sequences if s.draft_token_ids]
-        if not seqs:
+        and with its last token, then drafts one token at a time, all sequences at once. A
+        sequence stops drafting after a draft the draft model gives less than
+        DRAFT_MIN_CONFIDENCE probability, and its step computes only the drafts it has."""
+        scheduled = [i for i, s in enumerate(sched.sequences) if s.draft_token_ids]
+        if not scheduled:
             return
+        seqs = [sched.sequences[i] for i in scheduled]
         tables = [self.kv.get_block_ids(s.seq_id) for s in seqs]
         logits = self.drafter.last_token_logits(
             [s.all_token_ids[s.draft_computed :] for s in seqs],
             [s.num_tokens for s in seqs],
             tables,
-            argmax_only=True,
         )
-        drafts = [[token] for token in self._draft_ids(logits)]
-        for j in range(1, max(len(s.draft_token_ids) for s in seqs)):
-            going = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
+        tokens, confident = self._draft_ids(logits)
+        drafts = [[token] for token in tokens]
+        going = [i for i, s in enumerate(seqs) if confident[i] and len(s.draft_token_ids) > 1]
+        while going:
             logits = self.drafter.last_token_logits(
                 [[drafts[i][-1]] for i in going],
-                [seqs[i].num_tokens + j for i in going],
+                [seqs[i].num_tokens + len(drafts[i]) for i in going],
                 [tables[i] for i in going],
-                argmax_only=True,
             )
-            for i, token in zip(going, self._draft_ids(logits)):
+            tokens, confident = self._draft_ids(logits)
+            for i, token in zip(going, tokens):
                 drafts[i].append(token)
-        for seq, tokens in zip(seqs, drafts):
+            going = [
+                i
+                for i, sure in zip(going, confident)
+                if sure and len(seqs[i].draft_token_ids) > len(drafts[i])
+            ]
+        for index, seq, tokens in zip(scheduled, seqs, drafts):
+            sched.num_new_tokens[index] -= len(seq.draft_token_ids) - len(tokens)
             seq.draft_token_ids = tokens
             seq.draft_computed = seq.num_tokens + len(tokens) - 1
 
-    def _draft_ids(self, logits: torch.Tensor) -> list[int]:
-        """The draft model's greedy tokens from its head's logits."""
-        ids = greedy_ids(logits)
-        return (ids if self.draft_vocab is None else self.draft_vocab[ids]).tolist()
+    def _draft_ids(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """The draft model's greedy tokens from its head's logits, and whether it gives each at
+        least DRAFT_MIN_CONFIDENCE probability."""
+        top = logits.softmax(-1).max(-1)
+        ids = top.indices if self.draft_vocab is None else self.draft_vocab[top.indices]
+        return ids.tolist(), (top.values >= DRAFT_MIN_CONFIDENCE).tolist()
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         if self.drafter is not None:

@@ -40,6 +40,10 @@ SPECULATION_MAX_PAUSE = 16
 # of a large vocabulary's rows (EAGLE-3's and FR-Spec's reduced draft vocabulary); a token the
 # draft cannot propose is one draft rejected, never a different output
 DRAFT_VOCAB_SIZE = 32768
+# A draft model's probability for its own draft below which it drafts no further in that step:
+# the target rejects an unsure draft often, so drafts after it seldom pay for their draft steps
+# and verification rows (HF transformers' assistant_confidence_threshold)
+DRAFT_MIN_CONFIDENCE = 0.6
 
 
 @dataclass(frozen=True)
