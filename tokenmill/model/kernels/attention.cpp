@@ -171,10 +171,17 @@ void merge_chunks(const float* tops, const float* totals, const float* accs, int
   for (int64_t i = 0; i < dim; i += kWidth) store(out + i, mul(load(acc + i), inv));
 }
 
+// The batch entry of the p-th in task order (of `batch`): the first, the last, the second, the
+// last but one, ... The threads take contiguous ranges of tasks, and a prompt's tokens attend to
+// ever more keys (their context grows one by one), so in position order the thread with the later
+// tokens would have most of the work; paired from both ends, each range has about its share.
+inline int64_t balanced_entry(int64_t p, int64_t batch) { return p % 2 ? batch - 1 - p / 2 : p / 2; }
+
 // Tasks are (sequence, KV head, chunk of kChunk context positions): the query heads sharing a KV
 // head attend together, up to kMaxHeads at a time, so that each row is loaded and widened once for
 // all of them rather than once per head, and a batch of one still has tasks for every thread. The
-// chunks' partial results are merged per (sequence, query head).
+// chunks' partial results are merged per (sequence, query head). Which thread runs a task changes
+// nothing in its arithmetic.
 template <typename T, typename C>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
          const at::Tensor& mask, at::Tensor& out, double scale, std::optional<double> softcap,
@@ -197,7 +204,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   at::parallel_for(0, batch * kv_heads * chunks, 1, [&](int64_t t0, int64_t t1) {
     int64_t rows[kChunk];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (kv_heads * chunks), g = t / chunks % kv_heads, c = t % chunks;
+      const int64_t b = balanced_entry(t / (kv_heads * chunks), batch), g = t / chunks % kv_heads, c = t % chunks;
       const int64_t first = c * kChunk, end = std::min(context, first + kChunk);
       int64_t count = 0;
       for (int64_t j = first; j < end; ++j) {
