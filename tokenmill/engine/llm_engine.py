@@ -623,8 +623,9 @@ class LLMEngine:
         run for verifying them to pay (SPECULATION_MAX_BATCH), and none for a while after drafts
         that all missed (SPECULATION_MAX_PAUSE), so a sequence whose drafts miss spends little on
         them. Prompt lookup proposes at most one more than its last drafts had accepted: a copied
-        passage that parted from the text tends to part again. A draft model drafts its K each
-        time: its drafts follow the verified text, however many of its last ones were accepted."""
+        passage that parted from the text tends to part again. A draft model gets K placeholders
+        each time, however many of its last drafts were accepted (its drafts follow the verified
+        text); it fills them up to its first unsure draft (`_draft_with_model`)."""
         if len(self.scheduler.running) > SPECULATION_MAX_BATCH:
             return
         for seq in seqs:
