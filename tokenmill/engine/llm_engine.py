@@ -450,17 +450,11 @@ class LLMEngine:
             return
         seqs = [sched.sequences[i] for i in scheduled]
         tables = [self.kv.get_block_ids(s.seq_id) for s in seqs]
-        logits = self.drafter.last_token_logits(
-            [s.all_token_ids[s.draft_computed :] for s in seqs],
-            [s.num_tokens for s in seqs],
-            tables,
-        )
-        tokens, confident = self._draft_ids(logits)
-        drafts = [[token] for token in tokens]
-        going = [i for i, s in enumerate(seqs) if confident[i] and len(s.draft_token_ids) > 1]
-        while going:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        going = list(range(len(seqs)))
+        while going:  # the first pass reads each sequence's unread tokens, the others a draft
             logits = self.drafter.last_token_logits(
-                [[drafts[i][-1]] for i in going],
+                [drafts[i][-1:] or seqs[i].all_token_ids[seqs[i].draft_computed :] for i in going],
                 [seqs[i].num_tokens + len(drafts[i]) for i in going],
                 [tables[i] for i in going],
             )
@@ -470,7 +464,7 @@ class LLMEngine:
             going = [
                 i
                 for i, sure in zip(going, confident)
-                if sure and len(seqs[i].draft_token_ids) > len(drafts[i])
+                if sure and len(drafts[i]) < len(seqs[i].draft_token_ids)
             ]
         for index, seq, tokens in zip(scheduled, seqs, drafts):
             sched.num_new_tokens[index] -= len(seq.draft_token_ids) - len(tokens)

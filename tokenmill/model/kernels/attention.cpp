@@ -204,7 +204,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   at::parallel_for(0, batch * kv_heads * chunks, 1, [&](int64_t t0, int64_t t1) {
     int64_t rows[kChunk];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = balanced_entry(t / (kv_heads * chunks), batch), g = t / chunks % kv_heads, c = t % chunks;
+      const int64_t b = balanced_entry(t / (kv_heads * chunks), batch);
+      const int64_t g = t / chunks % kv_heads, c = t % chunks;
       const int64_t first = c * kChunk, end = std::min(context, first + kChunk);
       int64_t count = 0;
       for (int64_t j = first; j < end; ++j) {
