@@ -93,17 +93,39 @@ inline void half_offsets(int64_t b, int64_t n, int64_t& first, int64_t& second) 
 // integer work. Against one scale per 32, this cuts the rounding's cost in perplexity on the decode
 // path: an outlier spoils fewer neighbours. With `sums`, the sum of scale x q over each block,
 // (M, K / 32): the int4 GEMV's low terms then see the same x as its scaled ones, so the rounding
-// errors stay centred, as the weights are. With `interleaved`, the blocks' halves are stored in the
-// order in which the int4 GEMV unpacks the nibbles of several groups with one load
-// (`half_offsets`). With `coarse`, a block's four scales are one, its largest magnitude's (for the
-// tiles).
-void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* scales, float* sums, bool interleaved,
-                     bool coarse = false) {
+// errors stay centred, as the weights are. With `coarse`, a block's four scales are one, its largest
+// magnitude's (for the tiles). The buffers are left unzeroed (std::vector would zero them: a pass
+// more over them), as the quantization fills them whole.
+struct QuantizedRows {
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> scales, sums;
+};
+
+// Where quantize_blocks stores the blocks: kRows in the rows' order; kHalves with each row's blocks'
+// halves in the order in which the int4 GEMV unpacks the nibbles of several groups with one load
+// (`half_offsets`); kRowBlocks with the rows regrouped into the blocks that over_row_blocks hands the
+// tile kernel (8 at a time, then the 1-7 left), each block in its rows' place, group by group: its
+// rows' 32 values, 4 scales and sum side by side. The tile kernel then reaches every row of its block
+// from one pointer at offsets fixed when it is compiled, where a pointer per row would take more
+// registers than the loop has and spill.
+enum class Layout { kRows, kHalves, kRowBlocks };
+
+// 8 activations as float32 (bf16 widened, exactly)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+// Rows [first, first + count) of x (M, K), read from x_first (row first), into out
+template <typename T>
+void quantize_blocks(const T* x_first, int64_t first, int64_t count, int64_t M, int64_t K, QuantizedRows& out,
+                     Layout layout, bool coarse) {
   const int64_t row_blocks = K / 32;
   const __m256 sign_bit = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(127.0f);
-  for (int64_t g = 0; g < M * row_blocks; ++g) {
+  for (int64_t g = 0; g < count * row_blocks; ++g) {
     __m256 v[4];
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + g * 32 + 8 * j);
+    for (int j = 0; j < 4; ++j) v[j] = load8(x_first + g * 32 + 8 * j);
     // v[0] and v[2] hold sub-blocks 0 (lanes 0-3) and 1 (lanes 4-7), v[1] and v[3] sub-blocks 2 and 3
     __m256 largest[2], inverse[2];
     float d[4];
@@ -133,20 +155,26 @@ void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* q, float* sca
     const __m256i bytes = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(words[0], words[1]), _mm256_packs_epi32(words[2], words[3])),
         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if (interleaved) {
-      int64_t first, second;
-      half_offsets(g % row_blocks, row_blocks, first, second);
-      int8_t* row = q + g / row_blocks * K;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + first), _mm256_castsi256_si128(bytes));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + second), _mm256_extracti128_si256(bytes, 1));
+    const int64_t row = first + g / row_blocks, b = g % row_blocks;
+    int64_t at = row * row_blocks + b;  // the block's place among all blocks, and its scales' and sum's
+    if (layout == Layout::kHalves) {
+      int64_t first_half, second_half;
+      half_offsets(b, row_blocks, first_half, second_half);
+      int8_t* q = out.q.get() + row * K;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + first_half), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + second_half), _mm256_extracti128_si256(bytes, 1));
     } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32), bytes);
+      if (layout == Layout::kRowBlocks) {
+        const int64_t block_first = row / 8 * 8, block_rows = std::min<int64_t>(8, M - block_first);
+        at = block_first * row_blocks + b * block_rows + row - block_first;
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.get() + at * 32), bytes);
     }
-    float* block_scales = scales + g * 4;
+    float* block_scales = out.scales.get() + at * 4;
     block_scales[0] = d[0], block_scales[1] = d[1], block_scales[2] = d[2], block_scales[3] = d[3];
-    if (sums != nullptr) {
+    if (out.sums != nullptr) {
       const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-      sums[g] = simd::sum8(_mm256_mul_ps(_mm256_cvtepi32_ps(lanes), lane_scales(block_scales)));
+      out.sums[at] = simd::sum8(_mm256_mul_ps(_mm256_cvtepi32_ps(lanes), lane_scales(block_scales)));
     }
   }
 }
@@ -191,7 +219,7 @@ void int8_partial_sums(int64_t count, const Unit& unit, V zero, const Add& add, 
 }
 
 // y = x W^T * scale for int8 W (N, K), one scale per row, and x quantized by quantize_blocks
-// (not interleaved): per block of 32, the products of the weights' magnitudes and the activations with
+// (kRows): per block of 32, the products of the weights' magnitudes and the activations with
 // the weights' signs (maddubs multiplies unsigned by signed bytes), scaled by its lanes' scales, summed
 // into kInt8Partials partials. Each weight row is done on its own: two sharing each activation load
 // would need twice the accumulators, more than AVX2's 16 registers hold.
@@ -273,32 +301,6 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
 }
 #endif
 
-// The contiguous rows xc as float32: themselves, or (bf16) widened once into `buffer`, a vector at a
-// time (a loop over single elements stays scalar, a large share of a small product's time); a
-// tensor op would cost more than it saves on these few rows.
-template <typename T>
-const float* float_rows(const at::Tensor& xc, std::vector<float>& buffer) {
-  const T* xs = xc.data_ptr<T>();
-  if constexpr (std::is_same_v<T, float>) {
-    return xs;
-  } else {
-    const int64_t n = xc.numel();
-    buffer.resize(n);
-    int64_t i = 0;
-    for (; i + simd::kWidth <= n; i += simd::kWidth) simd::store(buffer.data() + i, simd::load(xs + i));
-    for (; i < n; ++i) buffer[i] = static_cast<float>(xs[i]);
-    return buffer.data();
-  }
-}
-
-// Activation rows quantized by quantize_blocks: with_sums for the int4 GEMV (interleaved) and the tiles.
-// The buffers are left unzeroed (std::vector would zero them: a pass more over them), as the
-// quantization fills them whole.
-struct QuantizedRows {
-  std::unique_ptr<int8_t[]> q;
-  std::unique_ptr<float[]> scales, sums;
-};
-
 // quantize_blocks runs over PyTorch's intra-op threads, kQuantizeElementsPerTask activations each:
 // on the calling thread alone it is a visible share of a prompt's product with a narrow weight (a
 // down projection) and of a decode step's many rows. Fewer rows than a task's stay on the calling
@@ -306,16 +308,14 @@ struct QuantizedRows {
 constexpr int64_t kQuantizeElementsPerTask = 8 * 1024;
 
 template <typename T>
-QuantizedRows quantize_rows(const at::Tensor& x, bool with_sums, bool interleaved, bool coarse = false) {
+QuantizedRows quantize_rows(const at::Tensor& x, bool with_sums, Layout layout, bool coarse = false) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
   const at::Tensor xc = x.contiguous();
-  std::vector<float> widened;
-  const float* xs = float_rows<T>(xc, widened);
+  const T* xs = xc.data_ptr<T>();
   QuantizedRows rows{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * blocks * 4]),
                      with_sums ? std::unique_ptr<float[]>(new float[M * blocks]) : nullptr};
   at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeElementsPerTask / K), [&](int64_t begin, int64_t end) {
-    quantize_blocks(xs + begin * K, end - begin, K, rows.q.get() + begin * K, rows.scales.get() + begin * blocks * 4,
-                    with_sums ? rows.sums.get() + begin * blocks : nullptr, interleaved, coarse);
+    quantize_blocks(xs + begin * K, begin, end - begin, M, K, rows, layout, coarse);
   });
   return rows;
 }
@@ -327,7 +327,7 @@ at::Tensor int8_gemv_as(const at::Tensor& x, const at::Tensor& weight, const at:
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1), blocks = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const QuantizedRows xq = quantize_rows<T>(x, false, false);
+  const QuantizedRows xq = quantize_rows<T>(x, false, Layout::kRows);
   const int8_t* w = weight.data_ptr<int8_t>();
   const T* s = scale.data_ptr<T>();
   over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
@@ -424,7 +424,7 @@ inline float low_of(const int16_t* step_low, int64_t g) {
 // row o's group g is the 16 bytes nibbles[o][16 g:], byte j holding q of element 32 g + j in its low
 // nibble and of element 32 g + 16 + j in its high one; (step, low) are steps_lows[o][g] (int16 and
 // the bits of a float16: one stream of memory with the nibbles, as a decode step reads them) and
-// unit units[o] (> 0). x comes quantized by quantize_blocks (interleaved). Integer steps let
+// unit units[o] (> 0). x comes quantized by quantize_blocks (kHalves). Integer steps let
 // `madd` weigh each group's products as it sums them, where a float scale would take a multiply
 // per group and activation row (6 instructions per 64 products and row instead of 7); the sums are
 // scaled by the activation scales, the total by the unit. The low terms are low times
@@ -568,7 +568,7 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const ui
   const int64_t M = x.size(0), N = nibbles.size(0), K = x.size(1), groups = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const QuantizedRows xq = quantize_rows<T>(x, true, true);
+  const QuantizedRows xq = quantize_rows<T>(x, true, Layout::kHalves);
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
   const int16_t* sl = steps_lows.data_ptr<int16_t>();
   const float* un = units.data_ptr<float>();
@@ -707,7 +707,7 @@ constexpr int64_t tile_scales_size(int64_t groups, bool row_scales) {
   return (row_scales ? 1 : groups) * 32;
 }
 
-// xq, scales and sums: a block of M activation rows as `interleave_row_blocks` leaves them. row_totals:
+// xq, scales and sums: a block of M activation rows in quantize_blocks' kRowBlocks layout. row_totals:
 // with one scale and low per weight row (tile_scales (N / 16, 1, 2, 16)), each activation row's sum
 // of x, whose product with the low is added once after the last group; else nullptr.
 template <int M, int Bits, bool Fifth, bool Fine, typename T, typename S>
@@ -801,43 +801,22 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
 constexpr int64_t kTilesPerTask = 2;
 constexpr int64_t kTilesPerChunk = 4;
 
-// Quantized rows (with sums) regrouped into the blocks of rows that over_row_blocks hands the tile
-// kernel (8 at a time, then the 1-7 left), each block in the rows' place: group by group,
-// its rows' 32 values, 4 scales and sum side by side. The kernel then reaches every row of its block
-// from one pointer at offsets fixed when it is compiled, where a pointer per row would take more
-// registers than the loop has and spill.
-void interleave_row_blocks(QuantizedRows& xq, int64_t M, int64_t K) {
-  const int64_t groups = K / 32;
-  QuantizedRows out{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * groups * 4]),
-                    std::unique_ptr<float[]>(new float[M * groups])};
-  for (int64_t m0 = 0; m0 < M;) {
-    const int64_t rows = std::min<int64_t>(8, M - m0);
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t from = (m0 + i) * groups + g, to = m0 * groups + g * rows + i;
-        std::memcpy(out.q.get() + to * 32, xq.q.get() + from * 32, 32);
-        std::memcpy(out.scales.get() + to * 4, xq.scales.get() + from * 4, 4 * sizeof(float));
-        out.sums[to] = xq.sums[from];
-      }
-    m0 += rows;
-  }
-  xq = std::move(out);
-}
-
 template <int Bits, bool Fifth, bool Fine, typename T, typename S>
 at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint8_t* fifth,
                           const at::Tensor& tile_scales) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  QuantizedRows xq = quantize_rows<T>(x, true, false, !Fine);
+  const QuantizedRows xq = quantize_rows<T>(x, true, Layout::kRowBlocks, !Fine);
   std::vector<float> totals;  // per activation row, for weights with one scale per row (quant_tiles)
   if (!std::is_same_v<S, uint8_t> && tile_scales.size(1) == 1) {
     totals.assign(M, 0.0f);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t g = 0; g < groups; ++g) totals[i] += xq.sums[i * groups + g];
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t rows = std::min<int64_t>(8, M - m0);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t g = 0; g < groups; ++g) totals[m0 + i] += xq.sums[m0 * groups + g * rows + i];
+    }
   }
-  interleave_row_blocks(xq, M, K);
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const S* ts = tile_scales.data_ptr<S>();
   T* out = y.data_ptr<T>();
