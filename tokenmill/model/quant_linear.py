@@ -625,25 +625,14 @@ class QuantLinear(nn.Module):
         self.amx_min_tokens = AMX_MIN_TOKENS if tiles and switches and amx_tiles() else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles and self._native_fits(x):
+            return self._tiles_forward(x)
         kernel = self._kernel(x.shape[0], self._native_fits(x))
         if kernel == "dense":
             return F.linear(x, self.dense, self.bias)
         if kernel == "native":
             dense = self.dense if self.dense_min_tokens > 0 else None
-            if self.tiles:
-                y = torch.ops.tokenmill.quant_tiles_linear(
-                    x,
-                    self.tile_q,
-                    self.tile_scales,
-                    self.fifth_masks,
-                    self.tile_bits,
-                    dense,
-                    self._gemv_max_tokens(x.dtype),
-                    self._x_block(x.shape[0]),
-                    self.max_coarse_tokens,
-                    self.amx_min_tokens,
-                )
-            elif self.int4_rows:
+            if self.int4_rows:
                 y = torch.ops.tokenmill.int4_rows_linear(
                     x, *self._int4_rows(), self.fifth_bits, dense, self._gemv_max_tokens(x.dtype)
                 )
@@ -685,6 +674,27 @@ class QuantLinear(nn.Module):
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
+
+    def _tiles_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`quant_tiles_linear`, the path of every tile layer on CPU and the hot path of eager
+        steps: it reads the module's tensors from its dicts rather than through nn.Module's
+        __getattr__ (a Python call per lookup) and skips the other layouts' decisions."""
+        buffers, parameters = self._buffers, self._parameters
+        dense = parameters.get("dense") if self.dense_min_tokens > 0 else None
+        y = torch.ops.tokenmill.quant_tiles_linear(
+            x,
+            buffers["tile_q"],
+            buffers["tile_scales"],
+            buffers["fifth_masks"],
+            self.tile_bits,
+            dense,
+            self._gemv_max_tokens(x.dtype),
+            self._x_block(x.shape[0]),
+            self.max_coarse_tokens,
+            self.amx_min_tokens,
+        )
+        bias = parameters.get("bias")  # None is a plain attribute, a tensor a parameter
+        return y if bias is None else y + bias
 
     def _tiles(self) -> QuantTiles:
         return QuantTiles(self.tile_q, self.tile_scales, self.fifth_masks, self.tile_bits)
