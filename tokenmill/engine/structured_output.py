@@ -22,7 +22,6 @@ from collections.abc import Callable
 from collections.abc import Sequence as Rows
 
 import llguidance
-import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -53,6 +52,10 @@ class GrammarCompiler:
         threading.Thread(target=self._prepare, name="tokenmill-llg-tokenizer", daemon=True).start()
 
     def _prepare(self) -> None:
+        # llguidance.torch applies torch.compile to a function when imported, which imports
+        # TorchDynamo: a large share of a start's time, so the import runs here, off its path
+        import llguidance.torch  # noqa: F401
+
         try:
             self._llg_tokenizer()
         except Exception:  # noqa: BLE001 - the first constrained request raises it again
@@ -81,6 +84,8 @@ class GrammarCompiler:
         token (the target's token before them refuses that draft). A matcher in error
         (`is_error`) allows at most the end of the sequence; the engine fails its request with
         the reason."""
+        import llguidance.torch  # imported by `_prepare` already, unless it is still importing
+
         drafts = drafts if drafts is not None else [[] for _ in matchers]
         starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         bits = llguidance.torch.allocate_token_bitmask(starts[-1], self._vocab_size)
