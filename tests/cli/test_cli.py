@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
 import sys
 
 import pytest
@@ -151,3 +152,16 @@ def test_serve_refuses_a_model_beyond_the_memory_budget(tiny_model_dir, capsys) 
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "does not fit" in err and "the memory budget is 1.0 MiB" in err
+
+
+def test_the_start_path_imports_no_torch_dynamo() -> None:
+    # TorchDynamo takes a large share of a start's time to import, so the commands, the engine
+    # and the server import it only where graphs are compiled or loaded (a fresh interpreter:
+    # this one has imported it for other tests)
+    script = (
+        "import sys, tokenmill, tokenmill.cli.main, tokenmill.engine.llm_engine, "
+        "tokenmill.server.app; tokenmill.cli.main.build_parser(); "
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
