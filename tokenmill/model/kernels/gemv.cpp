@@ -27,13 +27,15 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kRowsPerTile = 32;
+constexpr int kRowsPerBlock = 8;  // activation rows that share each weight load (over_row_blocks)
 
 // Runs kernel(rows, m0, r0, r1) over blocks of activation rows (m0: the block's first; rows: its
-// size, as a std::integral_constant for the kernel's template: 8 while that many are left, then the
-// 1-7 left as one block, whose weights are then loaded once), each over weight rows (or tiles of
-// them) [r0, r1): PyTorch's intra-op threads split the N weight rows, per_task at least to a task,
-// and each thread takes its rows per_tile at a time through every block of activation rows, so that
-// with many activation rows the tile's weights are read from memory once, then from cache.
+// size, as a std::integral_constant for the kernel's template: kRowsPerBlock (8) while that many
+// are left, then the 1-7 left as one block, whose weights are then loaded once), each over weight
+// rows (or tiles of them) [r0, r1): PyTorch's intra-op threads split the N weight rows, per_task at
+// least to a task, and each thread takes its rows per_tile at a time through every block of
+// activation rows, so that with many activation rows the tile's weights are read from memory once,
+// then from cache.
 template <typename Kernel>
 void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel, int64_t per_task = kRowsPerTask,
                      int64_t per_tile = kRowsPerTile) {
@@ -41,7 +43,8 @@ void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel, int64_t per_tas
     for (int64_t r0 = begin; r0 < end; r0 += per_tile) {
       const int64_t r1 = std::min(end, r0 + per_tile);
       int64_t m0 = 0;
-      for (; M - m0 >= 8; m0 += 8) kernel(std::integral_constant<int, 8>{}, m0, r0, r1);
+      for (; M - m0 >= kRowsPerBlock; m0 += kRowsPerBlock)
+        kernel(std::integral_constant<int, kRowsPerBlock>{}, m0, r0, r1);
       switch (M - m0) {
         case 1: kernel(std::integral_constant<int, 1>{}, m0, r0, r1); break;
         case 2: kernel(std::integral_constant<int, 2>{}, m0, r0, r1); break;
@@ -110,6 +113,12 @@ struct QuantizedRows {
 // registers than the loop has and spill.
 enum class Layout { kRows, kHalves, kRowBlocks };
 
+// The place of block b of row `row` (of M rows of row_blocks blocks) in the kRowBlocks layout
+inline int64_t row_block_place(int64_t row, int64_t b, int64_t M, int64_t row_blocks) {
+  const int64_t first = row / kRowsPerBlock * kRowsPerBlock, rows = std::min<int64_t>(kRowsPerBlock, M - first);
+  return first * row_blocks + b * rows + row - first;
+}
+
 // 8 activations as float32 (bf16 widened, exactly)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -164,10 +173,7 @@ void quantize_blocks(const T* x_first, int64_t first, int64_t count, int64_t M, 
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + first_half), _mm256_castsi256_si128(bytes));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + second_half), _mm256_extracti128_si256(bytes, 1));
     } else {
-      if (layout == Layout::kRowBlocks) {
-        const int64_t block_first = row / 8 * 8, block_rows = std::min<int64_t>(8, M - block_first);
-        at = block_first * row_blocks + b * block_rows + row - block_first;
-      }
+      if (layout == Layout::kRowBlocks) at = row_block_place(row, b, M, row_blocks);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.get() + at * 32), bytes);
     }
     float* block_scales = out.scales.get() + at * 4;
@@ -811,11 +817,8 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
   std::vector<float> totals;  // per activation row, for weights with one scale per row (quant_tiles)
   if (!std::is_same_v<S, uint8_t> && tile_scales.size(1) == 1) {
     totals.assign(M, 0.0f);
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t rows = std::min<int64_t>(8, M - m0);
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t g = 0; g < groups; ++g) totals[m0 + i] += xq.sums[m0 * groups + g * rows + i];
-    }
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t g = 0; g < groups; ++g) totals[i] += xq.sums[row_block_place(i, g, M, groups)];
   }
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const S* ts = tile_scales.data_ptr<S>();
