@@ -19,6 +19,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 #include "simd.h"
 
@@ -201,16 +202,36 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   float* tops = partials.data_ptr<float>();
   float* totals = tops + parts;
   float* accs = totals + parts;
+  // A task's rows: the cache slots of its chunk's admitted positions; returns their count
+  const auto gather_rows = [&](int64_t t, int64_t* rows) {
+    const int64_t b = balanced_entry(t / (kv_heads * chunks), batch), c = t % chunks;
+    const int64_t first = c * kChunk, end = std::min(context, first + kChunk);
+    int64_t count = 0;
+    for (int64_t j = first; j < end; ++j) {
+      rows[count] = sp[b * context + j];
+      count += mp[b * context + j];
+    }
+    return count;
+  };
   at::parallel_for(0, batch * kv_heads * chunks, 1, [&](int64_t t0, int64_t t1) {
-    int64_t rows[kChunk];
+    int64_t row_buffers[2][kChunk];
+    int64_t* rows = row_buffers[0];
+    int64_t* next_rows = row_buffers[1];
+    int64_t count = gather_rows(t0, rows);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = balanced_entry(t / (kv_heads * chunks), batch);
       const int64_t g = t / chunks % kv_heads, c = t % chunks;
-      const int64_t first = c * kChunk, end = std::min(context, first + kChunk);
-      int64_t count = 0;
-      for (int64_t j = first; j < end; ++j) {
-        rows[count] = sp[b * context + j];
-        count += mp[b * context + j];
+      // The next task's key and value rows are asked into L2 while this one computes: head_scores
+      // prefetches only a few rows ahead within a chunk, so each chunk's first rows would
+      // otherwise wait on memory.
+      int64_t next_count = 0;
+      if (t + 1 < t1) {
+        next_count = gather_rows(t + 1, next_rows);
+        const int64_t next_g = (t + 1) / chunks % kv_heads;
+        for (int64_t j = 0; j < next_count; ++j) {
+          prefetch_row<_MM_HINT_T1>(kp + next_g * dim + next_rows[j] * row_stride, dim);
+          prefetch_row<_MM_HINT_T1>(vp + next_g * dim + next_rows[j] * row_stride, dim);
+        }
       }
       for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kMaxHeads) {
         const int64_t n = std::min<int64_t>(kMaxHeads, (g + 1) * group - h0), part = (b * heads + h0) * chunks + c;
@@ -231,6 +252,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           default: attend(std::integral_constant<int, 1>{});
         }
       }
+      std::swap(rows, next_rows);
+      count = next_count;
     }
   });
   at::parallel_for(0, batch * heads, 16, [&](int64_t t0, int64_t t1) {
