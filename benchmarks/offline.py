@@ -12,7 +12,8 @@ Figures, each the mean over --reps timed repetitions after an untimed warm-up:
 llama.cpp: `llama-bench -p 512 -n 128` (pp512, tg128; random tokens, warm-up run included) and
 `llama-batched-bench -npp 128 -ntg 64 -npl 8,32,64` (S_TG t/s, the decode rate of the batch),
 each as a separate process whose own peak RSS is read from /proc (VmHWM). Runs are sequential,
-never concurrent. Results: a side-by-side table on stdout, offline-<model>.json in the results
+never concurrent; pp and tg take turns: each repetition times tokenmill's once, then runs
+`llama-bench -r 1` once, so a drift of the machine's speed over the run reaches both engines. Results: a side-by-side table on stdout, offline-<model>.json in the results
 directory (BENCH_RESULTS, default benchmarks/results/local).
 
     python benchmarks/offline.py --model smollm2-135m-instruct --reps 3
@@ -52,149 +53,184 @@ def summarize(rates: list[float]) -> dict[str, object]:
 # ---------------------------------------------------------------- tokenmill
 
 
-def bench_tokenmill(path: Path, args: argparse.Namespace) -> dict[str, object]:
-    import psutil
-    import torch
+class TokenmillRuns:
+    """tokenmill's `ModelRunner` in this process: `pp_tg_rep` times one repetition of pp and of
+    tg (warming each up untimed the first time), `batched` the batched decode figures."""
 
-    from tokenmill.engine.model_runner import ModelRunner, blocks_needed
-    from tokenmill.model.loader import load_model
-    from tokenmill.sample.sampler import greedy_ids
+    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+        import psutil
+        import torch
 
-    torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    loaded = load_model(
-        path,
-        dtype=args.dtype,
-        progress=False,
-        quantization=args.quantization,
-        dense_min_tokens=args.dense_min_tokens,
-        batch_invariant=args.batch_invariant,
-    )
-    load_s = time.perf_counter() - t0
-    rss_loaded = psutil.Process().memory_info().rss / MiB
-    log(f"tokenmill: loaded {path.name} in {load_s:.2f} s (RSS {rss_loaded:.0f} MiB)")
+        from tokenmill.engine.model_runner import ModelRunner, blocks_needed
+        from tokenmill.model.loader import load_model
 
-    bs = 16
-    per_seq = blocks_needed(args.batch_prompt + args.batch_steps + 4, bs)
-    num_blocks = max(
-        blocks_needed(args.pp, bs),
-        blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
-        max(args.batches, default=0) * per_seq,
-    )
-    # torch.empty: pages commit as used
-    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=bs, compile=args.compile)
-    t0 = time.perf_counter()
-    out_compile = runner.wait_compiled()
-    if args.compile:
-        log(
-            f"tokenmill: decode graphs compiled={out_compile} in {time.perf_counter() - t0:.1f} s"
-            + (f" ({runner.compile_error!r})" if runner.compile_error else "")
+        torch.set_num_threads(args.threads)
+        self.args = args
+        t0 = time.perf_counter()
+        loaded = load_model(
+            path,
+            dtype=args.dtype,
+            progress=False,
+            quantization=args.quantization,
+            dense_min_tokens=args.dense_min_tokens,
+            batch_invariant=args.batch_invariant,
         )
-    vocab = loaded.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+        load_s = time.perf_counter() - t0
+        rss_loaded = psutil.Process().memory_info().rss / MiB
+        log(f"tokenmill: loaded {path.name} in {load_s:.2f} s (RSS {rss_loaded:.0f} MiB)")
 
-    def random_ids(n: int) -> list[int]:  # ordinary tokens, away from the special ones at the start
-        return torch.randint(min(1000, vocab // 10), vocab, (n,), generator=gen).tolist()
-
-    out: dict[str, object] = {
-        "load_s": load_s,
-        "rss_after_load_mib": rss_loaded,
-        "decode_mode": runner.decode_mode,
-        "compile_s": runner.compile_seconds,
-    }
-
-    # pp: one sequence, args.pp tokens from an empty context (its blocks are simply overwritten)
-    if args.pp:
-        table = [list(range(blocks_needed(args.pp, bs)))]
-        ids = random_ids(args.pp)
-        runner.last_token_logits([ids], [args.pp], table)  # warm-up
-        rates = []
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            logits = runner.last_token_logits([ids], [args.pp], table)
-            int(greedy_ids(logits[:1]))
-            rates.append(args.pp / (time.perf_counter() - t))
-        out[f"pp{args.pp}"] = summarize(rates)
-        log(f"tokenmill: pp{args.pp} {out[f'pp{args.pp}']['avg_ts']:.1f} tok/s")
-
-    # tg: one sequence decoding greedily; each rep restarts at the same position (prompt KV stays
-    # valid)
-    if args.tg:
-        table = [list(range(blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs)))]
-
-        def decode(first: int, steps: int) -> None:
-            token = first
-            for i in range(steps):
-                logits = runner.last_token_logits([[token]], [PROMPT_FOR_TG + i + 1], table)
-                token = int(greedy_ids(logits[:1]))
-
-        logits = runner.last_token_logits([random_ids(PROMPT_FOR_TG)], [PROMPT_FOR_TG], table)
-        first = int(greedy_ids(logits[:1]))
-        decode(first, 8)  # warm-up
-        rates = []
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            decode(first, args.tg)
-            rates.append(args.tg / (time.perf_counter() - t))
-        out[f"tg{args.tg}"] = summarize(rates)
-        log(f"tokenmill: tg{args.tg} {out[f'tg{args.tg}']['avg_ts']:.1f} tok/s")
-    out["peak_rss_pp_tg_mib"] = peak_rss_mib()
-
-    # batched decode: B sequences with disjoint blocks, one token each per step
-    for b in args.batches:
-        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
-        prompts = [random_ids(args.batch_prompt) for _ in range(b)]
-        # prefill a few sequences at a time, as a scheduler would
-        chunk = max(1, 2048 // args.batch_prompt)
-        firsts: list[int] = []
-        for i in range(0, b, chunk):
-            logits = runner.last_token_logits(
-                prompts[i : i + chunk],
-                [args.batch_prompt] * len(prompts[i : i + chunk]),
-                tables[i : i + chunk],
+        self.block_size = bs = 16
+        self.per_seq = blocks_needed(args.batch_prompt + args.batch_steps + 4, bs)
+        num_blocks = max(
+            blocks_needed(args.pp, bs),
+            blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
+            max(args.batches, default=0) * self.per_seq,
+        )
+        # torch.empty: pages commit as used
+        self.runner = ModelRunner(
+            loaded, num_blocks=num_blocks, block_size=bs, compile=args.compile
+        )
+        t0 = time.perf_counter()
+        compiled = self.runner.wait_compiled()
+        if args.compile:
+            log(
+                f"tokenmill: decode graphs compiled={compiled} in {time.perf_counter() - t0:.1f} s"
+                + (f" ({self.runner.compile_error!r})" if self.runner.compile_error else "")
             )
-            firsts += greedy_ids(logits).tolist()
+        vocab = loaded.config.vocab_size
+        self.gen = torch.Generator().manual_seed(0)
+        # ordinary tokens, away from the special ones at the start
+        self.id_range = (min(1000, vocab // 10), vocab)
+        self.out: dict[str, object] = {
+            "load_s": load_s,
+            "rss_after_load_mib": rss_loaded,
+            "decode_mode": self.runner.decode_mode,
+            "compile_s": self.runner.compile_seconds,
+        }
+        self.rates: dict[str, list[float]] = {}
+        self.pp_ids: list[int] | None = None
+        self.tg_first: int | None = None
 
-        def decode_batch(
-            steps: int,
-            firsts: list[int] = firsts,
-            b: int = b,
-            tables: list[list[int]] = tables,
-        ) -> None:
-            tokens = firsts
-            for s in range(steps):
-                logits = runner.last_token_logits(
-                    [[t] for t in tokens], [args.batch_prompt + s + 1] * b, tables
-                )
-                tokens = greedy_ids(logits).tolist()
+    def random_ids(self, n: int) -> list[int]:
+        import torch
 
-        decode_batch(4)  # warm-up
-        rates = []
-        for _ in range(args.reps):
+        return torch.randint(*self.id_range, (n,), generator=self.gen).tolist()
+
+    def pp_tg_rep(self) -> None:
+        """One timed repetition of pp and of tg, each warmed up (untimed) on its first call."""
+        from tokenmill.engine.model_runner import blocks_needed
+        from tokenmill.sample.sampler import greedy_ids
+
+        args, runner, bs = self.args, self.runner, self.block_size
+        # pp: one sequence, args.pp tokens from an empty context (its blocks are simply overwritten)
+        if args.pp:
+            table = [list(range(blocks_needed(args.pp, bs)))]
+            if self.pp_ids is None:
+                self.pp_ids = self.random_ids(args.pp)
+                runner.last_token_logits([self.pp_ids], [args.pp], table)  # warm-up
             t = time.perf_counter()
-            decode_batch(args.batch_steps)
-            rates.append(b * args.batch_steps / (time.perf_counter() - t))
-        out[f"decode_b{b}"] = summarize(rates)
-        log(f"tokenmill: decode@{b} {out[f'decode_b{b}']['avg_ts']:.1f} tok/s")
-    out["peak_rss_mib"] = peak_rss_mib()
-    return out
+            logits = runner.last_token_logits([self.pp_ids], [args.pp], table)
+            int(greedy_ids(logits[:1]))
+            self.rates.setdefault(f"pp{args.pp}", []).append(args.pp / (time.perf_counter() - t))
+        # tg: one sequence decoding greedily; each rep restarts at the same position (the prompt's
+        # KV stays valid)
+        if args.tg:
+            table = [list(range(blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs)))]
+
+            def decode(first: int, steps: int) -> None:
+                token = first
+                for i in range(steps):
+                    logits = runner.last_token_logits([[token]], [PROMPT_FOR_TG + i + 1], table)
+                    token = int(greedy_ids(logits[:1]))
+
+            if self.tg_first is None:
+                prompt = self.random_ids(PROMPT_FOR_TG)
+                logits = runner.last_token_logits([prompt], [PROMPT_FOR_TG], table)
+                self.tg_first = int(greedy_ids(logits[:1]))
+                decode(self.tg_first, 8)  # warm-up
+            t = time.perf_counter()
+            decode(self.tg_first, args.tg)
+            self.rates.setdefault(f"tg{args.tg}", []).append(args.tg / (time.perf_counter() - t))
+        for name, rates in self.rates.items():
+            log(f"tokenmill: {name} {rates[-1]:.1f} tok/s (rep {len(rates)})")
+
+    def batched(self) -> dict[str, object]:
+        """The pp/tg figures so far, then the batched decode ones; the result."""
+        from tokenmill.sample.sampler import greedy_ids
+
+        args, runner, per_seq = self.args, self.runner, self.per_seq
+        for name, rates in self.rates.items():
+            self.out[name] = summarize(rates)
+        self.out["peak_rss_pp_tg_mib"] = peak_rss_mib()
+        # batched decode: B sequences with disjoint blocks, one token each per step
+        for b in args.batches:
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+            prompts = [self.random_ids(args.batch_prompt) for _ in range(b)]
+            # prefill a few sequences at a time, as a scheduler would
+            chunk = max(1, 2048 // args.batch_prompt)
+            firsts: list[int] = []
+            for i in range(0, b, chunk):
+                logits = runner.last_token_logits(
+                    prompts[i : i + chunk],
+                    [args.batch_prompt] * len(prompts[i : i + chunk]),
+                    tables[i : i + chunk],
+                )
+                firsts += greedy_ids(logits).tolist()
+
+            def decode_batch(
+                steps: int,
+                firsts: list[int] = firsts,
+                b: int = b,
+                tables: list[list[int]] = tables,
+            ) -> None:
+                tokens = firsts
+                for s in range(steps):
+                    logits = runner.last_token_logits(
+                        [[t] for t in tokens], [args.batch_prompt + s + 1] * b, tables
+                    )
+                    tokens = greedy_ids(logits).tolist()
+
+            decode_batch(4)  # warm-up
+            rates = []
+            for _ in range(args.reps):
+                t = time.perf_counter()
+                decode_batch(args.batch_steps)
+                rates.append(b * args.batch_steps / (time.perf_counter() - t))
+            self.out[f"decode_b{b}"] = summarize(rates)
+            log(f"tokenmill: decode@{b} {self.out[f'decode_b{b}']['avg_ts']:.1f} tok/s")
+        self.out["peak_rss_mib"] = peak_rss_mib()
+        return self.out
 
 
 # ---------------------------------------------------------------- llama.cpp
 
 
-def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
-    tools = common.ensure_llama(["llama-bench", "llama-batched-bench"], build=not args.no_build)
-    out: dict[str, object] = {"commands": {}, "notes": []}
-    if tools["llama-bench"] is None:
-        out["notes"].append(
-            "no pp/tg figures for llama.cpp: " + common.missing_llama_hint(["llama-bench"])
+class LlamaRuns:
+    """llama.cpp's tools as separate processes: `pp_tg_rep` runs `llama-bench` for one timed
+    repetition (after its own warm-up run), `batched` runs `llama-batched-bench`."""
+
+    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+        self.path, self.args = path, args
+        self.tools = common.ensure_llama(
+            ["llama-bench", "llama-batched-bench"], build=not args.no_build
         )
-    elif args.pp or args.tg:
+        self.out: dict[str, object] = {"commands": {}, "notes": []}
+        self.rates: dict[str, list[float]] = {}
+        self.pp_tg_rss = 0.0
+        self.pp_tg_wall = 0.0
+        if self.tools["llama-bench"] is None:
+            self.out["notes"].append(
+                "no pp/tg figures for llama.cpp: " + common.missing_llama_hint(["llama-bench"])
+            )
+
+    def pp_tg_rep(self) -> None:
+        args = self.args
+        if self.tools["llama-bench"] is None or not (args.pp or args.tg):
+            return
         cmd = [
-            str(tools["llama-bench"]),
+            str(self.tools["llama-bench"]),
             "-m",
-            str(path),
+            str(self.path),
             "-t",
             str(args.threads),
             "-p",
@@ -202,11 +238,11 @@ def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
             "-n",
             str(args.tg),
             "-r",
-            str(args.reps),
+            "1",
             "-o",
             "json",
         ]
-        out["commands"]["llama-bench"] = shlex.join(cmd)
+        self.out["commands"]["llama-bench"] = shlex.join(cmd) + f"  # {args.reps} times"
         log(f"llama.cpp: {shlex.join(cmd)}")
         rc, stdout, stderr, wall, rss = common.run_measured(cmd, timeout=args.timeout)
         if rc:
@@ -214,14 +250,10 @@ def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
         tests = json.loads(stdout)
         for t in tests:
             name = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
-            out[name] = {
-                "avg_ts": t["avg_ts"],
-                "stddev_ts": t["stddev_ts"],
-                "samples_ts": t.get("samples_ts"),
-            }
-            log(f"llama.cpp: {name} {t['avg_ts']:.1f} tok/s")
+            self.rates.setdefault(name, []).append(t["avg_ts"])
+            log(f"llama.cpp: {name} {t['avg_ts']:.1f} tok/s (rep {len(self.rates[name])})")
         first = tests[0] if tests else {}
-        out["build"] = {
+        self.out["build"] = {
             k: first.get(k)
             for k in (
                 "build_commit",
@@ -235,65 +267,74 @@ def bench_llama(path: Path, args: argparse.Namespace) -> dict[str, object]:
                 "n_batch",
             )
         }
-        out["peak_rss_pp_tg_mib"] = rss
-        out["wall_s_llama_bench"] = wall
-    if not args.batches:
+        self.pp_tg_rss = max(self.pp_tg_rss, rss)
+        self.pp_tg_wall += wall
+
+    def batched(self) -> dict[str, object]:
+        """The pp/tg figures so far, then the batched decode ones; the result."""
+        args, out = self.args, self.out
+        for name, rates in self.rates.items():
+            out[name] = summarize(rates)
+        if self.rates:
+            out["peak_rss_pp_tg_mib"] = self.pp_tg_rss
+            out["wall_s_llama_bench"] = self.pp_tg_wall
+        if not args.batches:
+            return out
+        if self.tools["llama-batched-bench"] is None:
+            build_dir = common.LLAMA_PREFIX / "build"
+            how = (
+                f"build it: cmake --build {build_dir} --target llama-batched-bench"
+                if (build_dir / "CMakeCache.txt").is_file()
+                else common.missing_llama_hint(["llama-batched-bench"])
+            )
+            out["notes"].append(f"no batched decode figures for llama.cpp: {how}")
+            return out
+        ctx = max(args.batches) * (args.batch_prompt + args.batch_steps)
+        cmd = [
+            str(self.tools["llama-batched-bench"]),
+            "-m",
+            str(self.path),
+            "-t",
+            str(args.threads),
+            "-tb",
+            str(args.threads),
+            "-c",
+            str(ctx),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            str(args.batch_prompt),
+            "-ntg",
+            str(args.batch_steps),
+            "-npl",
+            ",".join(map(str, args.batches)),
+            "--output-format",
+            "jsonl",
+        ]
+        out["commands"]["llama-batched-bench"] = shlex.join(cmd)
+        rates: dict[int, list[float]] = {b: [] for b in args.batches}
+        peak = 0.0
+        for rep in range(args.reps):  # it has no repetition option: run it --reps times
+            log(f"llama.cpp ({rep + 1}/{args.reps}): {shlex.join(cmd)}")
+            rc, stdout, stderr, wall, rss = common.run_measured(cmd, timeout=args.timeout)
+            if rc:
+                raise RuntimeError(f"llama-batched-bench failed ({rc}):\n{stderr[-3000:]}")
+            peak = max(peak, rss)
+            for line in (stdout + "\n" + stderr).splitlines():
+                line = line.strip()
+                if line.startswith("{") and '"speed_tg"' in line:
+                    row = json.loads(line)
+                    rates.setdefault(row["pl"], []).append(row["speed_tg"])
+        for b in args.batches:
+            if rates.get(b):
+                out[f"decode_b{b}"] = summarize(rates[b])
+                log(f"llama.cpp: decode@{b} {out[f'decode_b{b}']['avg_ts']:.1f} tok/s")
+            else:
+                out["notes"].append(f"llama-batched-bench reported nothing for B={b}")
+        out["peak_rss_mib"] = peak
         return out
-    if tools["llama-batched-bench"] is None:
-        build_dir = common.LLAMA_PREFIX / "build"
-        how = (
-            f"build it: cmake --build {build_dir} --target llama-batched-bench"
-            if (build_dir / "CMakeCache.txt").is_file()
-            else common.missing_llama_hint(["llama-batched-bench"])
-        )
-        out["notes"].append(f"no batched decode figures for llama.cpp: {how}")
-        return out
-    ctx = max(args.batches) * (args.batch_prompt + args.batch_steps)
-    cmd = [
-        str(tools["llama-batched-bench"]),
-        "-m",
-        str(path),
-        "-t",
-        str(args.threads),
-        "-tb",
-        str(args.threads),
-        "-c",
-        str(ctx),
-        "-b",
-        "2048",
-        "-ub",
-        "512",
-        "-npp",
-        str(args.batch_prompt),
-        "-ntg",
-        str(args.batch_steps),
-        "-npl",
-        ",".join(map(str, args.batches)),
-        "--output-format",
-        "jsonl",
-    ]
-    out["commands"]["llama-batched-bench"] = shlex.join(cmd)
-    rates: dict[int, list[float]] = {b: [] for b in args.batches}
-    peak = 0.0
-    for rep in range(args.reps):  # it has no repetition option: run it --reps times
-        log(f"llama.cpp ({rep + 1}/{args.reps}): {shlex.join(cmd)}")
-        rc, stdout, stderr, wall, rss = common.run_measured(cmd, timeout=args.timeout)
-        if rc:
-            raise RuntimeError(f"llama-batched-bench failed ({rc}):\n{stderr[-3000:]}")
-        peak = max(peak, rss)
-        for line in (stdout + "\n" + stderr).splitlines():
-            line = line.strip()
-            if line.startswith("{") and '"speed_tg"' in line:
-                row = json.loads(line)
-                rates.setdefault(row["pl"], []).append(row["speed_tg"])
-    for b in args.batches:
-        if rates.get(b):
-            out[f"decode_b{b}"] = summarize(rates[b])
-            log(f"llama.cpp: decode@{b} {out[f'decode_b{b}']['avg_ts']:.1f} tok/s")
-        else:
-            out["notes"].append(f"llama-batched-bench reported nothing for B={b}")
-    out["peak_rss_mib"] = peak
-    return out
 
 
 # ---------------------------------------------------------------- report
@@ -391,10 +432,18 @@ def main(argv: list[str] | None = None) -> int:
         "results": {},
     }
     results: dict[str, dict] = data["results"]  # type: ignore[assignment]
+    runs: dict[str, TokenmillRuns | LlamaRuns] = {}
     if "tokenmill" in engines:
-        results["tokenmill"] = bench_tokenmill(path, args)
+        runs["tokenmill"] = TokenmillRuns(path, args)
     if "llama.cpp" in engines:
-        results["llama.cpp"] = bench_llama(path, args)
+        runs["llama.cpp"] = LlamaRuns(path, args)
+    # pp and tg: the engines take turns, one repetition each, so that the machine's drifts (a
+    # shared VM's memory speed moves over minutes) reach both engines' figures alike
+    for _ in range(args.reps):
+        for engine in runs.values():
+            engine.pp_tg_rep()
+    for name, engine in runs.items():
+        results[name] = engine.batched()
     data["ratios"] = {
         key: ratio(value(results.get("tokenmill"), key), value(results.get("llama.cpp"), key))
         for key, _, _ in figures(args)
