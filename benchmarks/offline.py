@@ -4,7 +4,10 @@ style.
 Figures, each the mean over --reps timed repetitions after an untimed warm-up:
   pp512      prompt processing, tokens/s: one 512-token forward pass of one sequence
   tg128      batch-1 decode, tokens/s: 128 steps of one token each after a 16-token prompt,
-             including the greedy pick (the engine's `greedy_ids`) that feeds the next step
+             including the greedy pick (the engine's `greedy_ids`) that feeds the next step;
+             eager, as a first `LLM()` run decodes
+  tg128, compiled graphs   the same through the compiled decode graphs, as `LLM()` decodes once
+             an earlier run cached them (built first where none did; --no-compiled-tg: skipped)
   decode@B   batched decode, tokens/s = B * 64 / time: B sequences, each with a 128-token prompt
              (prefilled untimed), decode one token per step for 64 steps (greedy pick per sequence)
   peak RSS   the process's peak resident memory (ru_maxrss) after pp/tg and after batched decode
@@ -13,8 +16,9 @@ llama.cpp: `llama-bench -p 512 -n 128` (pp512, tg128; random tokens, warm-up run
 `llama-batched-bench -npp 128 -ntg 64 -npl 8,32,64` (S_TG t/s, the decode rate of the batch),
 each as a separate process whose own peak RSS is read from /proc (VmHWM). Runs are sequential,
 never concurrent; pp and tg take turns: each repetition times tokenmill's once, then runs
-`llama-bench -r 1` once, so a drift of the machine's speed over the run reaches both engines. Results: a side-by-side table on stdout, offline-<model>.json in the results
-directory (BENCH_RESULTS, default benchmarks/results/local).
+`llama-bench -r 1` once, so a drift of the machine's speed over the run reaches both engines.
+Results: a side-by-side table on stdout, offline-<model>.json in the results directory
+(BENCH_RESULTS, default benchmarks/results/local).
 
     python benchmarks/offline.py --model smollm2-135m-instruct --reps 3
 """
@@ -29,11 +33,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 from common import MiB, fmt, fmt_ratio, log, ratio  # noqa: E402
+
+if TYPE_CHECKING:
+    from tokenmill.engine.model_runner import ModelRunner
 
 PROMPT_FOR_TG = 16  # tokens before the tg run, as a short chat turn would have
 
@@ -109,7 +117,27 @@ class TokenmillRuns:
         }
         self.rates: dict[str, list[float]] = {}
         self.pp_ids: list[int] | None = None
-        self.tg_first: int | None = None
+        # per runner: the first decode token after the tg prompt
+        self.tg_first: dict[int, int] = {}
+        # tg again through the compiled decode graphs, as `LLM()` runs once an earlier run cached
+        # them (built now, or loaded from that cache), unless every figure is compiled already
+        self.compiled_runner = None
+        if args.compiled_tg and args.tg and not args.compile:
+            t0 = time.perf_counter()
+            runner = ModelRunner(
+                loaded,
+                num_blocks=blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
+                block_size=bs,
+                compile=True,
+            )
+            compiled = runner.wait_compiled()
+            log(
+                f"tokenmill: decode graphs for the compiled tg, compiled={compiled} in "
+                f"{time.perf_counter() - t0:.1f} s"
+                + (f" ({runner.compile_error!r})" if runner.compile_error else "")
+            )
+            self.compiled_runner = runner if compiled else None
+            self.out["compiled_tg_graphs_s"] = runner.compile_seconds
 
     def random_ids(self, n: int) -> list[int]:
         import torch
@@ -132,27 +160,37 @@ class TokenmillRuns:
             logits = runner.last_token_logits([self.pp_ids], [args.pp], table)
             int(greedy_ids(logits[:1]))
             self.rates.setdefault(f"pp{args.pp}", []).append(args.pp / (time.perf_counter() - t))
-        # tg: one sequence decoding greedily; each rep restarts at the same position (the prompt's
-        # KV stays valid)
         if args.tg:
-            table = [list(range(blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs)))]
-
-            def decode(first: int, steps: int) -> None:
-                token = first
-                for i in range(steps):
-                    logits = runner.last_token_logits([[token]], [PROMPT_FOR_TG + i + 1], table)
-                    token = int(greedy_ids(logits[:1]))
-
-            if self.tg_first is None:
-                prompt = self.random_ids(PROMPT_FOR_TG)
-                logits = runner.last_token_logits([prompt], [PROMPT_FOR_TG], table)
-                self.tg_first = int(greedy_ids(logits[:1]))
-                decode(self.tg_first, 8)  # warm-up
-            t = time.perf_counter()
-            decode(self.tg_first, args.tg)
-            self.rates.setdefault(f"tg{args.tg}", []).append(args.tg / (time.perf_counter() - t))
+            self.tg_rep(runner, f"tg{args.tg}")
+            if self.compiled_runner is not None:
+                self.tg_rep(self.compiled_runner, f"tg{args.tg}_compiled")
         for name, rates in self.rates.items():
             log(f"tokenmill: {name} {rates[-1]:.1f} tok/s (rep {len(rates)})")
+
+    def tg_rep(self, runner: ModelRunner, name: str) -> None:
+        """One timed tg repetition on runner: one sequence decoding greedily, each rep from the
+        same position (the prompt's KV stays valid); warmed up untimed on its first call."""
+        from tokenmill.engine.model_runner import blocks_needed
+        from tokenmill.sample.sampler import greedy_ids
+
+        tg = self.args.tg
+        table = [list(range(blocks_needed(PROMPT_FOR_TG + tg + 8, self.block_size)))]
+
+        def decode(first: int, steps: int) -> None:
+            token = first
+            for i in range(steps):
+                logits = runner.last_token_logits([[token]], [PROMPT_FOR_TG + i + 1], table)
+                token = int(greedy_ids(logits[:1]))
+
+        first = self.tg_first.get(id(runner))
+        if first is None:
+            prompt = self.random_ids(PROMPT_FOR_TG)
+            logits = runner.last_token_logits([prompt], [PROMPT_FOR_TG], table)
+            first = self.tg_first[id(runner)] = int(greedy_ids(logits[:1]))
+            decode(first, 8)  # warm-up
+        t = time.perf_counter()
+        decode(first, tg)
+        self.rates.setdefault(name, []).append(tg / (time.perf_counter() - t))
 
     def batched(self) -> dict[str, object]:
         """The pp/tg figures so far, then the batched decode ones; the result."""
@@ -340,17 +378,20 @@ class LlamaRuns:
 # ---------------------------------------------------------------- report
 
 
-def figures(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """(key, caption, unit) of the headline figures, in table order."""
+def figures(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+    """(key, caption, unit, llama.cpp's key) of the headline figures, in table order."""
     rows = []
     if args.pp:
-        rows.append((f"pp{args.pp}", f"pp{args.pp} (prompt, batch 1)", "tok/s"))
+        rows.append((f"pp{args.pp}", f"pp{args.pp} (prompt, batch 1)", "tok/s", f"pp{args.pp}"))
     if args.tg:
-        rows.append((f"tg{args.tg}", f"tg{args.tg} (decode, batch 1)", "tok/s"))
-    rows += [(f"decode_b{b}", f"decode @ batch {b}", "tok/s") for b in args.batches]
+        tg = f"tg{args.tg}"
+        rows.append((tg, f"{tg} (decode, batch 1)", "tok/s", tg))
+        if args.compiled_tg and not args.compile:
+            rows.append((f"{tg}_compiled", f"{tg}, compiled graphs", "tok/s", tg))
+    rows += [(f"decode_b{b}", f"decode @ batch {b}", "tok/s", f"decode_b{b}") for b in args.batches]
     rows += [
-        ("peak_rss_pp_tg_mib", "peak RSS, pp/tg", "MiB"),
-        ("peak_rss_mib", "peak RSS, all", "MiB"),
+        ("peak_rss_pp_tg_mib", "peak RSS, pp/tg", "MiB", "peak_rss_pp_tg_mib"),
+        ("peak_rss_mib", "peak RSS, all", "MiB", "peak_rss_mib"),
     ]
     return rows
 
@@ -365,8 +406,8 @@ def value(result: dict | None, key: str) -> float | None:
 def format_table(data: dict, args: argparse.Namespace) -> str:
     tm, lc = data["results"].get("tokenmill"), data["results"].get("llama.cpp")
     rows = []
-    for key, caption, unit in figures(args):
-        a, b = value(tm, key), value(lc, key)
+    for key, caption, unit, peer_key in figures(args):
+        a, b = value(tm, key), value(lc, peer_key)
         sd = ""
         if tm and isinstance(tm.get(key), dict) and tm[key]["stddev_ts"]:
             sd = f" ±{tm[key]['stddev_ts']:.1f}"
@@ -396,6 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--compile", action="store_true", help="compile tokenmill's decode step (see ModelRunner)"
+    )
+    p.add_argument(
+        "--compiled-tg",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time tg through the compiled decode graphs, as LLM() runs once they are cached "
+        "(builds them first where no earlier run cached them: minutes)",
     )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--pp", type=int, default=512, help="prompt length of the pp test (0: skip)")
@@ -445,8 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, engine in runs.items():
         results[name] = engine.batched()
     data["ratios"] = {
-        key: ratio(value(results.get("tokenmill"), key), value(results.get("llama.cpp"), key))
-        for key, _, _ in figures(args)
+        key: ratio(value(results.get("tokenmill"), key), value(results.get("llama.cpp"), peer_key))
+        for key, _, _, peer_key in figures(args)
     }
 
     print(
