@@ -100,10 +100,22 @@ def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs], top_k: int
     return {"content": content}
 
 
+# Characters JSON leaves as they are but line readers break lines at (str.splitlines, and httpx's
+# `aiter_lines`, with which the `ollama` client and many others read streams): written as JSON
+# escapes, which every parser reads back as the same characters, so that an event stays one line
+_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def stream_json(payload: dict | str) -> str:
+    """payload (or JSON text) as the JSON of one line of a stream: a server-sent event's data or an
+    NDJSON line, with no character inside that a line reader takes for a line break."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return data.translate(_LINE_BREAKS_IN_JSON)
+
+
 def sse(payload: dict | str) -> str:
     """One server-sent event. Payloads hold no NaN or Infinity (see `finite`)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+    return f"data: {stream_json(payload)}\n\n"
 
 
 async def event_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:

@@ -21,6 +21,7 @@ from pydantic import Field
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_setup, translated
 from tokenmill.server.errors import api_error
+from tokenmill.server.formatting import stream_json
 from tokenmill.server.generation import RequestRun
 from tokenmill.server.protocol import ChatCompletionRequest, _Strict
 from tokenmill.server.state import State, tenant
@@ -303,7 +304,6 @@ async def _sse(events: AsyncIterator[tuple[str, dict[str, Any]]]) -> AsyncIterat
     """Named server-sent events; an error midway is an `error` event in Anthropic's shape."""
     try:
         async for name, data in events:
-            yield f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+            yield f"event: {name}\ndata: {stream_json(data)}\n\n"
     except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
-        body = json.dumps(api_error(exc).body(PATH), ensure_ascii=False)
-        yield f"event: error\ndata: {body}\n\n"
+        yield f"event: error\ndata: {stream_json(api_error(exc).body(PATH))}\n\n"

@@ -31,6 +31,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.chat import ChatSetup, chat_choices, chat_chunks, chat_setup, translated
 from tokenmill.server.errors import api_error
+from tokenmill.server.formatting import stream_json
 from tokenmill.server.generation import RequestRun
 from tokenmill.server.model_registry import FOREVER, Engine, ModelEntry, parse_keep_alive
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Strict
@@ -485,8 +486,8 @@ def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for line in lines:
-                yield json.dumps(line, ensure_ascii=False) + "\n"
+                yield stream_json(line) + "\n"
         except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
-            yield json.dumps(api_error(exc).body("/api/"), ensure_ascii=False) + "\n"
+            yield stream_json(api_error(exc).body("/api/")) + "\n"
 
     return StreamingResponse(body(), media_type="application/x-ndjson")
