@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 
 import jsonschema
 import pytest
 
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.structured_output import GrammarCompiler
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sample import SamplingParams, StructuredOutputs
 
@@ -295,3 +298,18 @@ def test_a_structural_tag_constrains_what_follows_its_trigger(engine) -> None:
         engine.input_processor.grammars.matcher(
             StructuredOutputs(structural_tag={**tag, "triggers": ["<tool>"]})
         )
+
+
+def test_a_failed_warm_up_prints_no_traceback(engine, monkeypatch) -> None:
+    """The compiler's warm-up thread imports llguidance.torch; a server stopped while it imports
+    fails that import as the interpreter shuts down, and the thread must not print a traceback
+    then (the shutdown tests read the server's output for one). Here the import fails at once."""
+    reported = []
+    monkeypatch.setattr(threading, "excepthook", reported.append)
+    monkeypatch.setitem(sys.modules, "llguidance.torch", None)  # `import` of it raises
+    before = set(threading.enumerate())
+    GrammarCompiler(engine.tokenizer, engine.loaded.config.vocab_size)
+    for thread in set(threading.enumerate()) - before:
+        if thread.name == "tokenmill-llg-tokenizer":
+            thread.join(timeout=60)
+    assert reported == []

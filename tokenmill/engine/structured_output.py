@@ -53,12 +53,15 @@ class GrammarCompiler:
 
     def _prepare(self) -> None:
         # llguidance.torch applies torch.compile to a function when imported, which imports
-        # TorchDynamo: a large share of a start's time, so the import runs here, off its path
-        import llguidance.torch  # noqa: F401
-
+        # TorchDynamo: a large share of a start's time, so the import runs here, off its path.
+        # A process that exits meanwhile (a server stopped at once) fails the import as the
+        # interpreter shuts down: a warm-up's failure is not reported, the first constrained
+        # request raises it again.
         try:
+            import llguidance.torch  # noqa: F401
+
             self._llg_tokenizer()
-        except Exception:  # noqa: BLE001 - the first constrained request raises it again
+        except Exception:  # noqa: BLE001 - see above
             pass
 
     def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
