@@ -47,22 +47,6 @@ class GrammarCompiler:
         self.num_matchers = 0  # matchers made: constrained requests
         self.num_compiles = 0  # grammars converted and checked (cache misses)
         self.compile_seconds = 0.0
-        # llguidance's tokenizer holds the GIL while it is built, long for a large vocabulary:
-        # built now, not by the first constrained request while other requests stream
-        threading.Thread(target=self._prepare, name="tokenmill-llg-tokenizer", daemon=True).start()
-
-    def _prepare(self) -> None:
-        # llguidance.torch applies torch.compile to a function when imported, which imports
-        # TorchDynamo: a large share of a start's time, so the import runs here, off its path.
-        # A process that exits meanwhile (a server stopped at once) fails the import as the
-        # interpreter shuts down: a warm-up's failure is not reported, the first constrained
-        # request raises it again.
-        try:
-            import llguidance.torch  # noqa: F401
-
-            self._llg_tokenizer()
-        except Exception:  # noqa: BLE001 - see above
-            pass
 
     def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         """A fresh matcher for the constraint; InvalidRequestError naming what llguidance cannot
@@ -87,7 +71,9 @@ class GrammarCompiler:
         token (the target's token before them refuses that draft). A matcher in error
         (`is_error`) allows at most the end of the sequence; the engine fails its request with
         the reason."""
-        import llguidance.torch  # imported by `_prepare` already, unless it is still importing
+        # llguidance.torch applies torch.compile to a function when imported, which imports
+        # TorchDynamo (seconds): imported by the first step with a constrained row, not at start
+        import llguidance.torch
 
         drafts = drafts if drafts is not None else [[] for _ in matchers]
         starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
@@ -122,6 +108,9 @@ class GrammarCompiler:
         return json.dumps({"grammars": [outer, {**body[0], "name": "constrained"}, *body[1:]]})
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary, built by the first constrained request: the build
+        holds the GIL throughout (~1.5 s for Gemma 3's 262k tokens), which at start would stall
+        the first requests of every server, constrained or not."""
         with self._lock:
             if self._ll_tokenizer is None:
                 eos = self._tokenizer.eos_token_id
