@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 
 import pytest
@@ -244,6 +246,30 @@ def test_deferred_compile_starts_on_request(tiny_loaded, monkeypatch) -> None:
     assert not runner.wait_compiled(timeout=30)
     assert calls == [True] and runner.decode_mode == "eager"  # the stand-in compiled nothing
     assert ModelRunner(tiny_loaded, num_blocks=8, block_size=16).decode_mode == "eager"
+
+
+def test_gil_slices_are_short_while_graphs_build_and_restored_after(
+    tiny_loaded, monkeypatch
+) -> None:
+    # the compile thread's Python would otherwise hold the GIL for whole 5 ms slices between the
+    # ops of the eager steps served meanwhile; a target and its draft may build at once
+    before = sys.getswitchinterval()
+    both_inside = threading.Barrier(2, timeout=30)
+    seen: list[float] = []
+
+    def build(self) -> None:
+        both_inside.wait()
+        seen.append(sys.getswitchinterval())
+        both_inside.wait()  # neither leaves before both have looked
+
+    monkeypatch.setattr(ModelRunner, "_build_or_load_graphs", build)
+    runners = [
+        ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True) for _ in range(2)
+    ]
+    for runner in runners:
+        runner.wait_compiled(timeout=60)
+    assert seen == [pytest.approx(model_runner.COMPILE_SWITCH_INTERVAL_S)] * 2
+    assert sys.getswitchinterval() == pytest.approx(before)
 
 
 @pytest.mark.parametrize("cached", [True, False])

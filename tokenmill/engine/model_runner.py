@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,39 @@ GRAPH_OPTIONS = {
     "alignment_asserts": False,
     "scalar_asserts": False,
 }
+
+# The interpreter's GIL switch interval while decode graphs are built or loaded. The compile
+# thread then runs Python (dynamo's tracing, loading) for seconds, and every op an eager step
+# calls releases the GIL and may wait out a whole switch interval (5 ms by default) to get it
+# back: the steps served meanwhile, a first start's first answers among them, took many times
+# longer. Shorter slices keep them near their speed (see the tuning log).
+COMPILE_SWITCH_INTERVAL_S = 1e-4
+
+
+class _ShortGilSlices:
+    """`sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)` while any runner builds or loads its
+    graphs (a target and its draft model may at once); the interval from before after the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._before = sys.getswitchinterval()
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._before = sys.getswitchinterval()
+                sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)
+            self._active += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                sys.setswitchinterval(self._before)
+
+
+_short_gil_slices = _ShortGilSlices()
 
 
 class ModelRunner:
@@ -342,6 +376,10 @@ class ModelRunner:
         the CPU, the threads, the model's structure and the KV cache's size. Their guards are
         checked on the warm-up step after loading as after compiling.
         """
+        with _short_gil_slices:
+            self._build_or_load_graphs()
+
+    def _build_or_load_graphs(self) -> None:
         start = time.perf_counter()
         if self._kernel_build is not None:
             self._kernel_build.join()  # graphs traced before the kernels load would not use them
