@@ -89,9 +89,11 @@ class TokenmillRuns:
 
         self.block_size = bs = 16
         self.per_seq = blocks_needed(args.batch_prompt + args.batch_steps + 4, bs)
+        tg_blocks = blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs)
+        self.tg_table = [list(range(tg_blocks))]  # the tg sequence's blocks, in either runner
         num_blocks = max(
             blocks_needed(args.pp, bs),
-            blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
+            tg_blocks,
             max(args.batches, default=0) * self.per_seq,
         )
         # torch.empty: pages commit as used
@@ -126,7 +128,7 @@ class TokenmillRuns:
             t0 = time.perf_counter()
             runner = ModelRunner(
                 loaded,
-                num_blocks=blocks_needed(PROMPT_FOR_TG + args.tg + 8, bs),
+                num_blocks=tg_blocks,
                 block_size=bs,
                 compile=True,
             )
@@ -170,11 +172,9 @@ class TokenmillRuns:
     def tg_rep(self, runner: ModelRunner, name: str) -> None:
         """One timed tg repetition on runner: one sequence decoding greedily, each rep from the
         same position (the prompt's KV stays valid); warmed up untimed on its first call."""
-        from tokenmill.engine.model_runner import blocks_needed
         from tokenmill.sample.sampler import greedy_ids
 
-        tg = self.args.tg
-        table = [list(range(blocks_needed(PROMPT_FOR_TG + tg + 8, self.block_size)))]
+        tg, table = self.args.tg, self.tg_table
 
         def decode(first: int, steps: int) -> None:
             token = first
@@ -261,16 +261,16 @@ class LlamaRuns:
                 "no pp/tg figures for llama.cpp: " + common.missing_llama_hint(["llama-bench"])
             )
 
+    def command(self, tool: str, *options: str) -> list[str]:
+        """tool's command line on this model and thread count, then options."""
+        return [str(self.tools[tool]), "-m", str(self.path), "-t", str(self.args.threads), *options]
+
     def pp_tg_rep(self) -> None:
         args = self.args
         if self.tools["llama-bench"] is None or not (args.pp or args.tg):
             return
-        cmd = [
-            str(self.tools["llama-bench"]),
-            "-m",
-            str(self.path),
-            "-t",
-            str(args.threads),
+        cmd = self.command(
+            "llama-bench",
             "-p",
             str(args.pp),
             "-n",
@@ -279,7 +279,7 @@ class LlamaRuns:
             "1",
             "-o",
             "json",
-        ]
+        )
         self.out["commands"]["llama-bench"] = shlex.join(cmd) + f"  # {args.reps} times"
         log(f"llama.cpp: {shlex.join(cmd)}")
         rc, stdout, stderr, wall, rss = common.run_measured(cmd, timeout=args.timeout)
@@ -328,12 +328,8 @@ class LlamaRuns:
             out["notes"].append(f"no batched decode figures for llama.cpp: {how}")
             return out
         ctx = max(args.batches) * (args.batch_prompt + args.batch_steps)
-        cmd = [
-            str(self.tools["llama-batched-bench"]),
-            "-m",
-            str(self.path),
-            "-t",
-            str(args.threads),
+        cmd = self.command(
+            "llama-batched-bench",
             "-tb",
             str(args.threads),
             "-c",
@@ -350,7 +346,7 @@ class LlamaRuns:
             ",".join(map(str, args.batches)),
             "--output-format",
             "jsonl",
-        ]
+        )
         out["commands"]["llama-batched-bench"] = shlex.join(cmd)
         rates: dict[int, list[float]] = {b: [] for b in args.batches}
         peak = 0.0

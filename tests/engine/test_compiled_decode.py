@@ -251,7 +251,7 @@ def test_deferred_compile_starts_on_request(tiny_loaded, monkeypatch) -> None:
 def test_gil_slices_are_short_while_graphs_build_and_restored_after(
     tiny_loaded, monkeypatch
 ) -> None:
-    # the compile thread's Python would otherwise hold the GIL for whole 5 ms slices between the
+    # the compile thread's Python would otherwise hold the GIL for whole default slices between the
     # ops of the eager steps served meanwhile; a target and its draft may build at once
     before = sys.getswitchinterval()
     both_inside = threading.Barrier(2, timeout=30)

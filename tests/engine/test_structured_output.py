@@ -303,7 +303,7 @@ def test_a_structural_tag_constrains_what_follows_its_trigger(engine) -> None:
 def test_llguidance_tokenizer_is_built_by_the_first_constrained_request(
     engine, monkeypatch
 ) -> None:
-    """Building llguidance's tokenizer holds the GIL throughout (~1.5 s for Gemma 3's vocabulary):
+    """Building llguidance's tokenizer holds the GIL throughout, long for a large vocabulary:
     done at start, it stalled the first requests of every server, constrained or not. A compiler
     builds it when a constrained request first needs it, once."""
     built = []

@@ -65,9 +65,9 @@ GRAPH_OPTIONS = {
 
 # The interpreter's GIL switch interval while decode graphs are built or loaded. The compile
 # thread then runs Python (dynamo's tracing, loading) for seconds, and every op an eager step
-# calls releases the GIL and may wait out a whole switch interval (5 ms by default) to get it
-# back: the steps served meanwhile, a first start's first answers among them, took many times
-# longer. Shorter slices keep them near their speed (see the tuning log).
+# calls releases the GIL and may wait out a whole default switch interval to get it back: the
+# steps served meanwhile, a first start's first answers among them, took many times longer.
+# Shorter slices keep them near their speed (see the tuning log).
 COMPILE_SWITCH_INTERVAL_S = 1e-4
 
 

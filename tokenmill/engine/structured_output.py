@@ -109,7 +109,7 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary, built by the first constrained request: the build
-        holds the GIL throughout (~1.5 s for Gemma 3's 262k tokens), which at start would stall
+        holds the GIL throughout, long for a large vocabulary, which at start would stall
         the first requests of every server, constrained or not."""
         with self._lock:
             if self._ll_tokenizer is None:
