@@ -683,6 +683,8 @@ def test_gated_activation_refuses_what_it_cannot_compute() -> None:
         (torch.bfloat16, torch.bfloat16),
         (torch.float32, torch.float16),
         (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float16),
     ],
 )
 # query heads per KV head: 3, 4, 3, 7 (attended 4 then 3 at a time), 2 and 1
@@ -743,19 +745,17 @@ def test_decode_attention_refuses_what_it_cannot_compute() -> None:
             1.0,
             None,
         )
-    with pytest.raises(RuntimeError, match="share q's dtype"):
+    with pytest.raises(RuntimeError, match="q must be float32 or bfloat16"):
         torch.ops.tokenmill.decode_attention(
-            torch.zeros(1, 2, 16, dtype=torch.bfloat16), cache, cache, slots, mask, 1.0, None
+            torch.zeros(1, 2, 16, dtype=torch.float16), cache, cache, slots, mask, 1.0, None
         )
-    half = cache.half()
-    with pytest.raises(RuntimeError, match="share q's dtype"):
-        # a bfloat16 q takes a bfloat16 cache only
+    with pytest.raises(RuntimeError, match="caches must be float32, float16 or bfloat16, both"):
         torch.ops.tokenmill.decode_attention(
-            torch.zeros(1, 2, 16, dtype=torch.bfloat16), half, half, slots, mask, 1.0, None
+            torch.zeros(1, 2, 16), cache.half(), cache, slots, mask, 1.0, None
         )
-    with pytest.raises(RuntimeError, match="share q's dtype"):  # K and V alike
+    with pytest.raises(RuntimeError, match="caches must be float32, float16 or bfloat16"):
         torch.ops.tokenmill.decode_attention(
-            torch.zeros(1, 2, 16), half, cache, slots, mask, 1.0, None
+            torch.zeros(1, 2, 16), cache.double(), cache.double(), slots, mask, 1.0, None
         )
     with pytest.raises(RuntimeError, match="one entry per slot"):
         torch.ops.tokenmill.decode_attention(

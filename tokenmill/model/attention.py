@@ -55,7 +55,6 @@ def kernel_attends_prompts(
     )
 
 
-HALF_CACHE_DTYPES = (torch.float16, torch.bfloat16)
 KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -508,7 +507,7 @@ def kernel_fits(
         kernels.loaded()
         and torch.device(device).type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
-        and (cache_dtype == dtype or (dtype == torch.float32 and cache_dtype in HALF_CACHE_DTYPES))
+        and cache_dtype in KV_CACHE_DTYPES.values()
         and head_dim % 16 == 0
         and head_dim <= 512
     )

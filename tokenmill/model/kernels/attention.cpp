@@ -7,9 +7,11 @@
 // takes one chunk of a sequence's context for one KV head (see `run`): scores by dot products, a
 // max-subtracted exp and the value rows summed in fp32, each row read from memory once. A float32
 // model's cache may hold float16 or bfloat16 rows, widened as they are loaded: a decode step of many
-// sequences reads the whole cache, so half the bytes make it faster. A model with attention sinks
-// (gpt-oss) gives each query head a logit that joins its softmax denominator, added where a head's
-// chunks are merged.
+// sequences reads the whole cache, so half the bytes make it faster. A bfloat16 model's cache may
+// be any of the three (`--kv-cache-dtype`): every combination attends here, so that a prompt's
+// tokens do not depend on how the step is packed whatever the cache holds. A model with attention
+// sinks (gpt-oss) gives each query head a logit that joins its softmax denominator, added where a
+// head's chunks are merged.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -273,9 +275,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(dim % simd::kWidth == 0 && dim <= kMaxHeadDim, "decode_attention: head_dim ", dim,
               " must be a multiple of ", simd::kWidth, " and at most ", kMaxHeadDim);
   const auto cache_dtype = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == cache_dtype && (cache_dtype == q.scalar_type() ||
-              (q.scalar_type() == at::kFloat && (cache_dtype == at::kHalf || cache_dtype == at::kBFloat16))),
-              "decode_attention: the caches must share q's dtype, or be float16 or bfloat16 for a float32 q");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "decode_attention: q must be float32 or bfloat16");
+  TORCH_CHECK(v_cache.scalar_type() == cache_dtype &&
+              (cache_dtype == at::kFloat || cache_dtype == at::kHalf || cache_dtype == at::kBFloat16),
+              "decode_attention: the caches must be float32, float16 or bfloat16, both alike");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == batch,
               "decode_attention: slots must be int64 (batch, context)");
@@ -290,14 +294,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const float* sp = sinks ? sinks_f.data_ptr<float>() : nullptr;
   const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), mc = mask.contiguous();
   at::Tensor out = at::empty_like(qc);
+  const auto over_cache = [&](auto query) {  // q's type, as a value
+    using T = decltype(query);
+    if (cache_dtype == at::kHalf) {
+      run<T, c10::Half>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
+    } else if (cache_dtype == at::kBFloat16) {
+      run<T, at::BFloat16>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
+    } else {
+      run<T, float>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
+    }
+  };
   if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16, at::BFloat16>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
-  } else if (cache_dtype == at::kHalf) {
-    run<float, c10::Half>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
-  } else if (cache_dtype == at::kBFloat16) {
-    run<float, at::BFloat16>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
+    over_cache(at::BFloat16{});
   } else {
-    run<float, float>(qc, k_cache, v_cache, sc, mc, out, scale, softcap, sp);
+    over_cache(float{});
   }
   return out;
 }
