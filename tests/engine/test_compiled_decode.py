@@ -272,6 +272,40 @@ def test_gil_slices_are_short_while_graphs_build_and_restored_after(
     assert sys.getswitchinterval() == pytest.approx(before)
 
 
+def test_a_runner_loads_the_graphs_another_runner_is_building_rather_than_tracing_them(
+    tiny_loaded, monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    traced: list[ModelRunner] = []
+    release = threading.Event()
+    saved: dict[object, str] = {}
+
+    def trace(self) -> dict[int, str]:
+        traced.append(self)
+        assert release.wait(30)
+        return {1: "graph for 1", 2: "graph for 2+"}
+
+    def load(self, paths) -> dict[int, str] | None:
+        return {size: saved[path] for size, path in paths.items()} if saved else None
+
+    monkeypatch.setattr(ModelRunner, "_trace_graphs", trace)
+    monkeypatch.setattr(ModelRunner, "_load_graphs", load)
+    monkeypatch.setattr(
+        model_runner, "_save_graph", lambda graph, path: saved.update({path: graph})
+    )
+    first = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    deadline = time.monotonic() + 30
+    while not traced and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    time.sleep(0.3)
+    assert traced == [first] and second.decode_mode == "compiling"
+    release.set()
+    assert first.wait_compiled(timeout=30) and second.wait_compiled(timeout=30)
+    assert traced == [first]
+    assert second._compiled_decode == {1: "graph for 1", 2: "graph for 2+"}
+
+
 @pytest.mark.parametrize("cached", [True, False])
 def test_engine_left_to_itself_compiles_at_once_only_where_graphs_are_cached(
     tiny_loaded, monkeypatch, cached: bool

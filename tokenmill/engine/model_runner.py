@@ -96,6 +96,17 @@ class _ShortGilSlices:
 
 _short_gil_slices = _ShortGilSlices()
 
+# One lock per set of decode graphs (their cache key): a runner that wants graphs another runner
+# of this process is building waits for them and loads them, rather than tracing them again beside
+# it (two engines of one model, a model loaded again while its first instance compiles).
+_graph_locks: dict[str, threading.Lock] = {}
+_graph_locks_guard = threading.Lock()
+
+
+def _graph_lock(key: str) -> threading.Lock:
+    with _graph_locks_guard:
+        return _graph_locks.setdefault(key, threading.Lock())
+
 
 class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
@@ -385,15 +396,17 @@ class ModelRunner:
             self._kernel_build.join()  # graphs traced before the kernels load would not use them
         # inductor builds its kernels for the current thread count
         self._set_threads(self.max_threads)
-        paths = self._graph_paths()
+        key = self._graph_key()
+        paths = self._graph_paths(key)
         folder = paths[1].parent
         try:
-            graphs = self._load_graphs(paths)
-            if graphs is None:
-                graphs = self._trace_graphs()
-                for size, graph in graphs.items():
-                    _save_graph(graph, paths[size])
-                prune_cache(folder, "*.bin", KEEP_GRAPHS)
+            with _graph_lock(key):
+                graphs = self._load_graphs(paths)
+                if graphs is None:
+                    graphs = self._trace_graphs()
+                    for size, graph in graphs.items():
+                        _save_graph(graph, paths[size])
+                    prune_cache(folder, "*.bin", KEEP_GRAPHS)
         except Exception as exc:  # noqa: BLE001 - eager steps keep serving; say why once
             self.compile_error = exc
             log.warning("compiling the decode step failed; decoding stays eager: %r", exc)
@@ -446,10 +459,12 @@ class ModelRunner:
             return None
         return graphs
 
-    def _graph_paths(self) -> dict[int, Path]:
-        """Where the decode graphs for batch 1 and for larger batches are cached."""
+    def _graph_paths(self, key: str | None = None) -> dict[int, Path]:
+        """Where the decode graphs for batch 1 and for larger batches are cached (key: the
+        runner's `_graph_key`, if already known)."""
         folder = cache_root() / "decode-graphs"
-        return {size: folder / f"{self._graph_key()}-batch{size}.bin" for size in (1, 2)}
+        key = key or self._graph_key()
+        return {size: folder / f"{key}-batch{size}.bin" for size in (1, 2)}
 
     def _graph_key(self) -> str:
         key = hashlib.sha256()
