@@ -21,4 +21,4 @@ fi
 python -m ruff check .
 python -m ruff format --check .
 
-python -m pytest -q "$@"
+python -m pytest -q --durations=20 "$@"

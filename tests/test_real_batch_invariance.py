@@ -2,11 +2,13 @@
 --dtype fp32`): a request's tokens do not depend on what else the engine runs (neighbours, arrival
 step, chunk boundaries, eager or compiled decode).
 
-The references are each prompt run alone on an engine as `LLM()` builds it (with those options).
-Greedy requests are then run 64 at a time, arriving over several steps, under a small token budget
-that cuts the long prompts into chunks; seeded sampled requests in batches of 7 and 32; and both
-again with the compiled decode graphs; and through `tokenmill serve` with no other flags,
-concurrently.
+The references are each prompt run alone on an engine as `LLM()` builds it (with those options),
+told to build its decode graphs in the background at once, so that the compiled test finds them
+ready or waits for them rather than building them again; its steps decode eagerly until then, and
+through the graphs after. Greedy requests are then run 64 at a time, arriving over several steps,
+under a small token budget that cuts the long prompts into chunks, on an engine that decodes
+eagerly throughout; seeded sampled requests in batches of 7 and 32; and both again with the
+compiled decode graphs; and through `tokenmill serve` with no other flags, concurrently.
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ def model(request, smollm2_gguf, gemma3_gguf) -> Subject:
 
 @pytest.fixture(scope="module")
 def alone(model) -> dict[str, list[list[int]]]:
-    """Each request run by itself on a default engine; its token ids and its text."""
-    engine = LLMEngine(model.path, **model.options)
+    """Each request run by itself (see the module docstring); its token ids and its text."""
+    engine = LLMEngine(model.path, compile=True, **model.options)
     greedy = [_run(engine, [(p, GREEDY)], text=True)[0] for p in PROMPTS]
     sampled = [_run(engine, [(p, s)], text=True)[0] for p, s in zip(PROMPTS, SAMPLED)]
     return {
@@ -108,7 +110,8 @@ def _check_batches(engine: LLMEngine, alone: dict[str, list[list[int]]]) -> None
 
 
 def test_eager_batches_equal_requests_alone(model, alone) -> None:
-    _check_batches(LLMEngine(model.path, max_num_batched_tokens=BUDGET, **model.options), alone)
+    engine = LLMEngine(model.path, max_num_batched_tokens=BUDGET, compile=False, **model.options)
+    _check_batches(engine, alone)
 
 
 def test_compiled_batches_equal_requests_alone(model, alone, tmp_path) -> None:
