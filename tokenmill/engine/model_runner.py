@@ -54,10 +54,14 @@ KEEP_GRAPHS = 16
 # outside the ops it calls (see the tuning log). Intermediates are rounded to the model's dtype
 # where eager PyTorch rounds them ("emulate_precision_casts"), and the graphs call the same
 # kernels as eager steps, so a decode token's result is the same bits whether it runs in a graph
-# (of either batch size) or eagerly beside a prompt chunk.
+# (of either batch size) or eagerly beside a prompt chunk. The C++ wrapper (thousands of lines of
+# op calls, one function) is compiled apart from the graph's own kernels and with light
+# optimization ("cpp_wrapper_build_separate"; the kernels keep inductor's full flags): compiled
+# with them at -O3, it was most of a cold build's time, for no faster steps.
 GRAPH_OPTIONS = {
     "emulate_precision_casts": True,
     "cpp_wrapper": True,
+    "cpp_wrapper_build_separate": True,
     "size_asserts": False,
     "alignment_asserts": False,
     "scalar_asserts": False,
