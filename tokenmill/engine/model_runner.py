@@ -100,16 +100,16 @@ class _ShortGilSlices:
 
 _short_gil_slices = _ShortGilSlices()
 
-# One lock per set of decode graphs (their cache key): a runner that wants graphs another runner
-# of this process is building waits for them and loads them, rather than tracing them again beside
-# it (two engines of one model, a model loaded again while its first instance compiles).
-_graph_locks: dict[str, threading.Lock] = {}
+# One lock per set of decode graphs (named by their cache entry): a runner that wants graphs another
+# runner of this process is building waits for them and loads them, rather than tracing them again
+# beside it (two engines of one model, a model loaded again while its first instance compiles).
+_graph_locks: dict[Path, threading.Lock] = {}
 _graph_locks_guard = threading.Lock()
 
 
-def _graph_lock(key: str) -> threading.Lock:
+def _graph_lock(entry: Path) -> threading.Lock:
     with _graph_locks_guard:
-        return _graph_locks.setdefault(key, threading.Lock())
+        return _graph_locks.setdefault(entry, threading.Lock())
 
 
 class ModelRunner:
@@ -400,11 +400,10 @@ class ModelRunner:
             self._kernel_build.join()  # graphs traced before the kernels load would not use them
         # inductor builds its kernels for the current thread count
         self._set_threads(self.max_threads)
-        key = self._graph_key()
-        paths = self._graph_paths(key)
+        paths = self._graph_paths()
         folder = paths[1].parent
         try:
-            with _graph_lock(key):
+            with _graph_lock(paths[1]):
                 graphs = self._load_graphs(paths)
                 if graphs is None:
                     graphs = self._trace_graphs()
@@ -463,12 +462,10 @@ class ModelRunner:
             return None
         return graphs
 
-    def _graph_paths(self, key: str | None = None) -> dict[int, Path]:
-        """Where the decode graphs for batch 1 and for larger batches are cached (key: the
-        runner's `_graph_key`, if already known)."""
+    def _graph_paths(self) -> dict[int, Path]:
+        """Where the decode graphs for batch 1 and for larger batches are cached."""
         folder = cache_root() / "decode-graphs"
-        key = key or self._graph_key()
-        return {size: folder / f"{key}-batch{size}.bin" for size in (1, 2)}
+        return {size: folder / f"{self._graph_key()}-batch{size}.bin" for size in (1, 2)}
 
     def _graph_key(self) -> str:
         key = hashlib.sha256()
