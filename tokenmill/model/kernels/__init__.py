@@ -8,10 +8,12 @@ in one order whatever the batch (dense.cpp). `gated_activation` is the MLP's act
 one pass, for eager steps (activation.cpp), `rms_norm` the model's norm (norm.cpp) and `rotary`
 the rotary embedding (rotary.cpp); `decode_attention` attends one query token per sequence over
 the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and
-`sample_ids` a draw from each row's softmax (sample.cpp). Building takes seconds of one core (g++
-through `torch.utils.cpp_extension`), so `build_in_background` runs it on a daemon thread while
-PyTorch's kernels serve. The library is cached under ~/.cache/tokenmill/kernels, keyed by its
-sources, the torch version and the CPU's features, so later starts load it without compiling.
+`sample_ids` a draw from each row's softmax (sample.cpp). They build (g++ through
+`torch.utils.cpp_extension`) as one translation unit per core, each including several sources:
+most of a unit's compile time goes to parsing torch's headers, once per unit.
+`build_in_background` runs the build on a daemon thread while PyTorch's kernels serve. The library
+is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the torch version and the CPU's
+features, so later starts load it without compiling.
 Where it cannot be built (no compiler, an x86 CPU without AVX2 and FMA, another architecture),
 everything keeps using PyTorch's kernels. simd.h holds their vector operations for AVX-512 and for
 AVX2.
@@ -32,16 +34,17 @@ import torch
 from tokenmill.catalog import cache_root
 
 log = logging.getLogger("tokenmill.kernels")
+# in an order that, dealt out in turn, gives the translation units similar compile times
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "gemv.cpp",
         "dense.cpp",
-        "activation.cpp",
-        "norm.cpp",
-        "rotary.cpp",
-        "attention.cpp",
         "sample.cpp",
+        "attention.cpp",
+        "activation.cpp",
+        "rotary.cpp",
+        "norm.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name("simd.h")]
@@ -143,16 +146,27 @@ def _compile(directory: Path) -> None:
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     directory.mkdir(parents=True, exist_ok=True)
-    log.info("building the CPU kernels in %s (once, ~10 s)", directory)
+    log.info("building the CPU kernels in %s (once per machine and version)", directory)
     cpp_extension.load(
         name="tokenmill_kernels",
-        sources=[str(source) for source in SOURCES],
+        sources=[str(unit) for unit in _translation_units(directory)],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
         verbose=False,
     )
+
+
+def _translation_units(directory: Path) -> list[Path]:
+    """One source file per core in `directory`, together including every kernel source."""
+    count = min(len(SOURCES), len(os.sched_getaffinity(0)))
+    units = []
+    for index in range(count):
+        unit = directory / f"unit{index}.cpp"
+        unit.write_text("".join(f'#include "{source}"\n' for source in SOURCES[index::count]))
+        units.append(unit)
+    return units
 
 
 def _int8_shape(
