@@ -2,10 +2,12 @@
 --dtype fp32`): a request's tokens do not depend on what else the engine runs (neighbours, arrival
 step, chunk boundaries, eager or compiled decode).
 
-The references are each prompt run alone on an engine as `LLM()` builds it (with those options),
-told to build its decode graphs in the background at once, so that the compiled test finds them
-ready or waits for them rather than building them again; its steps decode eagerly until then, and
-through the graphs after. Greedy requests are then run 64 at a time, arriving over several steps,
+The references are each prompt run alone on an engine as `LLM()` builds it (with those options).
+For the default settings it is told to build its decode graphs in the background at once, so that
+the compiled test finds them ready or waits for them rather than building them again; its steps
+decode eagerly until then, and through the graphs after. The dense configuration runs eagerly
+only: its compiled graphs give an eager step's bits (tests/engine/test_compiled_decode.py), and
+building them would add minutes to a cold test run. Greedy requests are then run 64 at a time, arriving over several steps,
 under a small token budget that cuts the long prompts into chunks, on an engine that decodes
 eagerly throughout; seeded sampled requests in batches of 7 and 32; and both again with the
 compiled decode graphs; and through `tokenmill serve` with no other flags, concurrently.
@@ -65,20 +67,26 @@ class Subject(NamedTuple):
     path: Path
     options: dict  # LLMEngine's
     flags: list[str]  # the same for `tokenmill serve`
+    compiled: bool  # whether its runs alone build the decode graphs (see the module docstring)
 
 
-@pytest.fixture(scope="module", params=["smollm2", "gemma3", "smollm2-dense-fp32"])
+DEFAULT_SETTINGS = ["smollm2", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=[*DEFAULT_SETTINGS, "smollm2-dense-fp32"])
 def model(request, smollm2_gguf, gemma3_gguf) -> Subject:
     if request.param == "smollm2-dense-fp32":  # dense layers through tokenmill's fp32 matmul
         options = {"quantization": "none", "dtype": "fp32"}
-        return Subject(smollm2_gguf, options, ["--quantization", "none", "--dtype", "fp32"])
-    return Subject(smollm2_gguf if request.param == "smollm2" else gemma3_gguf, {}, [])
+        flags = ["--quantization", "none", "--dtype", "fp32"]
+        return Subject(smollm2_gguf, options, flags, compiled=False)
+    path = smollm2_gguf if request.param == "smollm2" else gemma3_gguf
+    return Subject(path, {}, [], compiled=True)
 
 
 @pytest.fixture(scope="module")
 def alone(model) -> dict[str, list[list[int]]]:
     """Each request run by itself (see the module docstring); its token ids and its text."""
-    engine = LLMEngine(model.path, compile=True, **model.options)
+    engine = LLMEngine(model.path, compile=model.compiled, **model.options)
     greedy = [_run(engine, [(p, GREEDY)], text=True)[0] for p in PROMPTS]
     sampled = [_run(engine, [(p, s)], text=True)[0] for p, s in zip(PROMPTS, SAMPLED)]
     return {
@@ -114,7 +122,8 @@ def test_eager_batches_equal_requests_alone(model, alone) -> None:
     _check_batches(engine, alone)
 
 
-def test_compiled_batches_equal_requests_alone(model, alone, tmp_path) -> None:
+@pytest.mark.parametrize("model", DEFAULT_SETTINGS, indirect=True)
+def test_compiled_batches_equal_requests_alone(model, alone) -> None:
     engine = LLMEngine(model.path, max_num_batched_tokens=BUDGET, compile=True, **model.options)
     assert engine.runner.wait_compiled(timeout=1200), repr(engine.runner.compile_error)
     _check_batches(engine, alone)
