@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
+from torch._inductor import loop_body
 
 from tokenmill.engine import llm_engine, model_runner
 from tokenmill.engine.llm_engine import LLMEngine
@@ -46,11 +49,32 @@ def runner(tiny_model_dir, tmp_path_factory):
         and quant_linear.is_large_int8(m.kind, m.out_features * m.in_features)
     }
     assert heads == {320}
+    # inductor's placeholder module as torch defines it, not yet traced in this process
+    traced = functools.cache(lambda: torch.fx.symbolic_trace(loop_body.identity))
+    patch.setattr(loop_body.InterpreterShim, "_dummy_gm", staticmethod(traced))
     runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
     assert runner.decode_mode in ("compiling", "compiled")
+    runner.failed_module_calls = _call_a_module_while(runner._compile_thread.is_alive)
     assert runner.wait_compiled(timeout=900), f"compilation failed: {runner.compile_error!r}"
     yield runner
     patch.undo()
+
+
+def _call_a_module_while(busy: Callable[[], bool]) -> list[str]:
+    """Call a module on this thread, as an eager step would, while busy(); the failures."""
+    module, x, failures = torch.nn.Identity(), torch.ones(1), []
+    while busy():
+        try:
+            module(x)
+        except Exception as exc:  # noqa: BLE001 - any failure is the finding
+            failures.append(repr(exc))
+        time.sleep(0.0002)
+    return failures
+
+
+def test_modules_called_on_another_thread_while_graphs_build_work(runner) -> None:
+    # torch.fx's symbolic tracing patches every module call in the process while it runs
+    assert runner.failed_module_calls == []
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

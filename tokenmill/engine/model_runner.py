@@ -396,6 +396,10 @@ class ModelRunner:
 
     def _build_or_load_graphs(self) -> None:
         start = time.perf_counter()
+        # Dynamo first, before any of inductor: an eager step's first custom op imports dynamo
+        # too, and two threads each importing a module the other's import needs deadlock.
+        import torch._dynamo  # noqa: F401
+
         if self._kernel_build is not None:
             self._kernel_build.join()  # graphs traced before the kernels load would not use them
         # inductor builds its kernels for the current thread count
@@ -421,6 +425,7 @@ class ModelRunner:
         self._compiled_decode = graphs
 
     def _trace_graphs(self) -> dict[int, AOTCompiledFunction]:
+        _keep_module_calls_untraced()
         # The KV pool never changes size: as symbols, its tensors' lengths (one per layer and K/V)
         # would be graph arguments boxed into tensors on every call, each with guards of its own.
         for tensor in self.cache.k + self.cache.v:
@@ -498,6 +503,22 @@ class ModelRunner:
         batch.slot_mapping.fill_(pad)
         batch.context_slots.fill_(pad)
         return torch.zeros(batch_size, dtype=torch.int64), batch
+
+
+def _keep_module_calls_untraced() -> None:
+    """Give inductor its placeholder graph module built by hand rather than by `torch.fx`'s
+    symbolic tracing, which it otherwise runs once per process while it lowers a graph.
+
+    Symbolic tracing swaps `torch.nn.Module.__call__` for the tracer's own for as long as it runs,
+    in every thread: an eager step on another thread then fails its batch ("module is not installed
+    as a submodule"). Dynamo's and AOTAutograd's tracers leave such calls to the module itself.
+    """
+    from torch._inductor import loop_body
+
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder("x"))
+    placeholder = torch.fx.GraphModule(torch.nn.Module(), graph)  # what tracing `identity` gives
+    loop_body.InterpreterShim._dummy_gm = staticmethod(lambda: placeholder)
 
 
 def _traced_sources() -> list[Path]:
