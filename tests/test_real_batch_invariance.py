@@ -7,10 +7,11 @@ For the default settings it is told to build its decode graphs in the background
 the compiled test finds them ready or waits for them rather than building them again; its steps
 decode eagerly until then, and through the graphs after. The dense configuration runs eagerly
 only: its compiled graphs give an eager step's bits (tests/engine/test_compiled_decode.py), and
-building them would add minutes to a cold test run. Greedy requests are then run 64 at a time, arriving over several steps,
-under a small token budget that cuts the long prompts into chunks, on an engine that decodes
-eagerly throughout; seeded sampled requests in batches of 7 and 32; and both again with the
-compiled decode graphs; and through `tokenmill serve` with no other flags, concurrently.
+building them would add minutes to a cold test run. Greedy requests are then run 64 at a time,
+arriving over several steps, under a small token budget that cuts the long prompts into chunks,
+on an engine that decodes eagerly throughout; seeded sampled requests in batches of 7 and 32; both
+again with the compiled decode graphs (default settings); and through `tokenmill serve` with no
+other flags, concurrently.
 """
 
 from __future__ import annotations
