@@ -495,7 +495,7 @@ def _decode_attention(
 
 def decode_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `tokenmill::decode_attention` (kernels/attention.cpp) takes these tensors."""
-    return kernel_fits(q.dtype, k_cache.dtype, q.shape[-1], q.device)
+    return q.is_cpu and _kernel_takes(q.dtype, k_cache.dtype, q.shape[-1])
 
 
 def kernel_fits(
@@ -503,9 +503,13 @@ def kernel_fits(
 ) -> bool:
     """Whether `tokenmill::decode_attention` takes queries of this dtype and head size over this
     cache."""
+    return torch.device(device).type == "cpu" and _kernel_takes(dtype, cache_dtype, head_dim)
+
+
+def _kernel_takes(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """`kernel_fits` on CPU."""
     return (
         kernels.loaded()
-        and torch.device(device).type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and cache_dtype in KV_CACHE_DTYPES.values()
         and head_dim % 16 == 0

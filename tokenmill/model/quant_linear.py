@@ -625,30 +625,21 @@ class QuantLinear(nn.Module):
         self.amx_min_tokens = AMX_MIN_TOKENS if tiles and switches and amx_tiles() else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles and self._native_fits(x):
+        native_fits = self._native_fits(x)
+        if native_fits and self.tiles:
             return self._tiles_forward(x)
-        kernel = self._kernel(x.shape[0], self._native_fits(x))
+        if native_fits and self.int4_rows:
+            return self._int4_rows_forward(x)
+        if native_fits and self.kind == "int8":
+            return self._int8_forward(x)
+        kernel = self._kernel(x.shape[0], native_fits)
         if kernel == "dense":
             return F.linear(x, self.dense, self.bias)
-        if kernel == "native":
+        if kernel == "native":  # int4 in PyTorch's packed layout
             dense = self.dense if self.dense_min_tokens > 0 else None
-            if self.int4_rows:
-                y = torch.ops.tokenmill.int4_rows_linear(
-                    x, *self._int4_rows(), self.fifth_bits, dense, self._gemv_max_tokens(x.dtype)
-                )
-            elif self.kind == "int4":
-                y = torch.ops.tokenmill.int4_linear(
-                    x, self.packed, self.scales_zeros, INT4_GROUP, dense, self.dense_min_tokens - 1
-                )
-            else:
-                y = torch.ops.tokenmill.int8_linear(
-                    x,
-                    self.weight_int8,
-                    self.scales,
-                    dense,
-                    self._gemv_max_tokens(x.dtype),
-                    CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS),
-                )
+            y = torch.ops.tokenmill.int4_linear(
+                x, self.packed, self.scales_zeros, INT4_GROUP, dense, self.dense_min_tokens - 1
+            )
             return y if self.bias is None else y + self.bias
         if kernel == "streamed":
             # a plain reduction that inductor turns into one pass over the int8 bytes
@@ -696,6 +687,37 @@ class QuantLinear(nn.Module):
         bias = parameters.get("bias")  # None is a plain attribute, a tensor a parameter
         return y if bias is None else y + bias
 
+    def _int4_rows_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`int4_rows_linear`, the path of every row-layout layer on CPU and the hot path of eager
+        steps, reading the module's tensors from its dicts as `_tiles_forward` does."""
+        buffers, parameters = self._buffers, self._parameters
+        dense = parameters.get("dense") if self.dense_min_tokens > 0 else None
+        y = torch.ops.tokenmill.int4_rows_linear(
+            x,
+            buffers["nibbles"],
+            buffers["steps_lows"],
+            buffers["units"],
+            buffers["fifth_bits"],
+            dense,
+            self._gemv_max_tokens(x.dtype),
+        )
+        bias = parameters.get("bias")  # None is a plain attribute, a tensor a parameter
+        return y if bias is None else y + bias
+
+    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`int8_linear` (an int8 layer or output head on CPU), as `_int4_rows_forward`."""
+        buffers, parameters = self._buffers, self._parameters
+        y = torch.ops.tokenmill.int8_linear(
+            x,
+            buffers["weight_int8"],
+            buffers["scales"],
+            parameters.get("dense") if self.dense_min_tokens > 0 else None,
+            self._gemv_max_tokens(x.dtype),
+            CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS),
+        )
+        bias = parameters.get("bias")
+        return y if bias is None else y + bias
+
     def _tiles(self) -> QuantTiles:
         return QuantTiles(self.tile_q, self.tile_scales, self.fifth_masks, self.tile_bits)
 
@@ -720,7 +742,7 @@ class QuantLinear(nn.Module):
 
     def _native_fits(self, x: torch.Tensor) -> bool:
         """Whether tokenmill's ops (built in the background, CPU only) take this input."""
-        if not kernels.loaded() or x.device.type != "cpu":
+        if not kernels.loaded() or not x.is_cpu:
             return False
         if self.tiles:
             return x.dtype in (torch.bfloat16, torch.float32)

@@ -29,20 +29,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused_norm_fits(x, self.weight):
-            return torch.ops.tokenmill.rms_norm(x, self.weight, self.eps)
+        weight = self._parameters["weight"]  # not through nn.Module's __getattr__: a hot path
+        if _fused_norm_fits(x, weight):
+            return torch.ops.tokenmill.rms_norm(x, weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return (x32 * weight.float()).to(x.dtype)
 
 
 def _kernel_fits(x: torch.Tensor) -> bool:
     """Whether tokenmill's one-pass elementwise kernels (norm, rotary, gated activation) may take x:
     CPU tensors in float32 or bf16. Compiled graphs call them too, rather than fusing their own
     versions, so that eager and compiled steps round alike."""
-    return (
-        x.device.type == "cpu" and kernels.loaded() and x.dtype in (torch.bfloat16, torch.float32)
-    )
+    return x.is_cpu and kernels.loaded() and x.dtype in (torch.bfloat16, torch.float32)
 
 
 def _fused_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
