@@ -6,7 +6,6 @@ import functools
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -54,27 +53,53 @@ def runner(tiny_model_dir, tmp_path_factory):
     patch.setattr(loop_body.InterpreterShim, "_dummy_gm", staticmethod(traced))
     runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
     assert runner.decode_mode in ("compiling", "compiled")
-    runner.failed_module_calls = _call_a_module_while(runner._compile_thread.is_alive)
+    runner.failed_module_calls, runner.early_steps = _serve_while_graphs_build(runner)
     assert runner.wait_compiled(timeout=900), f"compilation failed: {runner.compile_error!r}"
     yield runner
     patch.undo()
 
 
-def _call_a_module_while(busy: Callable[[], bool]) -> list[str]:
-    """Call a module on this thread, as an eager step would, while busy(); the failures."""
-    module, x, failures = torch.nn.Identity(), torch.ones(1), []
-    while busy():
+def _serve_while_graphs_build(runner: ModelRunner) -> tuple[list[str], dict[int, tuple] | None]:
+    """While runner's graphs build, call a module on this thread as an eager step would; the
+    first time the batch-1 graph is ready alone, also run a decode step of 1 and of 3 sequences.
+    Returns the module calls' failures, and those steps' (logits, the eager path's logits, whether
+    the step ran eagerly) by batch size (None if no such moment came)."""
+    module, x, failures, steps = torch.nn.Identity(), torch.ones(1), [], None
+    while runner._compile_thread.is_alive():
         try:
             module(x)
         except Exception as exc:  # noqa: BLE001 - any failure is the finding
             failures.append(repr(exc))
+        if steps is None and list(runner._compiled_decode or ()) == [1]:
+            steps = {size: _decode_step_while_building(runner, size) for size in (1, 3)}
         time.sleep(0.0002)
-    return failures
+    return failures, steps
+
+
+def _decode_step_while_building(runner: ModelRunner, batch_size: int) -> tuple:
+    prompts, tables = PROMPTS[:batch_size], TABLES[:batch_size]
+    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)  # prefill: eager
+    step = ([[7]] * batch_size, [len(p) + 1 for p in prompts], tables)
+    eager_calls = []
+    forward = runner._forward
+    runner._forward = lambda *args: eager_calls.append(1) or forward(*args)
+    try:
+        logits = runner.last_token_logits(*step).clone()
+    finally:
+        del runner._forward
+    return logits, runner.model.logits(runner.hidden_states(*step)), bool(eager_calls)
 
 
 def test_modules_called_on_another_thread_while_graphs_build_work(runner) -> None:
     # torch.fx's symbolic tracing patches every module call in the process while it runs
     assert runner.failed_module_calls == []
+
+
+def test_the_batch_1_graph_serves_while_the_next_graph_builds(runner) -> None:
+    assert runner.early_steps is not None, "the batch-1 graph was never ready on its own"
+    for batch_size, (logits, eager, ran_eagerly) in runner.early_steps.items():
+        assert ran_eagerly == (batch_size > 1)  # larger batches wait for their graph
+        torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
@@ -178,7 +203,7 @@ def test_a_second_runner_loads_the_graphs_and_a_damaged_entry_is_compiled_again(
     assert ModelRunner(runner.loaded, num_blocks=8, block_size=16).graphs_cached()
     assert not ModelRunner(runner.loaded, num_blocks=9, block_size=16).graphs_cached()
 
-    def no_tracing(self):
+    def no_tracing(self, start: float):
         raise AssertionError("traced again instead of loading the cached graphs")
 
     with monkeypatch.context() as patch:
@@ -304,7 +329,7 @@ def test_a_runner_loads_the_graphs_another_runner_is_building_rather_than_tracin
     release = threading.Event()
     saved: dict[object, str] = {}
 
-    def trace(self) -> dict[int, str]:
+    def trace(self, start: float) -> dict[int, str]:
         traced.append(self)
         assert release.wait(30)
         return {1: "graph for 1", 2: "graph for 2+"}

@@ -48,6 +48,10 @@ COMPILED_ROWS_PER_SEQUENCE = 8
 # of torch or of the KV pool's size leaves the old ones unused; more keeps more configurations
 # ready to load, at the cost of disk space
 KEEP_GRAPHS = 16
+
+# The decode graphs by the batch sizes they serve: 1 (its size-1 dims specialized) and 2 for every
+# larger batch (see `QuantLinear._kernel`), built in this order.
+GRAPH_SIZES = (1, 2)
 # Inductor's C++ wrapper checks every input's and op output's sizes, strides and alignment on each
 # call (hundreds of checks a step): the graphs' inputs are the model's own fixed tensors and the
 # batch tensors built for them, so the checks are left out, which cuts the graph's own time
@@ -151,7 +155,8 @@ class ModelRunner:
         )
         # the cache's head widths (Gemma 4's layers have two)
         self._head_dims = sorted({t.shape[-1] for t in self.cache.k})
-        # by batch size: 1, and 2 for 2 or more
+        # the decode graphs ready so far, by `GRAPH_SIZES` (None before the first): a graph serves
+        # its batches as soon as it is built, while the next one builds
         self._compiled_decode: dict[int, AOTCompiledFunction] | None = None
         # keys of the graphs whose guards held on a real step
         self._checked_graphs: set[int] = set()
@@ -194,7 +199,7 @@ class ModelRunner:
     def decode_mode(self) -> str:
         """'compiled', 'compiling' (eager until ready, or until the compilation starts) or
         'eager'."""
-        if self._compiled_decode is not None:
+        if self._compiled_decode is not None and len(self._compiled_decode) == len(GRAPH_SIZES):
             return "compiled"
         pending = self.compile_requested and (
             self._compile_thread is None or self._compile_thread.is_alive()
@@ -202,10 +207,10 @@ class ModelRunner:
         return "compiling" if pending else "eager"
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Block until the background compilation ends (True if the compiled graph is in use)."""
+        """Block until the background compilation ends (True if every compiled graph is in use)."""
         if self._compile_thread is not None:
             self._compile_thread.join(timeout)
-        return self._compiled_decode is not None
+        return self.decode_mode == "compiled"
 
     @torch.inference_mode()
     def hidden_states(
@@ -331,8 +336,8 @@ class ModelRunner:
         return self._logits
 
     def _run_compiled(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
-        """The compiled step's head products (`decode_step`), or None for a batch its graph's
-        guards reject.
+        """The compiled step's head products (`decode_step`), or None for a batch whose graph is
+        not built yet or whose graph's guards reject it.
 
         Dynamo's guards (thousands of checks per graph: every weight's shape, dtype and identity,
         the cache, the input shapes) are a noticeable part of a small model's step when checked on
@@ -343,8 +348,11 @@ class ModelRunner:
         once) leaves its steps to the eager path: compiling a new graph here would stall every
         request for minutes.
         """
-        key = min(batch.num_seqs, 2)
-        graph = self._compiled_decode[key]
+        key = min(batch.num_seqs, GRAPH_SIZES[-1])
+        graphs = self._compiled_decode  # read once: the compile thread may replace it
+        graph = None if graphs is None else graphs.get(key)
+        if graph is None:  # not built yet: the eager step serves
+            return None
         args = (self.model, self.cache, flat, batch)
         if key in self._checked_graphs:
             return graph(*args)[0]
@@ -382,8 +390,8 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
     def _compile_decode(self) -> None:
-        """Compile the decode graphs, or load them from the cache of an earlier run: one for batch
-        1 (size-1 dims are specialized) and one for every larger batch (see `QuantLinear._kernel`).
+        """Compile the decode graphs (`GRAPH_SIZES`), or load them from the cache of an earlier
+        run; each serves its batches from when it is ready.
 
         `aot_compile`d graphs run without dynamo's per-call guards (see `_run_compiled`), but
         inductor's caches do not serve them (their key holds a random name), so they are saved
@@ -410,11 +418,12 @@ class ModelRunner:
             with _graph_lock(paths[1]):
                 graphs = self._load_graphs(paths)
                 if graphs is None:
-                    graphs = self._trace_graphs()
+                    graphs = self._trace_graphs(start)
                     for size, graph in graphs.items():
                         _save_graph(graph, paths[size])
                     prune_cache(folder, "*.bin", KEEP_GRAPHS)
         except Exception as exc:  # noqa: BLE001 - eager steps keep serving; say why once
+            self._compiled_decode = None  # a graph built before the failure too
             self.compile_error = exc
             log.warning("compiling the decode step failed; decoding stays eager: %r", exc)
             return
@@ -424,7 +433,9 @@ class ModelRunner:
         log.info("compiled decode step ready after %.1f s", self.compile_seconds)
         self._compiled_decode = graphs
 
-    def _trace_graphs(self) -> dict[int, AOTCompiledFunction]:
+    def _trace_graphs(self, start: float) -> dict[int, AOTCompiledFunction]:
+        """Build the decode graphs, each serving from when it is ready (start: when the
+        compilation began, for the log)."""
         _keep_module_calls_untraced()
         # The KV pool never changes size: as symbols, its tensors' lengths (one per layer and K/V)
         # would be graph arguments boxed into tensors on every call, each with guards of its own.
@@ -443,10 +454,16 @@ class ModelRunner:
             shape_config.patch(use_duck_shape=False),
             torch._dynamo.config.patch(specialize_float=True),
         ):
-            for size in (1, 2):
+            for size in GRAPH_SIZES:
                 args = (self.model, self.cache, *self._warmup_inputs(size))
                 graphs[size] = compiled.aot_compile((args, {}))
                 graphs[size](*args)  # a first run, guards checked
+                self._compiled_decode = dict(graphs)  # serving while the next one builds
+                log.info(
+                    "compiled decode graph for %s ready after %.1f s",
+                    f"batches of {size}+" if size == GRAPH_SIZES[-1] else f"batch {size}",
+                    time.perf_counter() - start,
+                )
         return graphs
 
     def _load_graphs(self, paths: dict[int, Path]) -> dict[int, AOTCompiledFunction] | None:
@@ -470,7 +487,7 @@ class ModelRunner:
     def _graph_paths(self) -> dict[int, Path]:
         """Where the decode graphs for batch 1 and for larger batches are cached."""
         folder = cache_root() / "decode-graphs"
-        return {size: folder / f"{self._graph_key()}-batch{size}.bin" for size in (1, 2)}
+        return {size: folder / f"{self._graph_key()}-batch{size}.bin" for size in GRAPH_SIZES}
 
     def _graph_key(self) -> str:
         key = hashlib.sha256()
