@@ -626,12 +626,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native_fits = self._native_fits(x)
-        if native_fits and self.tiles:
-            return self._tiles_forward(x)
-        if native_fits and self.int4_rows:
-            return self._int4_rows_forward(x)
-        if native_fits and self.kind == "int8":
-            return self._int8_forward(x)
+        if native_fits and (self.tiles or self.int4_rows or self.kind == "int8"):
+            return self._native_forward(x)
         kernel = self._kernel(x.shape[0], native_fits)
         if kernel == "dense":
             return F.linear(x, self.dense, self.bias)
@@ -666,56 +662,46 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
 
-    def _tiles_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`quant_tiles_linear`, the path of every tile layer on CPU and the hot path of eager
-        steps: it reads the module's tensors from its dicts rather than through nn.Module's
-        __getattr__ (a Python call per lookup) and skips the other layouts' decisions."""
+    def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokenmill's op for a tile, int4-row or int8 layer on CPU, the hot path of eager steps:
+        it reads the module's tensors from its dicts rather than through nn.Module's __getattr__ (a
+        Python call per lookup) and skips the other layouts' decisions."""
         buffers, parameters = self._buffers, self._parameters
         dense = parameters.get("dense") if self.dense_min_tokens > 0 else None
-        y = torch.ops.tokenmill.quant_tiles_linear(
-            x,
-            buffers["tile_q"],
-            buffers["tile_scales"],
-            buffers["fifth_masks"],
-            self.tile_bits,
-            dense,
-            self._gemv_max_tokens(x.dtype),
-            self._x_block(x.shape[0]),
-            self.max_coarse_tokens,
-            self.amx_min_tokens,
-        )
+        max_gemv_tokens = self._gemv_max_tokens(x.dtype)
+        if self.tiles:
+            y = torch.ops.tokenmill.quant_tiles_linear(
+                x,
+                buffers["tile_q"],
+                buffers["tile_scales"],
+                buffers["fifth_masks"],
+                self.tile_bits,
+                dense,
+                max_gemv_tokens,
+                self._x_block(x.shape[0]),
+                self.max_coarse_tokens,
+                self.amx_min_tokens,
+            )
+        elif self.int4_rows:
+            y = torch.ops.tokenmill.int4_rows_linear(
+                x,
+                buffers["nibbles"],
+                buffers["steps_lows"],
+                buffers["units"],
+                buffers["fifth_bits"],
+                dense,
+                max_gemv_tokens,
+            )
+        else:
+            y = torch.ops.tokenmill.int8_linear(
+                x,
+                buffers["weight_int8"],
+                buffers["scales"],
+                dense,
+                max_gemv_tokens,
+                CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS),
+            )
         bias = parameters.get("bias")  # None is a plain attribute, a tensor a parameter
-        return y if bias is None else y + bias
-
-    def _int4_rows_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`int4_rows_linear`, the path of every row-layout layer on CPU and the hot path of eager
-        steps, reading the module's tensors from its dicts as `_tiles_forward` does."""
-        buffers, parameters = self._buffers, self._parameters
-        dense = parameters.get("dense") if self.dense_min_tokens > 0 else None
-        y = torch.ops.tokenmill.int4_rows_linear(
-            x,
-            buffers["nibbles"],
-            buffers["steps_lows"],
-            buffers["units"],
-            buffers["fifth_bits"],
-            dense,
-            self._gemv_max_tokens(x.dtype),
-        )
-        bias = parameters.get("bias")  # None is a plain attribute, a tensor a parameter
-        return y if bias is None else y + bias
-
-    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`int8_linear` (an int8 layer or output head on CPU), as `_int4_rows_forward`."""
-        buffers, parameters = self._buffers, self._parameters
-        y = torch.ops.tokenmill.int8_linear(
-            x,
-            buffers["weight_int8"],
-            buffers["scales"],
-            parameters.get("dense") if self.dense_min_tokens > 0 else None,
-            self._gemv_max_tokens(x.dtype),
-            CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS),
-        )
-        bias = parameters.get("bias")
         return y if bias is None else y + bias
 
     def _tiles(self) -> QuantTiles:
