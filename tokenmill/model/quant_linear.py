@@ -625,18 +625,11 @@ class QuantLinear(nn.Module):
         self.amx_min_tokens = AMX_MIN_TOKENS if tiles and switches and amx_tiles() else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native_fits = self._native_fits(x)
-        if native_fits and (self.tiles or self.int4_rows or self.kind == "int8"):
+        kernel = self._kernel(x.shape[0], self._native_fits(x))
+        if kernel == "native":
             return self._native_forward(x)
-        kernel = self._kernel(x.shape[0], native_fits)
         if kernel == "dense":
             return F.linear(x, self.dense, self.bias)
-        if kernel == "native":  # int4 in PyTorch's packed layout
-            dense = self.dense if self.dense_min_tokens > 0 else None
-            y = torch.ops.tokenmill.int4_linear(
-                x, self.packed, self.scales_zeros, INT4_GROUP, dense, self.dense_min_tokens - 1
-            )
-            return y if self.bias is None else y + self.bias
         if kernel == "streamed":
             # a plain reduction that inductor turns into one pass over the int8 bytes
             y = ((self.weight_int8.float() * x.float()).sum(-1) * self.scales.float()).to(x.dtype)[
@@ -663,9 +656,9 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokenmill's op for a tile, int4-row or int8 layer on CPU, the hot path of eager steps:
-        it reads the module's tensors from its dicts rather than through nn.Module's __getattr__ (a
-        Python call per lookup) and skips the other layouts' decisions."""
+        """tokenmill's op for the layer's layout on CPU (`_kernel`'s "native"), the hot path of
+        eager steps: it reads the module's tensors from its dicts rather than through nn.Module's
+        __getattr__ (a Python call per lookup)."""
         buffers, parameters = self._buffers, self._parameters
         dense = parameters.get("dense") if self.dense_min_tokens > 0 else None
         max_gemv_tokens = self._gemv_max_tokens(x.dtype)
@@ -691,6 +684,15 @@ class QuantLinear(nn.Module):
                 buffers["fifth_bits"],
                 dense,
                 max_gemv_tokens,
+            )
+        elif self.kind == "int4":  # PyTorch's packed layout
+            y = torch.ops.tokenmill.int4_linear(
+                x,
+                buffers["packed"],
+                buffers["scales_zeros"],
+                INT4_GROUP,
+                dense,
+                self.dense_min_tokens - 1,
             )
         else:
             y = torch.ops.tokenmill.int8_linear(
