@@ -101,6 +101,27 @@ def test_each_row_is_the_same_whatever_the_batch(name, options, dtype, monkeypat
         assert torch.equal(layer(x[:batch]), alone[:batch]), f"{name}, {batch} rows"
 
 
+# 129 blocks of 32: the int8 row kernel takes several rows over stretches of a row (two whole ones
+# and a last block), each of its partial sums over the same blocks in the same order as one row's
+WIDE_IN = 4128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_wide_int8_rows_are_the_same_whatever_the_batch(dtype) -> None:
+    torch.manual_seed(5)
+    weight = torch.randn(OUT, WIDE_IN)
+    layer = QuantLinear(OUT, WIDE_IN, dtype, int8=quantize_int8(weight), tiles=False)
+    assert layer._native_fits(torch.zeros(1, WIDE_IN, dtype=dtype))
+    x = (torch.randn(20, WIDE_IN) * torch.rand(20, 1) * 4).to(dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    for batch in (2, 3, 8, 9, 17, 20):
+        assert torch.equal(layer(x[:batch]), alone[:batch]), f"{batch} rows"
+    q, scale = quantize_int8(weight)
+    expected = F.linear(x.float(), q.float() * scale[:, None])
+    # the activations' rounding to int8 (~0.4% a product) and bf16's
+    torch.testing.assert_close(alone.float(), expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+
+
 @pytest.mark.skipif(not TILE_KERNEL, reason="the tile kernel is built for AVX-512 with VNNI only")
 def test_without_invariance_a_single_row_rounds_finer(monkeypatch) -> None:
     """The switch that batch invariance turns off exists: the test above would see it."""

@@ -197,12 +197,18 @@ inline __m256i products(__m256i q, const int8_t* x) {
 // independent FMA chains (one chain would wait on each FMA's latency), with more rows each row's
 // chain is one of several in flight and the partials are summed one after another.
 constexpr int kInt8Partials = 4;
+// With several rows the partials take turns over stretches of kInt8ChunkBytes of each row, so that
+// the stretch of every activation row (and its scales) stays in L1 while all kInt8Partials read it:
+// over the whole row a wide layer's block of rows (8 x 8960 bytes and their scales) comes from L2
+// once per partial. Each partial adds the same units in the same order as without the stretches.
+constexpr int64_t kInt8ChunkBytes = 2048;
 
-// total[i] = the sum over units u = 0..count-1 (blocks, or pairs of them) of what unit(u, acc) adds
-// to acc[i], for M activation rows, split into kInt8Partials partials as above; V is the vector
-// type, add its addition.
+// total[i] = the sum over units u = 0..count-1 (blocks, or pairs of them, of unit_bytes weights)
+// of what unit(u, acc) adds to acc[i], for M activation rows, split into kInt8Partials partials as
+// above; V is the vector type, add its addition.
 template <int M, typename V, typename Unit, typename Add>
-void int8_partial_sums(int64_t count, const Unit& unit, V zero, const Add& add, V (&total)[M]) {
+void int8_partial_sums(int64_t count, int64_t unit_bytes, const Unit& unit, V zero, const Add& add,
+                       V (&total)[M]) {
   constexpr int C = kInt8Partials;
   if constexpr (M == 1) {  // the C partials' chains interleaved
     V acc[C][1];
@@ -214,12 +220,32 @@ void int8_partial_sums(int64_t count, const Unit& unit, V zero, const Add& add, 
       if (u + c < count) unit(u + c, acc[c]);
     total[0] = acc[0][0];
     for (int c = 1; c < C; ++c) total[0] = add(total[0], acc[c][0]);
-  } else {  // one partial at a time, the rows' chains interleaved
-    for (int c = 0; c < C; ++c) {
-      V acc[M];
-      for (int i = 0; i < M; ++i) acc[i] = zero;
-      for (int64_t u = c; u < count; u += C) unit(u, acc);
-      for (int i = 0; i < M; ++i) total[i] = c == 0 ? acc[i] : add(total[i], acc[i]);
+  } else {  // one partial at a time (over each stretch), the rows' chains interleaved
+    const int64_t stretch = std::max<int64_t>(1, kInt8ChunkBytes / unit_bytes / C) * C;  // a multiple of C
+    if (count <= stretch) {  // one stretch: the partials go straight into total, in registers
+      for (int c = 0; c < C; ++c) {
+        V acc[M];
+        for (int i = 0; i < M; ++i) acc[i] = zero;
+        for (int64_t u = c; u < count; u += C) unit(u, acc);
+        for (int i = 0; i < M; ++i) total[i] = c == 0 ? acc[i] : add(total[i], acc[i]);
+      }
+      return;
+    }
+    V partials[C][M];
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < M; ++i) partials[c][i] = zero;
+    for (int64_t start = 0; start < count; start += stretch) {
+      const int64_t end = std::min(count, start + stretch);
+      for (int c = 0; c < C; ++c) {
+        V acc[M];
+        for (int i = 0; i < M; ++i) acc[i] = partials[c][i];
+        for (int64_t u = start + c; u < end; u += C) unit(u, acc);
+        for (int i = 0; i < M; ++i) partials[c][i] = acc[i];
+      }
+    }
+    for (int i = 0; i < M; ++i) {
+      total[i] = partials[0][i];
+      for (int c = 1; c < C; ++c) total[i] = add(total[i], partials[c][i]);
     }
   }
 }
@@ -248,7 +274,7 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
       }
     };
     __m256 total[M];
-    int8_partial_sums<M>(blocks, block, _mm256_setzero_ps(), [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); },
+    int8_partial_sums<M>(blocks, 32, block, _mm256_setzero_ps(), [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); },
                          total);
     const float s = static_cast<float>(scale[o]);
     for (int i = 0; i < M; ++i) y[i * N + o] = T(simd::sum8(total[i]) * s);
@@ -299,7 +325,7 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
       }
     };
     __m512 total[M];
-    int8_partial_sums<M>(pairs, pair, _mm512_setzero_ps(), [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); },
+    int8_partial_sums<M>(pairs, 64, pair, _mm512_setzero_ps(), [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); },
                          total);
     const float s = static_cast<float>(scale[o]);
     for (int i = 0; i < M; ++i) y[i * N + o] = T(_mm512_reduce_add_ps(total[i]) * s);
