@@ -11,7 +11,7 @@ building them would add minutes to a cold test run. Greedy requests are then run
 arriving over several steps, under a small token budget that cuts the long prompts into chunks,
 on an engine that decodes eagerly throughout; seeded sampled requests in batches of 7 and 32; both
 again with the compiled decode graphs (default settings); and through `tokenmill serve` with no
-other flags, concurrently.
+other flags, concurrently (default settings: the server adds no arithmetic of its own).
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ pytestmark = pytest.mark.timeout(1500)
 class Subject(NamedTuple):
     path: Path
     options: dict  # LLMEngine's
-    flags: list[str]  # the same for `tokenmill serve`
     compiled: bool  # whether its runs alone build the decode graphs (see the module docstring)
 
 
@@ -78,10 +77,9 @@ DEFAULT_SETTINGS = ["smollm2", "gemma3"]
 def model(request, smollm2_gguf, gemma3_gguf) -> Subject:
     if request.param == "smollm2-dense-fp32":  # dense layers through tokenmill's fp32 matmul
         options = {"quantization": "none", "dtype": "fp32"}
-        flags = ["--quantization", "none", "--dtype", "fp32"]
-        return Subject(smollm2_gguf, options, flags, compiled=False)
+        return Subject(smollm2_gguf, options, compiled=False)
     path = smollm2_gguf if request.param == "smollm2" else gemma3_gguf
-    return Subject(path, {}, [], compiled=True)
+    return Subject(path, {}, compiled=True)
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +129,13 @@ def test_compiled_batches_equal_requests_alone(model, alone) -> None:
     assert engine.runner.uncompiled_decode_steps == 0
 
 
+@pytest.mark.parametrize("model", DEFAULT_SETTINGS, indirect=True)
 def test_served_requests_equal_requests_alone(model, alone, tmp_path) -> None:
     """`tokenmill serve MODEL` with no other flags: 32 seeded and 32 greedy requests at once."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
     log = (tmp_path / "serve.log").open("w")
-    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", str(model.path), *model.flags]
+    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", str(model.path)]
     cmd += ["--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -473,8 +473,10 @@ def test_qwen_coder_05b_drafting_for_15b_gives_its_greedy_outputs(qwen_coder_05b
         **common,
     )
     questions = [f"{p} ({i})" if i >= len(REPETITIVE) else p for i, p in enumerate(REPETITIVE * 8)]
+    # a short system message in place of the template's default one: a fifth fewer prompt tokens
+    system = {"role": "system", "content": "You are a coding assistant."}
     prompts = [
-        plain.tokenize(messages=[{"role": "user", "content": f"{q} Answer briefly."}])
+        plain.tokenize(messages=[system, {"role": "user", "content": f"{q} Answer briefly."}])
         for q in questions
     ]
     params = SamplingParams(temperature=0, max_tokens=16)
