@@ -28,33 +28,43 @@ namespace {
 constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kRowsPerTile = 32;
 constexpr int kRowsPerBlock = 8;  // activation rows that share each weight load (over_row_blocks)
+// The int4 GEMV's: with AVX2's 16 vector registers, 8 rows' accumulators and low terms spill, and
+// blocks of 4 rows run faster though each loaded weight serves fewer rows; AVX-512 has 32.
+#ifdef SIMD_AVX512
+constexpr int kInt4RowsPerBlock = 8;
+#else
+constexpr int kInt4RowsPerBlock = 4;
+#endif
+
+// kernel(rows, m0, r0, r1) for a block of `count` activation rows, 0 < count <= R, with rows as a
+// std::integral_constant
+template <int R, typename Kernel>
+void run_row_block(int64_t count, const Kernel& kernel, int64_t m0, int64_t r0, int64_t r1) {
+  if constexpr (R > 0) {
+    if (count == R) {
+      kernel(std::integral_constant<int, R>{}, m0, r0, r1);
+    } else {
+      run_row_block<R - 1>(count, kernel, m0, r0, r1);
+    }
+  }
+}
 
 // Runs kernel(rows, m0, r0, r1) over blocks of activation rows (m0: the block's first; rows: its
-// size, as a std::integral_constant for the kernel's template: kRowsPerBlock (8) while that many
-// are left, then the 1-7 left as one block, whose weights are then loaded once), each over weight
-// rows (or tiles of them) [r0, r1): PyTorch's intra-op threads split the N weight rows, per_task at
-// least to a task, and each thread takes its rows per_tile at a time through every block of
-// activation rows, so that with many activation rows the tile's weights are read from memory once,
-// then from cache.
-template <typename Kernel>
+// size, as a std::integral_constant for the kernel's template: RowsPerBlock while that many are
+// left, then the rest as one block, whose weights are then loaded once), each over weight rows (or
+// tiles of them) [r0, r1): PyTorch's intra-op threads split the N weight rows, per_task at least to
+// a task, and each thread takes its rows per_tile at a time through every block of activation rows,
+// so that with many activation rows the tile's weights are read from memory once, then from cache.
+template <int RowsPerBlock = kRowsPerBlock, typename Kernel>
 void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel, int64_t per_task = kRowsPerTask,
                      int64_t per_tile = kRowsPerTile) {
   at::parallel_for(0, N, per_task, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = begin; r0 < end; r0 += per_tile) {
       const int64_t r1 = std::min(end, r0 + per_tile);
       int64_t m0 = 0;
-      for (; M - m0 >= kRowsPerBlock; m0 += kRowsPerBlock)
-        kernel(std::integral_constant<int, kRowsPerBlock>{}, m0, r0, r1);
-      switch (M - m0) {
-        case 1: kernel(std::integral_constant<int, 1>{}, m0, r0, r1); break;
-        case 2: kernel(std::integral_constant<int, 2>{}, m0, r0, r1); break;
-        case 3: kernel(std::integral_constant<int, 3>{}, m0, r0, r1); break;
-        case 4: kernel(std::integral_constant<int, 4>{}, m0, r0, r1); break;
-        case 5: kernel(std::integral_constant<int, 5>{}, m0, r0, r1); break;
-        case 6: kernel(std::integral_constant<int, 6>{}, m0, r0, r1); break;
-        case 7: kernel(std::integral_constant<int, 7>{}, m0, r0, r1); break;
-        default: break;
-      }
+      for (; M - m0 >= RowsPerBlock; m0 += RowsPerBlock)
+        kernel(std::integral_constant<int, RowsPerBlock>{}, m0, r0, r1);
+      if (M > m0) run_row_block<RowsPerBlock - 1>(M - m0, kernel, m0, r0, r1);
     }
   });
 }
@@ -604,7 +614,7 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const ui
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
   const int16_t* sl = steps_lows.data_ptr<int16_t>();
   const float* un = units.data_ptr<float>();
-  over_row_blocks(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
+  over_row_blocks<kInt4RowsPerBlock>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
     constexpr int R = decltype(rows)::value;
     const float *row_scales = xq.scales.get() + m0 * groups * 4, *row_sums = xq.sums.get() + m0 * groups;
     const int8_t* row_q = xq.q.get() + m0 * K;
