@@ -148,8 +148,10 @@ ADD_TAG = {
 
 
 def test_structural_tag_as_response_format_or_structured_outputs(client) -> None:
-    # free, SmolLM2 goes on counting past the schema's maximum: <add>{"a": 700}</add>
-    prompt = 'Tool calls:\n<add>{"a": 500}</add>\n<add>{"a": 600}</add>\n'
+    # free, SmolLM2 goes on counting past the schema's maximum: <add>{"a": 700}</add>. Four calls
+    # make "<" its clear first pick (about 1 nat ahead): after two, "```" and "<" tie within 0.02,
+    # and which one wins depends on the CPU's rounding.
+    prompt = "Tool calls:\n" + "".join(f'<add>{{"a": {a}}}</add>\n' for a in (300, 400, 500, 600))
     chat = client.chat.completions.create(
         model="smol",
         messages=[{"role": "user", "content": "Say hello."}],
