@@ -22,6 +22,7 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "simd.h"
 
@@ -43,11 +44,11 @@ inline void prefetch_row(const C* row, int64_t dim) {
 }
 
 // scores[h * kChunk + j] = q[h] . row j, for H query heads at once: kWidth / H rows at a time, their
-// H x (kWidth / H) dot products summed across lanes together (transposed_sums); the rows' values (at
-// the same slots of `values`) are prefetched for attend_chunk's second pass
+// H x (kWidth / H) dot products summed across lanes together (transposed_sums); with `prefetch`, the
+// rows' values (at the same slots of `values`) are prefetched for attend_chunk's second pass
 template <int H, typename C>
 void head_scores(const float (*q)[kMaxHeadDim], const C* base, const C* values, const int64_t* rows, int64_t count,
-                 int64_t row_stride, int64_t dim, float* scores) {
+                 int64_t row_stride, int64_t dim, bool prefetch, float* scores) {
   using namespace simd;
   constexpr int R = kWidth / H;
   for (int64_t j = 0; j < count; j += R) {
@@ -59,7 +60,7 @@ void head_scores(const float (*q)[kMaxHeadDim], const C* base, const C* values, 
     // follow: the next R key rows are fetched into L1 now, and these rows' values into L2 for the
     // second pass. The key rows 3R ahead are asked into L2 as well, whose queue of misses is longer
     // than L1's.
-    for (int64_t r = j; r < std::min(count, j + R); ++r) {
+    for (int64_t r = j; prefetch && r < std::min(count, j + R); ++r) {
       if (r + R < count) prefetch_row<_MM_HINT_T0>(base + rows[r + R] * row_stride, dim);
       if (r + 3 * R < count) prefetch_row<_MM_HINT_T1>(base + rows[r + 3 * R] * row_stride, dim);
       prefetch_row<_MM_HINT_T1>(values + (k[r - j] - base), dim);
@@ -105,17 +106,17 @@ void weighted_rows(const float* probs, const C* base, const int64_t* rows, int64
 // sequence's admitted keys (`rows`, `count` > 0 of them): per head, the chunk's score maximum, its
 // sum of exp(score - maximum) and the exp-weighted sum of its value rows, which `merge_chunks`
 // combines across chunks; head h's results at tops[h * part_stride], totals[...] and
-// accs + h * part_stride * dim.
+// accs + h * part_stride * dim. `prefetch`: ask for the rows ahead of their loads (head_scores).
 template <int H, typename T, typename C>
 void attend_chunk(const T* q_in, const C* k_cache, const C* v_cache, const int64_t* rows, int64_t count,
-                  int64_t row_stride, int64_t dim, float scale, std::optional<double> softcap, float* tops,
-                  float* totals, float* accs, int64_t part_stride) {
+                  int64_t row_stride, int64_t dim, float scale, std::optional<double> softcap, bool prefetch,
+                  float* tops, float* totals, float* accs, int64_t part_stride) {
   using namespace simd;
   float q[H][kMaxHeadDim];
   float scores[H * kChunk];
   for (int h = 0; h < H; ++h)
     for (int64_t i = 0; i < dim; i += kWidth) store(q[h] + i, mul(load(q_in + h * dim + i), set1(scale)));
-  head_scores<H>(q, k_cache, v_cache, rows, count, row_stride, dim, scores);
+  head_scores<H>(q, k_cache, v_cache, rows, count, row_stride, dim, prefetch, scores);
   const int64_t padded = (count + kWidth - 1) / kWidth * kWidth;
   for (int h = 0; h < H; ++h) {
     float* s = scores + h * kChunk;
@@ -184,7 +185,13 @@ inline int64_t balanced_entry(int64_t p, int64_t batch) { return p % 2 ? batch -
 // head attend together, up to kMaxHeads at a time, so that each row is loaded and widened once for
 // all of them rather than once per head, and a batch of one still has tasks for every thread. The
 // chunks' partial results are merged per (sequence, query head). Which thread runs a task changes
-// nothing in its arithmetic.
+// nothing in its arithmetic, and neither do the prefetches.
+//
+// The software prefetches serve rows read once per step: a decode token's context, scattered over
+// the cache's blocks. The tokens of a prompt chunk share their sequence's rows (their slot rows
+// start alike), which each token's tasks find in cache after the first ones read them; there the
+// prefetches only cost instructions (a third of a prompt token's, with their address arithmetic),
+// so entries whose neighbour in the batch starts at the same slot attend without them.
 template <typename T, typename C>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
          const at::Tensor& mask, at::Tensor& out, double scale, std::optional<double> softcap,
@@ -198,6 +205,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* sp = slots.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
   T* op = out.data_ptr<T>();
+  std::vector<char> prefetched(batch);  // per entry: whether its tasks prefetch (see above)
+  for (int64_t b = 0; context > 0 && b < batch; ++b) {
+    const int64_t first = sp[b * context];
+    prefetched[b] = !((b > 0 && sp[(b - 1) * context] == first) || (b + 1 < batch && sp[(b + 1) * context] == first));
+  }
   // partial results by (sequence, query head, chunk), each written by its task before it is merged
   const int64_t parts = batch * heads * chunks;
   const at::Tensor partials = at::empty({parts * (dim + 2)}, q.options().dtype(at::kFloat));
@@ -230,7 +242,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       if (t + 1 < t1) {
         next_count = gather_rows(t + 1, next_rows);
         const int64_t next_g = (t + 1) / chunks % kv_heads;
-        for (int64_t j = 0; j < next_count; ++j) {
+        const bool next_prefetched = prefetched[balanced_entry((t + 1) / (kv_heads * chunks), batch)];
+        for (int64_t j = 0; next_prefetched && j < next_count; ++j) {
           prefetch_row<_MM_HINT_T1>(kp + next_g * dim + next_rows[j] * row_stride, dim);
           prefetch_row<_MM_HINT_T1>(vp + next_g * dim + next_rows[j] * row_stride, dim);
         }
@@ -244,8 +257,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         if (count == 0) continue;  // merge_chunks leaves the chunk out
         const auto attend = [&](auto together) {  // the n heads, as a template argument
           attend_chunk<decltype(together)::value>(qp + (b * heads + h0) * dim, kp + g * dim, vp + g * dim, rows, count,
-                                                  row_stride, dim, static_cast<float>(scale), softcap, tops + part,
-                                                  totals + part, accs + part * dim, chunks);
+                                                  row_stride, dim, static_cast<float>(scale), softcap, prefetched[b],
+                                                  tops + part, totals + part, accs + part * dim, chunks);
         };
         switch (n) {
           case 4: attend(std::integral_constant<int, 4>{}); break;
