@@ -45,7 +45,8 @@ inline void prefetch_row(const C* row, int64_t dim) {
 
 // scores[h * kChunk + j] = q[h] . row j, for H query heads at once: kWidth / H rows at a time, their
 // H x (kWidth / H) dot products summed across lanes together (transposed_sums); with `prefetch`, the
-// rows' values (at the same slots of `values`) are prefetched for attend_chunk's second pass
+// next key rows are asked for ahead of their loads, and the rows' values (at the same slots of
+// `values`) for attend_chunk's second pass
 template <int H, typename C>
 void head_scores(const float (*q)[kMaxHeadDim], const C* base, const C* values, const int64_t* rows, int64_t count,
                  int64_t row_stride, int64_t dim, bool prefetch, float* scores) {
@@ -190,8 +191,8 @@ inline int64_t balanced_entry(int64_t p, int64_t batch) { return p % 2 ? batch -
 // The software prefetches serve rows read once per step: a decode token's context, scattered over
 // the cache's blocks. The tokens of a prompt chunk share their sequence's rows (their slot rows
 // start alike), which each token's tasks find in cache after the first ones read them; there the
-// prefetches only cost instructions (a third of a prompt token's, with their address arithmetic),
-// so entries whose neighbour in the batch starts at the same slot attend without them.
+// prefetches and their address arithmetic only cost instructions, so entries whose neighbour in the
+// batch starts at the same slot attend without them (tuning log: `head_scores` prefetch).
 template <typename T, typename C>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
          const at::Tensor& mask, at::Tensor& out, double scale, std::optional<double> softcap,
