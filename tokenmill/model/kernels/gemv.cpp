@@ -694,10 +694,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #endif
 
 #ifdef TILES_BUILT
-inline __m512i broadcast4(const int8_t* x) {
-  int32_t four;
-  std::memcpy(&four, x, 4);
-  return _mm512_set1_epi32(four);
+// acc plus dpbusd of unsigned_q with the 4 activation bytes at x in every lane, x read by the
+// instruction's own broadcast operand ({1to16}). Compilers keep _mm512_set1_epi32 of a load as a
+// vpbroadcastd of its own, a third more instructions for the front end in the tile loop; asm
+// folds it (tuning log: "tile products' broadcast operand").
+typedef int32_t __attribute__((may_alias, aligned(1))) four_bytes;
+inline __m512i dot4_broadcast(__m512i acc, __m512i unsigned_q, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(unsigned_q), "m"(*reinterpret_cast<const four_bytes*>(x)));
+  return acc;
 }
 
 // Bytes of one tile's q per group (Bits 4 or 8), and of its fifth-bit masks (5-bit)
@@ -706,8 +710,8 @@ constexpr int64_t kTileFifthGroupBytes = 64;
 // Groups ahead of the products that a thread asks the memory for (16: 4 KB of 4-bit tiles, the
 // L2 streamer's reach ends at each 4 KB page). The hardware prefetchers do not keep up with the
 // short streams of small layers, so without these requests a batch-1 step reads its weights well
-// below the memory's speed. The distance is not critical (half or twice it serve as well); later
-// blocks of activation rows find the lines in cache, where each request costs only a load slot.
+// below the memory's speed. The distance is not critical (half or twice it serve as well). Only the
+// first block of activation rows asks (quant_tiles' prefetch).
 constexpr int64_t kTilePrefetchGroups = 16;
 
 // 16 scales or lows of a tile, as float32 or float16 (S)
@@ -751,11 +755,13 @@ constexpr int64_t tile_scales_size(int64_t groups, bool row_scales) {
 
 // xq, scales and sums: a block of M activation rows in quantize_blocks' kRowBlocks layout. row_totals:
 // with one scale and low per weight row (tile_scales (N / 16, 1, 2, 16)), each activation row's sum
-// of x, whose product with the low is added once after the last group; else nullptr.
+// of x, whose product with the low is added once after the last group; else nullptr. prefetch: whether
+// to ask the memory for the weights ahead; over_row_blocks' first block of activation rows does, and
+// the later blocks find the tiles in cache, where the requests would take load slots for nothing.
 template <int M, int Bits, bool Fifth, bool Fine, typename T, typename S>
 void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const float* row_totals, int64_t K,
                  const uint8_t* tiles, const uint8_t* fifth, const S* tile_scales, T* y, int64_t N, int64_t tile0,
-                 int64_t tile1) {
+                 int64_t tile1, bool prefetch) {
   const bool row_scales = row_totals != nullptr;
   const int64_t groups = K / 32, scale_stride = row_scales ? 0 : 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
@@ -765,7 +771,7 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
     __m512 acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      {  // into the task's next tiles, or past them: a prefetch never faults
+      if (prefetch) {  // into the task's next tiles, or past them: a prefetch never faults
         const int64_t ahead = g + kTilePrefetchGroups;
         const char* bytes = reinterpret_cast<const char*>(q + ahead * tile_group_bytes(Bits));
         for (int64_t line = 0; line < tile_group_bytes(Bits); line += 64) _mm_prefetch(bytes + line, _MM_HINT_T0);
@@ -802,11 +808,11 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
         for (int i = 0; i < M; ++i) {
           const int8_t* x = xq + (g * M + i) * 32 + 4 * j;
           if constexpr (Fine) {  // a scale per quarter j: its sums converted and scaled apart
-            const __m512i d = dot4(dot4(_mm512_setzero_si512(), first, broadcast4(x)), second, broadcast4(x + 16));
+            const __m512i d = dot4_broadcast(dot4_broadcast(_mm512_setzero_si512(), first, x), second, x + 16);
             fine[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(scales[(g * M + i) * 4 + j]),
                                       j != 0 ? fine[i] : row_scales ? acc[i] : _mm512_setzero_ps());
           } else {
-            whole[i] = dot4(dot4(whole[i], first, broadcast4(x)), second, broadcast4(x + 16));
+            whole[i] = dot4_broadcast(dot4_broadcast(whole[i], first, x), second, x + 16);
           }
         }
       }
@@ -864,7 +870,7 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
       [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
         quant_tiles<decltype(rows)::value, Bits, Fifth, Fine, T, S>(
             xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4, xq.sums.get() + m0 * groups,
-            totals.empty() ? nullptr : totals.data() + m0, K, q, fifth, ts, out + m0 * N, N, t0, t1);
+            totals.empty() ? nullptr : totals.data() + m0, K, q, fifth, ts, out + m0 * N, N, t0, t1, m0 == 0);
       },
       kTilesPerTask, kTilesPerChunk);
   return y;
