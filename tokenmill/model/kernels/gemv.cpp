@@ -695,9 +695,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 #ifdef TILES_BUILT
 // acc plus dpbusd of unsigned_q with the 4 activation bytes at x in every lane, x read by the
-// instruction's own broadcast operand ({1to16}). Compilers keep _mm512_set1_epi32 of a load as a
-// vpbroadcastd of its own, a third more instructions for the front end in the tile loop; asm
-// folds it (tuning log: "tile products' broadcast operand").
+// instruction's own broadcast operand ({1to16}). GCC emits _mm512_set1_epi32 of a load as a
+// vpbroadcastd of its own, one more instruction for every vpdpbusd of the tile loop; the asm
+// folds it into the operand (tuning log: `quant_tiles_linear`).
 typedef int32_t __attribute__((may_alias, aligned(1))) four_bytes;
 inline __m512i dot4_broadcast(__m512i acc, __m512i unsigned_q, const int8_t* x) {
   __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(unsigned_q), "m"(*reinterpret_cast<const four_bytes*>(x)));
