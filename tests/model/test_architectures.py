@@ -9,6 +9,7 @@ import transformers
 
 from tokenmill.engine.kv_memory import blocks_for_budget
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.model import kernels, transformer
 from tokenmill.model.attention import KVCache
 from tokenmill.model.loader import load_model
 
@@ -143,7 +144,10 @@ def _hf_model(name: str) -> transformers.PreTrainedModel:
 
 
 def _tokenmill_steps(
-    loaded, prompts: list[list[int]], continuations: list[list[int]]
+    loaded,
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    kv_cache_dtype: str = "float32",
 ) -> list[torch.Tensor]:
     """Prefill all prompts in one batch, then feed the continuations one token per step, batched."""
     max_len = max(len(p) for p in prompts) + DECODE_STEPS
@@ -154,7 +158,7 @@ def _tokenmill_steps(
         loaded,
         num_blocks=blocks_per_seq * len(prompts) + 1,
         block_size=BLOCK,
-        kv_cache_dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
     )
     # interleave the blocks of different sequences so that block tables really matter
     tables = [
@@ -199,6 +203,46 @@ def test_logits_match_transformers(name: str, batch_invariant: bool, tmp_path) -
             decode = torch.stack([ours[1 + s][i] for s in range(DECODE_STEPS)])
             torch.testing.assert_close(decode, ref[len(prompt) :], atol=1e-4, rtol=0)
     assert ref.abs().max() > 0.05, "logits too small for the comparison to mean anything"
+
+
+@pytest.mark.parametrize("config_class", ["LlamaConfig", "Qwen2Config"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"), [("fp32", "float32"), ("fp32", "float16"), ("bf16", "auto")]
+)
+def test_eager_steps_rotate_and_write_the_cache_in_one_op(
+    config_class: str, dtype: str, kv_cache_dtype: str, tmp_path, monkeypatch
+) -> None:
+    """Heads of 32, which `tokenmill::rotary_write_kv` takes: prompts (whose attention reads their
+    K/V back from the cache) and decode steps give the logits of the separate ops, bit for bit."""
+    if not kernels.loaded():
+        pytest.skip("tokenmill's kernels are not built on this CPU or without a C++ compiler")
+    config = getattr(transformers, config_class)(
+        **(COMMON | dict(num_attention_heads=2, num_key_value_heads=1))
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype=dtype, progress=False)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    continuations = [torch.randint(0, 96, (DECODE_STEPS,), generator=gen).tolist() for _ in prompts]
+
+    fused_calls = []
+
+    def counted(*args: object) -> bool:
+        fits = fused_write_fits(*args)
+        fused_calls.append(fits)
+        return fits
+
+    fused_write_fits = transformer._fused_write_fits
+    monkeypatch.setattr(transformer, "_fused_write_fits", counted)
+    with torch.no_grad():
+        fused = _tokenmill_steps(loaded, prompts, continuations, kv_cache_dtype)
+    assert fused_calls and all(fused_calls)
+    monkeypatch.setattr(transformer, "_fused_write_fits", lambda *args: False)
+    with torch.no_grad():
+        separate = _tokenmill_steps(loaded, prompts, continuations, kv_cache_dtype)
+    for ours, reference in zip(fused, separate):
+        assert torch.equal(ours, reference)
 
 
 def test_longrope_takes_the_long_factors_past_the_original_context(tmp_path) -> None:

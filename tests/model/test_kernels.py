@@ -120,7 +120,7 @@ def test_quant_linear_uses_the_kernel(dtype: torch.dtype) -> None:
     kind, data = dense_packed_form(torch.randn(64, 128), "int8")
     layer = QuantLinear(64, 128, dtype, **{kind: data}, bias=torch.randn(64), tiles=False)
     x = torch.randn(3, 128).to(dtype)
-    assert layer._kernel(3, layer._native_fits(x)) == "native"
+    assert layer._native_fits(x)
     assert not layer._native_fits(x.half())  # other dtypes keep PyTorch's kernels
     packed = (
         torch.ops.aten._weight_int8pack_mm(x, layer.weight_int8, layer.scales) + layer.bias
@@ -480,7 +480,7 @@ def test_quant_linear_takes_tiles_on_avx512(kind: str) -> None:
     assert tiles_layout() and torch.ops.tokenmill.tiles_built()
     assert tiles.tiles and not rows.tiles and "tiles" in repr(tiles)
     x = torch.randn(11, 128)
-    assert tiles._kernel(11, tiles._native_fits(x)) == "native"
+    assert tiles._native_fits(x)
     if kind == "int8":
         weight = data[0].float() * data[1][:, None]
     else:  # the exact weight, where the row layout rounds the lows to float16
@@ -506,9 +506,8 @@ def test_quant_linear_int4_layouts_agree(dtype: torch.dtype) -> None:
         for flag in (True, False)
     )
     x = torch.randn(3, 128).to(dtype)
-    assert rows._kernel(3, rows._native_fits(x)) == (
-        "packed" if dtype == torch.float16 else "native"
-    )
+    assert rows._native_fits(x) == (dtype != torch.float16)
+    assert dtype != torch.float16 or rows._kernel(3) == "packed"
     out, reference = rows(x).float(), tiles(x).float()
     assert ((out - reference).norm() / reference.norm()).item() < 1e-2  # tiles run in bf16 for fp32
 
@@ -667,6 +666,58 @@ def test_rotary_refuses_what_it_cannot_compute() -> None:
         )
     with pytest.raises(RuntimeError, match="tables of x's dtype"):
         torch.ops.tokenmill.rotary(torch.zeros(2, 1, 32), cos.bfloat16(), sin.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_rotary_write_kv_equals_the_ops_it_replaces(
+    dtype: torch.dtype, cache_dtype: torch.dtype, tokens: int
+) -> None:
+    torch.manual_seed(tokens)
+    heads, kv_heads, head_dim = 6, 2, 64
+    width = (heads + 2 * kv_heads) * head_dim
+    # a fused projection's output with a bias column block after it: rows strided, columns not
+    qkv = (torch.randn(tokens, width + 32) * 4).to(dtype)[:, :width]
+    cos, sin = Rotary(RopeSettings(theta=10000.0), head_dim).tables(
+        torch.randint(0, 5000, (tokens,)), dtype
+    )
+    slots = torch.randperm(300)[:tokens]
+    caches = [torch.randn(300, kv_heads, head_dim).to(cache_dtype) for _ in range(2)]
+    k_cache, v_cache = (c.clone() for c in caches)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    expected_q = apply_rotary(q.reshape(tokens, heads, head_dim), cos, sin)
+    expected_k = apply_rotary(k.reshape(tokens, kv_heads, head_dim), cos, sin)
+    caches[0].index_copy_(0, slots, expected_k.to(cache_dtype))
+    caches[1].index_copy_(0, slots, v.reshape(tokens, kv_heads, head_dim).to(cache_dtype))
+
+    out = torch.ops.tokenmill.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    assert out.dtype == dtype and out.shape == (tokens, heads, head_dim) and out.is_contiguous()
+    assert torch.equal(out, expected_q)
+    assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+
+
+def test_rotary_write_kv_refuses_what_it_cannot_compute() -> None:
+    qkv, cos, sin = torch.zeros(2, 4 * 32), torch.zeros(2, 1, 16), torch.zeros(2, 1, 16)
+    cache = torch.zeros(8, 1, 32)
+    slots = torch.tensor([0, 1])
+
+    def write(**changed: object) -> None:
+        args = dict(qkv=qkv, cos=cos, sin=sin, k_cache=cache, v_cache=cache.clone(), slots=slots)
+        args.update(changed)
+        torch.ops.tokenmill.rotary_write_kv(*args.values(), 2)
+
+    write()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        write(slots=torch.tensor([0, 8]))
+    with pytest.raises(RuntimeError, match="width must be"):
+        write(qkv=torch.zeros(2, 5 * 32))
+    with pytest.raises(RuntimeError, match="int64"):
+        write(slots=slots.int())
+    with pytest.raises(RuntimeError, match="one dtype"):
+        write(v_cache=cache.half())
+    with pytest.raises(RuntimeError, match="tables of x's dtype"):
+        write(cos=cos.bfloat16(), sin=sin.bfloat16())
 
 
 def test_gated_activation_refuses_what_it_cannot_compute() -> None:

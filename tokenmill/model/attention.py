@@ -362,15 +362,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's cached context.
 
-    q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim), or None for a layer that shares
-    another layer's cache (that layer has written this step's K/V there already); returns
-    (T, heads, head_dim); mask: `batch.mask(window)`; window: the sliding window, if any; sinks:
-    (heads,) float32 logits that join each head's softmax denominator and weigh no value (gpt-oss's
-    attention sinks).
+    q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim), or None where this step's K/V are in
+    the cache already (written by `tokenmill::rotary_write_kv`, or by the layer whose cache this
+    one shares); returns (T, heads, head_dim); mask: `batch.mask(window)`; window: the sliding
+    window, if any; sinks: (heads,) float32 logits that join each head's softmax denominator and
+    weigh no value (gpt-oss's attention sinks).
     """
-    if k is None:
-        k, v = k_cache[batch.slot_mapping], v_cache[batch.slot_mapping]
-    else:
+    if k is not None:
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
@@ -394,8 +392,8 @@ def paged_attention(
         # each after the whole step's K/V are in the cache
         out[tokens] = _attend_cached(
             q[tokens],
-            k[tokens],
-            v[tokens],
+            None if k is None else k[tokens],
+            None if v is None else v[tokens],
             k_cache,
             v_cache,
             part,
@@ -410,8 +408,8 @@ def paged_attention(
 
 def _attend_cached(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: AttentionBatch,
@@ -421,8 +419,8 @@ def _attend_cached(
     window: int | None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` once this step's K/V (k, v, in the cache's dtype) are in the cache, for a
-    batch not in parts."""
+    """`paged_attention` once this step's K/V (k, v, in the cache's dtype, or None: read back from
+    the cache where needed) are in the cache, for a batch not in parts."""
     if batch.max_q == 1:  # pure decode: one token per sequence, tokens already in batch order
         return _decode_attention(
             q, k_cache, v_cache, batch.context_slots, mask, scale, softcap, sinks
@@ -435,6 +433,8 @@ def _attend_cached(
         # masked blocks of `QUERY_BLOCK` queries). The K/V are rounded as the cache holds them, so
         # that later steps see what the prompt saw. Padded rows come after each sequence's own, out
         # of its rows' causal sight.
+        if k is None:
+            k, v = k_cache[batch.slot_mapping], v_cache[batch.slot_mapping]
         grids = []
         for t in (q, k.to(q.dtype), v.to(q.dtype)):
             if batch.num_seqs > 1:

@@ -625,9 +625,9 @@ class QuantLinear(nn.Module):
         self.amx_min_tokens = AMX_MIN_TOKENS if tiles and switches and amx_tiles() else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self._kernel(x.shape[0], self._native_fits(x))
-        if kernel == "native":
+        if self._native_fits(x):
             return self._native_forward(x)
+        kernel = self._kernel(x.shape[0])
         if kernel == "dense":
             return F.linear(x, self.dense, self.bias)
         if kernel == "streamed":
@@ -742,12 +742,10 @@ class QuantLinear(nn.Module):
             and self.in_features % 32 == 0
         )
 
-    def _kernel(self, tokens: int, native_fits: bool = False) -> str:
-        """'native' (`tokenmill::int8_linear|int4_linear|int4_rows_linear`, which pick their means
-        by batch size), 'dense', 'streamed' (compiled batch-1 of a large int8 matrix), 'chunked'
-        (more tokens of a large int8 matrix) or 'packed'."""
-        if native_fits:
-            return "native"
+    def _kernel(self, tokens: int) -> str:
+        """Where tokenmill's ops do not take the input (`_native_fits`): 'dense', 'streamed'
+        (compiled batch-1 of a large int8 matrix), 'chunked' (more tokens of a large int8 matrix)
+        or 'packed'."""
         compiling = torch.compiler.is_compiling()
         if self.dense is not None and self.dense_min_tokens > 0:
             # One compiled graph serves every batch of 2+ tokens: a switch at each kernel's own

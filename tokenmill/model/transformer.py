@@ -132,6 +132,28 @@ def _fused_rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     )
 
 
+def _fused_write_fits(qkv: torch.Tensor, rope: tuple | None, k_cache: torch.Tensor) -> bool:
+    """Whether `tokenmill::rotary_write_kv` takes an eager step's fused projection to the cache:
+    rows with contiguous columns, a rope over whole heads with tables of their dtype, a contiguous
+    cache of a dtype it writes. Compiled graphs fuse the ops it replaces themselves."""
+    if rope is None or torch.compiler.is_compiling() or not _kernel_fits(qkv):
+        return False
+    cos, sin = rope
+    head_dim = k_cache.shape[-1]
+    return (
+        qkv.dim() == 2
+        and qkv.stride(1) == 1
+        and 2 * cos.shape[-1] == head_dim
+        and head_dim % 32 == 0
+        and cos.dtype == sin.dtype == qkv.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and k_cache.dim() == 3
+        and k_cache.is_contiguous()
+        and k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    )
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -163,6 +185,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if normed else None
         self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if normed and writes else None
         self.value_norm_eps = cfg.rms_norm_eps if cfg.value_norm else None
+        # q, k and v go from the projection to the rope and the cache without norms, so that one
+        # op may take them there (`_fused_write_fits`)
+        self.unnormed_qkv = self.q_norm is None and self.value_norm_eps is None
         # under tensor parallelism: what each rank contributes to the gathers (model/sharding.py)
         self.gather = cfg.gather
         # a logit per head in each softmax's denominator (gpt-oss)
@@ -181,7 +206,13 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         if self.kv_parts != 2:
             return self._forward_kv_parts(x, rope, k_cache, v_cache, batch, mask)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.unnormed_qkv and _fused_write_fits(qkv, rope, k_cache):
+            q = torch.ops.tokenmill.rotary_write_kv(
+                qkv, *rope, k_cache, v_cache, batch.slot_mapping, self.num_heads
+            )
+            return self._attend_and_project(q, None, None, k_cache, v_cache, batch, mask)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(tokens, self.num_heads, self.head_dim)

@@ -5,8 +5,9 @@
 or a bf16 matmul) by the number of rows when they run, so one compiled graph serves every batch
 size with the best of both. `dense_linear` multiplies by a dense fp32 weight, summing every row
 in one order whatever the batch (dense.cpp). `gated_activation` is the MLP's act(gate) * up in
-one pass, for eager steps (activation.cpp), `rms_norm` the model's norm (norm.cpp) and `rotary`
-the rotary embedding (rotary.cpp); `decode_attention` attends one query token per sequence over
+one pass, for eager steps (activation.cpp), `rms_norm` the model's norm (norm.cpp), `rotary`
+the rotary embedding and `rotary_write_kv` an eager step's way from the fused q/k/v projection to
+the cache (rotary.cpp); `decode_attention` attends one query token per sequence over
 the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and
 `sample_ids` a draw from each row's softmax (sample.cpp). They build (g++ through
 `torch.utils.cpp_extension`) as one translation unit per core, each including several sources:
