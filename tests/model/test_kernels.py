@@ -67,6 +67,34 @@ def test_kernels_build_and_load(cpu_kernels: bool) -> None:
     assert cpu_kernels and kernels.loaded(), marker.read_text() if marker.exists() else "not loaded"
 
 
+def test_eager_code_calls_the_bindings_and_compiled_code_the_dispatcher() -> None:
+    """Python's eager code calls the kernels through their pybind11 bindings, which give what
+    torch.ops.tokenmill gives; torch.compile traces through the dispatcher's ops (fullgraph: no
+    break at a binding it cannot see into)."""
+    bindings = kernels.ops()
+    assert bindings is not torch.ops.tokenmill
+    torch.manual_seed(7)
+    x, weight = torch.randn(5, 64), torch.randn(64)
+    gate_up, logits = torch.randn(5, 96), torch.randn(3, 1000)
+    cos, sin = Rotary(RopeSettings(theta=10000.0), 32).tables(torch.arange(5), torch.float32)
+    heads = x.view(5, 2, 32)
+    for name, args in [
+        ("rms_norm", (x, weight, 1e-6)),
+        ("rotary", (heads, cos, sin)),
+        ("gated_activation", (gate_up, "silu")),
+        ("greedy_ids", (logits,)),
+    ]:
+        assert torch.equal(
+            getattr(bindings, name)(*args), getattr(torch.ops.tokenmill, name)(*args)
+        )
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return kernels.ops().rms_norm(x, weight, 1e-6)
+
+    compiled = torch.compile(norm, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, weight), norm(x, weight))
+
+
 def _within_half_a_step(
     weight: torch.Tensor, exact: torch.Tensor, q: torch.Tensor, packed: Int4Rows
 ) -> bool:

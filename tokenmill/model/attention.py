@@ -374,14 +374,14 @@ def paged_attention(
         v_cache.index_copy_(0, batch.slot_mapping, v)
     if batch.token_context_slots is not None:
         # every token of the step as a query of the decode kernel
-        return torch.ops.tokenmill.decode_attention(
+        return kernels.ops().decode_attention(
             q, k_cache, v_cache, batch.token_context_slots, mask, scale, softcap, sinks
         )
     if batch.kernel_groups is not None:
         out = torch.empty_like(q)
         for first, end, width in batch.kernel_groups:
             slots, group_mask = batch.kernel_group(first, end, width, window)
-            out[first:end] = torch.ops.tokenmill.decode_attention(
+            out[first:end] = kernels.ops().decode_attention(
                 q[first:end], k_cache, v_cache, slots, group_mask, scale, softcap, sinks
             )
         return out
@@ -485,7 +485,7 @@ def _decode_attention(
     mask: (B, 1, 1, max_kv).
     """
     if decode_attention_fits(q, k_cache):
-        return torch.ops.tokenmill.decode_attention(
+        return kernels.ops().decode_attention(
             q, k_cache, v_cache, slots, mask, scale, softcap, sinks
         )
     fused = torch.compiler.is_compiling() and q.shape[-1] <= FUSED_DECODE_MAX_HEAD_DIM

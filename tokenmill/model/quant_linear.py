@@ -663,7 +663,7 @@ class QuantLinear(nn.Module):
         dense = parameters.get("dense") if self.dense_min_tokens > 0 else None
         max_gemv_tokens = self._gemv_max_tokens(x.dtype)
         if self.tiles:
-            y = torch.ops.tokenmill.quant_tiles_linear(
+            y = kernels.ops().quant_tiles_linear(
                 x,
                 buffers["tile_q"],
                 buffers["tile_scales"],
@@ -676,7 +676,7 @@ class QuantLinear(nn.Module):
                 self.amx_min_tokens,
             )
         elif self.int4_rows:
-            y = torch.ops.tokenmill.int4_rows_linear(
+            y = kernels.ops().int4_rows_linear(
                 x,
                 buffers["nibbles"],
                 buffers["steps_lows"],
@@ -686,7 +686,7 @@ class QuantLinear(nn.Module):
                 max_gemv_tokens,
             )
         elif self.kind == "int4":  # PyTorch's packed layout
-            y = torch.ops.tokenmill.int4_linear(
+            y = kernels.ops().int4_linear(
                 x,
                 buffers["packed"],
                 buffers["scales_zeros"],
@@ -695,7 +695,7 @@ class QuantLinear(nn.Module):
                 self.dense_min_tokens - 1,
             )
         else:
-            y = torch.ops.tokenmill.int8_linear(
+            y = kernels.ops().int8_linear(
                 x,
                 buffers["weight_int8"],
                 buffers["scales"],

@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._parameters["weight"]  # not through nn.Module's __getattr__: a hot path
         if _fused_norm_fits(x, weight):
-            return torch.ops.tokenmill.rms_norm(x, weight, self.eps)
+            return kernels.ops().rms_norm(x, weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * weight.float()).to(x.dtype)
@@ -112,7 +112,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         rotated = apply_rotary(x[..., :turned], cos, sin)
         return torch.cat((rotated, x[..., turned:]), dim=-1)
     if _fused_rotary_fits(x, cos, sin):
-        return torch.ops.tokenmill.rotary(x, cos, sin)
+        return kernels.ops().rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -208,7 +208,7 @@ class Attention(nn.Module):
             return self._forward_kv_parts(x, rope, k_cache, v_cache, batch, mask)
         qkv = self.qkv_proj(x)
         if self.unnormed_qkv and _fused_write_fits(qkv, rope, k_cache):
-            q = torch.ops.tokenmill.rotary_write_kv(
+            q = kernels.ops().rotary_write_kv(
                 qkv, *rope, k_cache, v_cache, batch.slot_mapping, self.num_heads
             )
             return self._attend_and_project(q, None, None, k_cache, v_cache, batch, mask)
@@ -315,7 +315,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if _fused_activation_fits(gate_up):
-            act = torch.ops.tokenmill.gated_activation(gate_up, self.act_name)
+            act = kernels.ops().gated_activation(gate_up, self.act_name)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = ACTIVATIONS[self.act_name](gate) * up

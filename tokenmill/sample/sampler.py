@@ -247,7 +247,7 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
         and logits.dtype in (torch.float32, torch.bfloat16)
         and kernels.loaded()
     ):
-        return torch.ops.tokenmill.greedy_ids(logits)
+        return kernels.ops().greedy_ids(logits)
     return logits.max(dim=-1).indices
 
 
@@ -282,7 +282,7 @@ def _ban_disallowed(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor
     """Set to -inf, in place, each constrained row's logits of tokens its bitmask leaves out: on
     CPU tokenmill's kernel where it is built, else by expanding the bits to the vocabulary."""
     if logits.device.type == "cpu" and logits.is_contiguous() and kernels.loaded():
-        torch.ops.tokenmill.ban_disallowed_(logits, rows, bits)
+        kernels.ops().ban_disallowed_(logits, rows, bits)
         return
     vocab = logits.shape[1]
     allowed = ((bits.unsqueeze(-1) >> _BITS.to(bits.device)) & 1).view(bits.shape[0], -1)
@@ -398,7 +398,7 @@ def _random_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             x, inverse_temperature = logits, batch.temperature.reciprocal()
         else:
             x, inverse_temperature = sampling_logits(logits, batch), torch.ones_like(u)
-        return torch.ops.tokenmill.sample_ids(x, inverse_temperature, u)
+        return kernels.ops().sample_ids(x, inverse_temperature, u)
     cdf = sampling_logits(logits, batch).softmax(dim=-1).cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     ids = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)

@@ -9,9 +9,10 @@ one pass, for eager steps (activation.cpp), `rms_norm` the model's norm (norm.cp
 the rotary embedding and `rotary_write_kv` an eager step's way from the fused q/k/v projection to
 the cache (rotary.cpp); `decode_attention` attends one query token per sequence over
 the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and
-`sample_ids` a draw from each row's softmax (sample.cpp). They build (g++ through
-`torch.utils.cpp_extension`) as one translation unit per core, each including several sources:
-most of a unit's compile time goes to parsing torch's headers, once per unit.
+`sample_ids` a draw from each row's softmax (sample.cpp). Python's eager code calls them through
+their pybind11 bindings (`ops`, bindings.cpp), compiled graphs through the dispatcher. They build
+(g++ through `torch.utils.cpp_extension`) as one translation unit per core, each including several
+sources: most of a unit's compile time goes to parsing torch's headers, once per unit.
 `build_in_background` runs the build on a daemon thread while PyTorch's kernels serve. The library
 is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the torch version and the CPU's
 features, so later starts load it without compiling.
@@ -23,12 +24,15 @@ AVX2.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import threading
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -46,14 +50,25 @@ SOURCES = [
         "activation.cpp",
         "rotary.cpp",
         "norm.cpp",
+        "bindings.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name("simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
 _lock = threading.Lock()
 _loaded = False
 _thread: threading.Thread | None = None
+_bindings: ModuleType | None = None  # the library's pybind11 module, once loaded
+
+
+def ops() -> Any:
+    """Where Python calls the kernels: their pybind11 bindings in eager code, torch.ops.tokenmill
+    where torch.compile traces (it sees ops through the dispatcher only). The same functions either
+    way; a binding's call costs ~1 us, the dispatcher's argument parsing ~2-5 us (ops.h)."""
+    if _bindings is None or torch.compiler.is_compiling():
+        return torch.ops.tokenmill
+    return _bindings
 
 
 def loaded() -> bool:
@@ -91,7 +106,7 @@ def load(build: bool = True) -> bool:
     Returns whether they are registered; a failed build is logged, remembered in the cache
     directory (delete it to retry) and leaves PyTorch's kernels in use.
     """
-    global _loaded
+    global _loaded, _bindings
     with _lock:
         if _loaded:
             return True
@@ -111,6 +126,9 @@ def load(build: bool = True) -> bool:
                 )
                 return False
         torch.ops.load_library(str(library))
+        spec = importlib.util.spec_from_file_location("tokenmill_kernels", library)
+        bindings = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bindings)
         torch.library.register_fake("tokenmill::int8_linear")(_int8_shape)
         torch.library.register_fake("tokenmill::int4_linear")(_int4_shape)
         torch.library.register_fake("tokenmill::int4_rows_linear")(_int4_rows_shape)
@@ -121,7 +139,7 @@ def load(build: bool = True) -> bool:
         torch.library.register_fake("tokenmill::rms_norm")(_rms_norm_shape)
         torch.library.register_fake("tokenmill::rotary")(_rotary_shape)
         torch.library.register_fake("tokenmill::dense_linear")(_dense_shape)
-        _loaded = True
+        _bindings, _loaded = bindings, True
         return True
 
 

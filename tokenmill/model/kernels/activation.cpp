@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <string_view>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -42,6 +43,10 @@ void gated_rows(const T* in, T* out, int64_t width, int64_t r0, int64_t r1) {
   }
 }
 
+}  // namespace
+
+namespace tokenmill {
+
 at::Tensor gated_activation(const at::Tensor& gate_up, std::string_view kind) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gated_activation: expected a contiguous (tokens, 2 * width) tensor");
@@ -65,8 +70,9 @@ at::Tensor gated_activation(const at::Tensor& gate_up, std::string_view kind) {
     }));
   return out;
 }
-}  // namespace
+
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) { m.def("gated_activation(Tensor gate_up, str kind) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("gated_activation", &gated_activation); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("gated_activation", &tokenmill::gated_activation); }

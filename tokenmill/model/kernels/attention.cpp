@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -279,6 +280,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
+}  // namespace
+
+namespace tokenmill {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& mask, double scale,
                             std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
@@ -326,11 +331,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale, "
         "float? softcap, Tensor? sinks=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_attention", &tokenmill::decode_attention); }

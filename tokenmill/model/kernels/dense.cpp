@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -129,8 +130,12 @@ void column_block(const float* x, const float* weight, const float* bias, float*
   }
 }
 
+}  // namespace
+
+namespace tokenmill {
+
 // y (M, N) = x (M, K) W^T (+ bias) for float32 x, W (N, K) and bias (N)
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "dense_linear: x must be a 2-D float32 tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "dense_linear: the weight must be a contiguous 2-D float32 tensor");
@@ -160,8 +165,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   return y;
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) { m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("dense_linear", &dense_linear); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("dense_linear", &tokenmill::dense_linear); }

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -397,13 +398,17 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
                                        : int8_gemv_as<at::BFloat16>(x, weight, scale);
 }
 
+}  // namespace
+
+namespace tokenmill {
+
 // The same product for any number of rows, by the fastest means at hand for that number: the GEMV
 // above up to max_gemv_rows, else a dense matmul (bound by arithmetic) with the layer's dense copy,
 // or with chunks of chunk_rows int8 rows dequantized one at a time (a large output head keeps no
 // dense copy). Deciding here, at run time, lets one compiled graph serve every batch size without a
 // guard on it.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows, int64_t chunk_rows) {
+                       const std::optional<at::Tensor>& dense, int64_t max_gemv_rows, int64_t chunk_rows) {
   if (x.size(0) <= max_gemv_rows) return int8_gemv(x, weight, scale);
   if (dense.has_value()) return at::linear(x, *dense);
   TORCH_CHECK(chunk_rows > 0, "int8_linear: chunk_rows must be positive");
@@ -416,6 +421,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   }
   return y.mul_(scale);
 }
+
+}  // namespace tokenmill
+
+namespace {
 
 // The int4 GEMV's pairs of groups: the 32 bytes of groups g and g + 1 hold, in their low nibbles,
 // elements 0-15 of both and, in their high nibbles, elements 16-31 (the order of quantize_blocks'
@@ -628,11 +637,15 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const ui
   return y;
 }
 
+}  // namespace
+
+namespace tokenmill {
+
 // The int4 (or, with fifth_bits, 5-bit) product for any number of rows: the GEMV up to max_gemv_rows
 // or for a layer without a dense copy, the dense copy beyond.
 at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& steps_lows,
-                            const at::Tensor& units, const c10::optional<at::Tensor>& fifth_bits,
-                            const c10::optional<at::Tensor>& dense, int64_t max_gemv_rows) {
+                            const at::Tensor& units, const std::optional<at::Tensor>& fifth_bits,
+                            const std::optional<at::Tensor>& dense, int64_t max_gemv_rows) {
   if (x.size(0) > max_gemv_rows && dense.has_value()) return at::linear(x, *dense);
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
@@ -661,11 +674,15 @@ at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, cons
 // kernel runs in the dtype of the scales: fp32 activations are rounded to bf16 for it (see
 // QuantLinear).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
-                       int64_t group_size, const c10::optional<at::Tensor>& dense, int64_t max_packed_rows) {
+                       int64_t group_size, const std::optional<at::Tensor>& dense, int64_t max_packed_rows) {
   if (x.size(0) > max_packed_rows && dense.has_value()) return at::linear(x, *dense);
   return at::_weight_int4pack_mm_for_cpu(x.to(scales_zeros.scalar_type()), packed, group_size, scales_zeros)
       .to(x.scalar_type());  // both no-ops where the dtypes agree
 }
+
+}  // namespace tokenmill
+
+namespace {
 
 // Tiles: the same products as an outer product, for the many activation rows of a prompt (AVX-512
 // with VNNI). The GEMVs above keep a weight row's dot products in lanes that must be summed across
@@ -1187,6 +1204,10 @@ at::Tensor amx_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint
 #endif
 #endif
 
+}  // namespace
+
+namespace tokenmill {
+
 // y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5) or 8; beyond max_tile_rows rows,
 // with the layer's dense copy where it has one. bf16 x of amx_min_rows rows or more (never if
 // negative) goes to AMX where this build and the process have it; else x activations share an
@@ -1194,8 +1215,8 @@ at::Tensor amx_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint
 // (all if negative) and 8 beyond them. Every row is rounded and summed alike whatever the row
 // count, so a row's result depends on its batch only through these two thresholds.
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
-                              const c10::optional<at::Tensor>& fifth_masks, int64_t bits,
-                              const c10::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
+                              const std::optional<at::Tensor>& fifth_masks, int64_t bits,
+                              const std::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
                               int64_t max_coarse_rows, int64_t amx_min_rows) {
   if (x.size(0) > max_tile_rows && dense.has_value()) return at::linear(x, *dense);
   if (max_coarse_rows >= 0 && x.size(0) > max_coarse_rows) x_block = 8;
@@ -1266,6 +1287,10 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
 #endif
 }
 
+}  // namespace tokenmill
+
+namespace {
+
 // Whether this build has the tile kernel (AVX-512 with byte instructions and VNNI)
 bool tiles_built() {
 #ifdef TILES_BUILT
@@ -1300,8 +1325,8 @@ TORCH_LIBRARY(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("int8_linear", &int8_linear);
-  m.impl("int4_linear", &int4_linear);
-  m.impl("int4_rows_linear", &int4_rows_linear);
-  m.impl("quant_tiles_linear", &quant_tiles_linear);
+  m.impl("int8_linear", &tokenmill::int8_linear);
+  m.impl("int4_linear", &tokenmill::int4_linear);
+  m.impl("int4_rows_linear", &tokenmill::int4_rows_linear);
+  m.impl("quant_tiles_linear", &tokenmill::quant_tiles_linear);
 }

@@ -9,6 +9,7 @@
 
 #include <cmath>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -30,6 +31,10 @@ void norm_row(const T* x, const W* weight, T* y, int64_t dim, float eps) {
   const Vec scale = set1(1.0f / std::sqrt(sum(add(a, b)) / static_cast<float>(dim) + eps));
   for (int64_t j = 0; j < dim; j += kWidth) store(y + j, mul(mul(load(x + j), scale), load(weight + j)));
 }
+
+}  // namespace
+
+namespace tokenmill {
 
 // x (rows, dim) or (rows, heads, dim) with contiguous last dimension (the heads of a fused projection's
 // output may be a strided view); the result is contiguous, in x's dtype
@@ -61,8 +66,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("rms_norm", &tokenmill::rms_norm); }

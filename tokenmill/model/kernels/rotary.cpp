@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -53,6 +54,16 @@ void with_dtype(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   }
 }
 
+// Row `from` (n values of T) converted into the cache's C, as Tensor.to rounds (to nearest even)
+template <typename C, typename T>
+inline void convert_row(const T* from, C* to, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<C>(static_cast<float>(from[i]));
+}
+
+}  // namespace
+
+namespace tokenmill {
+
 // x (tokens, heads, dim) with contiguous heads (a fused projection's output may be a strided view);
 // cos, sin (tokens, 1, dim / 2) contiguous, of x's dtype; the result is contiguous
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -71,12 +82,6 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     });
   });
   return out;
-}
-
-// Row `from` (n values of T) converted into the cache's C, as Tensor.to rounds (to nearest even)
-template <typename C, typename T>
-inline void convert_row(const T* from, C* to, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<C>(static_cast<float>(from[i]));
 }
 
 // qkv (tokens, (heads + 2 kv_heads) x dim): a step's fused q, k, v projection, rows with contiguous
@@ -135,7 +140,7 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   return q;
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
@@ -145,6 +150,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("rotary", &rotary);
-  m.impl("rotary_write_kv", &rotary_write_kv);
+  m.impl("rotary", &tokenmill::rotary);
+  m.impl("rotary_write_kv", &tokenmill::rotary_write_kv);
 }

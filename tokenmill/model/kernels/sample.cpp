@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -124,6 +125,10 @@ void sample_rows(const at::Tensor& logits, const float* inverse_temperature, con
   });
 }
 
+}  // namespace
+
+namespace tokenmill {
+
 at::Tensor sample_ids(const at::Tensor& logits, const at::Tensor& inverse_temperature, const at::Tensor& uniforms) {
   TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
               "sample_ids: logits must be a 2-D float32 or bfloat16 tensor");
@@ -188,7 +193,7 @@ void ban_disallowed_(at::Tensor& logits, const at::Tensor& rows, const at::Tenso
   });
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("greedy_ids(Tensor logits) -> Tensor");
@@ -197,7 +202,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("greedy_ids", &greedy_ids);
-  m.impl("sample_ids", &sample_ids);
-  m.impl("ban_disallowed_", &ban_disallowed_);
+  m.impl("greedy_ids", &tokenmill::greedy_ids);
+  m.impl("sample_ids", &tokenmill::sample_ids);
+  m.impl("ban_disallowed_", &tokenmill::ban_disallowed_);
 }

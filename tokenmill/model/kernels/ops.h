@@ -1,0 +1,43 @@
+// The kernels' entry points: each source registers its own as torch.ops.tokenmill.* (for compiled
+// graphs, which trace through the dispatcher), and bindings.cpp binds them all for eager calls from
+// Python (a call through pybind11 costs ~1 us, through the dispatcher's argument parsing ~2-5 us,
+// which adds up over the few hundred small ops of an eager decode step).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string_view>
+
+namespace tokenmill {
+
+// gemv.cpp
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& dense, int64_t max_gemv_rows, int64_t chunk_rows);
+at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& steps_lows,
+                            const at::Tensor& units, const std::optional<at::Tensor>& fifth_bits,
+                            const std::optional<at::Tensor>& dense, int64_t max_gemv_rows);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                       int64_t group_size, const std::optional<at::Tensor>& dense, int64_t max_packed_rows);
+at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
+                              const std::optional<at::Tensor>& fifth_masks, int64_t bits,
+                              const std::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
+                              int64_t max_coarse_rows, int64_t amx_min_rows);
+// dense.cpp
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// norm.cpp, rotary.cpp, activation.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slots, int64_t heads);
+at::Tensor gated_activation(const at::Tensor& gate_up, std::string_view kind);
+// attention.cpp
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& mask, double scale, std::optional<double> softcap,
+                            const std::optional<at::Tensor>& sinks);
+// sample.cpp
+at::Tensor greedy_ids(const at::Tensor& logits);
+at::Tensor sample_ids(const at::Tensor& logits, const at::Tensor& inverse_temperature, const at::Tensor& uniforms);
+void ban_disallowed_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bits);
+
+}  // namespace tokenmill
