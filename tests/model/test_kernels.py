@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -93,6 +95,28 @@ def test_eager_code_calls_the_bindings_and_compiled_code_the_dispatcher() -> Non
 
     compiled = torch.compile(norm, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x, weight), norm(x, weight))
+
+
+def test_a_binding_lets_other_threads_run_python_while_it_computes() -> None:
+    """A binding's call releases the GIL, as a call through the dispatcher does: the server's
+    event loop and the background graph builds run while an eager step computes. The other thread
+    wakes from its sleep before the long product returns; with the GIL held it could only wake
+    after."""
+    x, weight = torch.randn(512, 4096), torch.randn(8192, 4096)
+    ready, times = threading.Event(), {}
+
+    def multiply() -> None:
+        ready.set()
+        kernels.ops().dense_linear(x, weight, None)
+        times["returned"] = time.perf_counter()
+
+    worker = threading.Thread(target=multiply)
+    worker.start()
+    ready.wait()
+    time.sleep(0.02)
+    times["woke"] = time.perf_counter()
+    worker.join()
+    assert times["woke"] < times["returned"]
 
 
 def _within_half_a_step(
