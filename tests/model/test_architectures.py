@@ -214,6 +214,7 @@ def test_eager_steps_rotate_and_write_the_cache_in_one_op(
 ) -> None:
     """Heads of 32, which `tokenmill::rotary_write_kv` takes: prompts (whose attention reads their
     K/V back from the cache) and decode steps give the logits of the separate ops, bit for bit."""
+    # where the kernels should build and did not, test_kernels_build_and_load fails
     if not kernels.loaded():
         pytest.skip("tokenmill's kernels are not built on this CPU or without a C++ compiler")
     config = getattr(transformers, config_class)(

@@ -122,14 +122,17 @@ def _fused_rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     dimension, halves in whole vectors, tables of x's dtype."""
     return (
         _kernel_fits(x)
-        and cos.dtype == sin.dtype == x.dtype
-        and cos.is_contiguous()
-        and sin.is_contiguous()
+        and _rotary_tables_fit(cos, sin, x.dtype)
         and x.dim() == 3
         and x.stride(-1) == 1
         and x.stride(1) == x.shape[2]
         and x.shape[-1] % 32 == 0
     )
+
+
+def _rotary_tables_fit(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the rotary kernels take these tables: contiguous, of the rotated tensor's dtype."""
+    return cos.dtype == sin.dtype == dtype and cos.is_contiguous() and sin.is_contiguous()
 
 
 def _fused_write_fits(qkv: torch.Tensor, rope: tuple | None, k_cache: torch.Tensor) -> bool:
@@ -145,9 +148,7 @@ def _fused_write_fits(qkv: torch.Tensor, rope: tuple | None, k_cache: torch.Tens
         and qkv.stride(1) == 1
         and 2 * cos.shape[-1] == head_dim
         and head_dim % 32 == 0
-        and cos.dtype == sin.dtype == qkv.dtype
-        and cos.is_contiguous()
-        and sin.is_contiguous()
+        and _rotary_tables_fit(cos, sin, qkv.dtype)
         and k_cache.dim() == 3
         and k_cache.is_contiguous()
         and k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16)

@@ -65,7 +65,7 @@ _bindings: ModuleType | None = None  # the library's pybind11 module, once loade
 def ops() -> Any:
     """Where Python calls the kernels: their pybind11 bindings in eager code, torch.ops.tokenmill
     where torch.compile traces (it sees ops through the dispatcher only). The same functions either
-    way; a binding's call costs ~1 us, the dispatcher's argument parsing ~2-5 us (ops.h)."""
+    way; a binding's call skips the dispatcher's argument parsing (ops.h)."""
     if _bindings is None or torch.compiler.is_compiling():
         return torch.ops.tokenmill
     return _bindings
