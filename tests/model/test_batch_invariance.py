@@ -19,7 +19,7 @@ from torch import nn
 from tests.engine_runs import final_outputs
 from tests.tiny_models import build_tiny_model
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.model import kernels, quant_linear
+from tokenmill.model import kernels, quant_linear, transformer
 from tokenmill.model.dense_linear import DenseLinear
 from tokenmill.model.loader import load_model
 from tokenmill.model.quant_linear import (
@@ -206,6 +206,34 @@ def test_fp32_layers_multiply_through_the_kernel_only_when_invariant(tiny_model_
         model = load_model(tiny_model_dir, progress=False, **options).model
         assert type(model.lm_head) is nn.Linear, options
         assert all(type(m.mlp.down_proj) is nn.Linear for m in model.layers), options
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"dtype": "float32"},
+        {"dtype": "bfloat16"},
+        {"dtype": "float32", "quantization": "int4"},
+    ],
+)
+def test_mlp_chunks_of_rows_give_the_rows_of_one_call(tiny_model_dir, monkeypatch, options) -> None:
+    """A prompt's rows pass through the MLP in chunks (`MLP_CHUNK_BYTES`); the chunks, a short
+    last one among them, change no bit of any row."""
+    mlp = load_model(tiny_model_dir, progress=False, **options).model.layers[0].mlp
+    x = torch.randn(50, mlp.gate_up_proj.in_features).to(getattr(torch, options["dtype"]))
+    whole = mlp(x)
+    chunks = []
+    forward = transformer.MLP._forward
+    monkeypatch.setattr(
+        transformer.MLP,
+        "_forward",
+        lambda self, part: chunks.append(len(part)) or forward(self, part),
+    )
+    row_bytes = mlp.chunk_width * x.element_size()
+    assert mlp.chunk_width == mlp.gate_up_proj.out_features
+    monkeypatch.setattr(transformer, "MLP_CHUNK_BYTES", 16 * row_bytes)
+    assert torch.equal(mlp(x), whole)
+    assert chunks == [16, 16, 16, 2]
 
 
 def test_fp32_model_requests_give_the_same_tokens_alone_and_batched(tied_model_dir) -> None:

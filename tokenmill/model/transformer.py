@@ -297,6 +297,13 @@ def gather_columns(x: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
 # The MLP activations by config name; tokenmill::gated_activation knows the same names.
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
+# The most bytes of gate/up products an MLP call holds at once: a prompt's rows pass through the
+# MLP in chunks that keep them under it. glibc hands out blocks over its 32 MB mmap threshold (the
+# most `_configure_cpu_allocator` may set) as fresh mappings, so every call of a larger product
+# would fault its pages in anew; blocks under it are reused from the heap. Rows are independent,
+# so the chunks change no value (tuning log: `MLP_CHUNK_BYTES`).
+MLP_CHUNK_BYTES = 16 << 20
+
 
 class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up in one matmul."""
@@ -312,8 +319,17 @@ class MLP(nn.Module):
         self.act_name = cfg.hidden_act
         # under tensor parallelism: what each rank contributes to the gathers (model/sharding.py)
         self.gather = cfg.gather
+        # the gate/up width that sets a chunk's rows (`MLP_CHUNK_BYTES`): under tensor parallelism
+        # the widest rank's, so that every rank cuts the same chunks, each of which gathers
+        self.chunk_width = 2 * (max(cfg.gather.intermediate) if cfg.gather else width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = max(1, MLP_CHUNK_BYTES // (self.chunk_width * x.element_size()))
+        if x.dim() == 2 and x.shape[0] > rows:
+            return torch.cat([self._forward(part) for part in x.split(rows)])
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if _fused_activation_fits(gate_up):
             act = kernels.ops().gated_activation(gate_up, self.act_name)
