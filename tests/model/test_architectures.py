@@ -12,6 +12,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model import kernels, transformer
 from tokenmill.model.attention import KVCache
 from tokenmill.model.loader import load_model
+from tokenmill.model.quant_linear import QuantLinear
 
 BLOCK = 4
 COMMON = dict(
@@ -244,6 +245,29 @@ def test_eager_steps_rotate_and_write_the_cache_in_one_op(
         separate = _tokenmill_steps(loaded, prompts, continuations, kv_cache_dtype)
     for ours, reference in zip(fused, separate):
         assert torch.equal(ours, reference)
+
+
+def test_an_eager_step_calls_its_hot_modules_without_hook_dispatch(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """Norms, attention, decoder layers and packed linear layers are plain method calls (the
+    "Plain calls" note in transformer.py): of an eager step's module calls, only the model's own
+    and its MLPs' go through nn.Module's hook dispatch."""
+    loaded = load_model(tiny_model_dir, quantization="int4", progress=False)
+    assert isinstance(loaded.model.layers[0].attn.qkv_proj, QuantLinear)
+    runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=False)
+    dispatched: list[str] = []
+    call_impl = torch.nn.Module._call_impl
+
+    def counted(module: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        dispatched.append(type(module).__name__)
+        return call_impl(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "_call_impl", counted)
+    runner.last_token_logits([[5, 9, 3]], [3], [[0]])
+    layers = len(loaded.model.layers)
+    assert sorted(set(dispatched)) == ["Embedding", "MLP", "Transformer"]
+    assert dispatched.count("MLP") == layers
 
 
 def test_longrope_takes_the_long_factors_past_the_original_context(tmp_path) -> None:

@@ -655,6 +655,8 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
 
+    __call__ = forward  # without nn.Module's hook dispatch: see "Plain calls" in transformer.py
+
     def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokenmill's op for the layer's layout on CPU (`_kernel`'s "native"), the hot path of
         eager steps: it reads the module's tensors from its dicts rather than through nn.Module's
