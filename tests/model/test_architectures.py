@@ -3,6 +3,7 @@ transformers'."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -11,8 +12,10 @@ from tokenmill.engine.kv_memory import blocks_for_budget
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model import kernels, transformer
 from tokenmill.model.attention import KVCache
+from tokenmill.model.config import RopeSettings
 from tokenmill.model.loader import load_model
 from tokenmill.model.quant_linear import QuantLinear
+from tokenmill.model.transformer import Rotary
 
 BLOCK = 4
 COMMON = dict(
@@ -268,6 +271,18 @@ def test_an_eager_step_calls_its_hot_modules_without_hook_dispatch(
     layers = len(loaded.model.layers)
     assert sorted(set(dispatched)) == ["Embedding", "MLP", "Transformer"]
     assert dispatched.count("MLP") == layers
+
+
+def test_rope_tables_are_the_float32_angles_cos_and_sin_rounded_once() -> None:
+    """Each table entry is the float32 angle's cos or sin, correctly rounded from float64 (numpy's
+    float64 functions as the reference), so a step's rotation does not depend on which thread or
+    which of ATen's float32 implementations computed it."""
+    positions = torch.arange(4096)
+    inv_freq = RopeSettings(theta=1_000_000.0).inv_freq(128)
+    cos, sin = Rotary(RopeSettings(theta=1_000_000.0), 128).tables(positions, torch.float32)
+    angles = (positions.float()[:, None] * inv_freq[None, :]).numpy().astype(np.float64)
+    assert torch.equal(cos[:, 0], torch.from_numpy(np.cos(angles).astype(np.float32)))
+    assert torch.equal(sin[:, 0], torch.from_numpy(np.sin(angles).astype(np.float32)))
 
 
 def test_longrope_takes_the_long_factors_past_the_original_context(tmp_path) -> None:

@@ -100,9 +100,15 @@ def _rope_tables(
     """float32 cos and sin of each position times each frequency (T, head_dim // 2). An op of its
     own so that compiled graphs call PyTorch's eager cos and sin: inductor's own differ from them
     in the last bit for about a third of the angles, and a decode token's rotation (hence its
-    logits) would then depend on whether its step ran compiled or eagerly beside a prompt."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos(), freqs.sin()
+    logits) would then depend on whether its step ran compiled or eagerly beside a prompt.
+
+    The angles are float32 products; their cos and sin are taken in float64 and rounded. ATen's
+    float32 cos has returned values off by up to ~1e-4 for the rows of the second thread on the
+    first call after `torch._dynamo` is imported (which this op's first call does), so that a
+    process's first prompt rotated differently from the same prompt later (tuning log:
+    `_rope_tables`)."""
+    freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
+    return freqs.cos().float(), freqs.sin().float()
 
 
 @_rope_tables.register_fake
