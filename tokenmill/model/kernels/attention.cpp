@@ -33,8 +33,18 @@ constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kChunk = 64;  // context positions per task
 static_assert(kChunk % simd::kWidth == 0, "a chunk's scores are padded to whole vectors within it");
 
-// Most query heads attended together: they share each key and value row loaded (and widened)
-constexpr int kMaxHeads = 4;
+// Most query heads attended together: they share each key and value row loaded (and widened).
+// AVX-512's 32 vector registers hold 8 heads' sums (head_scores, weighted_rows); AVX2's 16 hold 4.
+constexpr int kMaxHeads = simd::kWidth == 16 ? 8 : 4;
+
+// f(heads) with heads as a std::integral_constant, for 0 < n <= H
+template <int H, typename F>
+void with_heads(int64_t n, const F& f) {
+  if constexpr (H > 1) {
+    if (n != H) return with_heads<H - 1>(n, f);
+  }
+  f(std::integral_constant<int, H>{});
+}
 
 // Requests the cache lines of a row of dim values into the cache level of Hint (_MM_HINT_T0: L1, T1: L2)
 template <int Hint, typename C>
@@ -142,7 +152,7 @@ void attend_chunk(const T* q_in, const C* k_cache, const C* v_cache, const int64
     totals[h * part_stride] = denominator;
   }
   const int64_t acc_stride = part_stride * dim;
-  constexpr int kMost = H <= 2 ? 8 : 4;  // value vectors per pass: H x kMost sums in registers
+  constexpr int kMost = H <= 2 ? 8 : H <= 4 ? 4 : 2;  // value vectors per pass: H x kMost sums in registers
   for (int64_t c = 0; c < dim;) {
     const int64_t left = (dim - c) / kWidth;
     const int n = left >= kMost ? kMost : left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -201,6 +211,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), context = slots.size(1);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads, row_stride = kv_heads * dim;
   const int64_t chunks = (context + kChunk - 1) / kChunk;
+  // a KV head's query heads in as few passes as kMaxHeads allows, of even sizes (9: 5 and 4)
+  const int64_t passes = (group + kMaxHeads - 1) / kMaxHeads, per_pass = (group + passes - 1) / passes;
   const T* qp = q.data_ptr<T>();
   const C* kp = k_cache.data_ptr<C>();
   const C* vp = v_cache.data_ptr<C>();
@@ -250,8 +262,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           prefetch_row<_MM_HINT_T1>(vp + next_g * dim + next_rows[j] * row_stride, dim);
         }
       }
-      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kMaxHeads) {
-        const int64_t n = std::min<int64_t>(kMaxHeads, (g + 1) * group - h0), part = (b * heads + h0) * chunks + c;
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
+        const int64_t n = std::min<int64_t>(per_pass, (g + 1) * group - h0), part = (b * heads + h0) * chunks + c;
         for (int64_t h = 0; h < n; ++h) {
           tops[part + h * chunks] = -std::numeric_limits<float>::infinity();
           totals[part + h * chunks] = 0.0f;
@@ -262,12 +274,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                                                   row_stride, dim, static_cast<float>(scale), softcap, prefetched[b],
                                                   tops + part, totals + part, accs + part * dim, chunks);
         };
-        switch (n) {
-          case 4: attend(std::integral_constant<int, 4>{}); break;
-          case 3: attend(std::integral_constant<int, 3>{}); break;
-          case 2: attend(std::integral_constant<int, 2>{}); break;
-          default: attend(std::integral_constant<int, 1>{});
-        }
+        with_heads<kMaxHeads>(n, attend);
       }
       std::swap(rows, next_rows);
       count = next_count;
