@@ -102,10 +102,10 @@ def _rope_tables(
     in the last bit for about a third of the angles, and a decode token's rotation (hence its
     logits) would then depend on whether its step ran compiled or eagerly beside a prompt.
 
-    The angles are float32 products; their cos and sin are taken in float64 and rounded. ATen's
-    float32 cos has returned values off by up to ~1e-4 for the rows of the second thread on the
-    first call after `torch._dynamo` is imported (which this op's first call does), so that a
-    process's first prompt rotated differently from the same prompt later (tuning log:
+    The angles are float32 products; their cos and sin are taken in float64 and rounded once.
+    ATen's float32 cos can be off by up to ~1e-4 on its first call after `torch._dynamo` is
+    imported (this op's first call imports it), in the rows another thread computes, and a
+    process's first prompt would then rotate differently from the same prompt later (tuning log:
     `_rope_tables`)."""
     freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
     return freqs.cos().float(), freqs.sin().float()
