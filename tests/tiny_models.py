@@ -52,11 +52,13 @@ def build_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     hidden_size: int = 64,
+    bias: bool = False,
 ) -> Path:
     """Save a tiny model of the given family plus tokenizer files into `path` (an HF directory).
     added_tokens (such as "<think>") are whole tokens of their own after the trained ones;
     tie_word_embeddings: llama's output head is the embedding table (gemma3's always is);
-    num_heads, num_kv_heads, hidden_size: the attention's shape (gemma3's heads are 16 wide)."""
+    num_heads, num_kv_heads, hidden_size: the attention's shape (gemma3's heads are 16 wide);
+    bias: llama's projections have biases (attention_bias, mlp_bias)."""
     path.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(vocab_size, added_tokens or [])
     tok.save(str(path / "tokenizer.json"))
@@ -85,7 +87,7 @@ def build_tiny_model(
     )
     configs = {
         "llama": lambda: transformers.LlamaConfig(
-            **common, tie_word_embeddings=tie_word_embeddings
+            **common, tie_word_embeddings=tie_word_embeddings, attention_bias=bias, mlp_bias=bias
         ),
         "gemma3": lambda: transformers.Gemma3TextConfig(
             **common,

@@ -53,3 +53,10 @@ class DenseLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return invariant_linear(x, self.weight, self.bias)
+
+    def bound(self, x: torch.Tensor) -> object:
+        """The layer as `tokenmill::decoder_layer` multiplies rows like x by it (a `BoundLinear`):
+        through the op `invariant_linear` would call."""
+        if _kernel_fits(x, self.weight, self.bias):
+            return kernels.ops().bind_dense_linear(self.weight, self.bias)
+        return kernels.ops().bind_linear(self.weight, self.bias)

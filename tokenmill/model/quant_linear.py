@@ -659,27 +659,41 @@ class QuantLinear(nn.Module):
 
     def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokenmill's op for the layer's layout on CPU (`_kernel`'s "native"), the hot path of
-        eager steps: it reads the module's tensors from its dicts rather than through nn.Module's
-        __getattr__ (a Python call per lookup)."""
-        buffers, parameters = self._buffers, self._parameters
-        dense = parameters.get("dense") if self.dense_min_tokens > 0 else None
-        max_gemv_tokens = self._gemv_max_tokens(x.dtype)
+        eager steps."""
+        name, args = self._native_call(x.shape[0], x.dtype)
+        y = getattr(kernels.ops(), name)(x, *args)
+        bias = self._parameters.get("bias")  # None is a plain attribute, a tensor a parameter
+        return y if bias is None else y + bias
+
+    def bound(self, x: torch.Tensor) -> object | None:
+        """The layer as `tokenmill::decoder_layer` multiplies by it (a `BoundLinear`) for inputs
+        like x: `_native_forward`'s op and arguments; None where that op does not take x."""
+        if not self._native_fits(x):
+            return None
+        name, args = self._native_call(x.shape[0], x.dtype)
+        return getattr(kernels.ops(), f"bind_{name}")(*args, self._parameters.get("bias"))
+
+    def _native_call(self, tokens: int, dtype: torch.dtype) -> tuple[str, tuple]:
+        """The name of tokenmill's op for the layer's layout and its arguments after x, for tokens
+        rows of dtype. It reads the module's tensors from its dicts rather than through
+        nn.Module's __getattr__ (a Python call per lookup)."""
+        buffers = self._buffers
+        dense = self._parameters.get("dense") if self.dense_min_tokens > 0 else None
+        max_gemv_tokens = self._gemv_max_tokens(dtype)
         if self.tiles:
-            y = kernels.ops().quant_tiles_linear(
-                x,
+            return "quant_tiles_linear", (
                 buffers["tile_q"],
                 buffers["tile_scales"],
                 buffers["fifth_masks"],
                 self.tile_bits,
                 dense,
                 max_gemv_tokens,
-                self._x_block(x.shape[0]),
+                self._x_block(tokens),
                 self.max_coarse_tokens,
                 self.amx_min_tokens,
             )
-        elif self.int4_rows:
-            y = kernels.ops().int4_rows_linear(
-                x,
+        if self.int4_rows:
+            return "int4_rows_linear", (
                 buffers["nibbles"],
                 buffers["steps_lows"],
                 buffers["units"],
@@ -687,26 +701,21 @@ class QuantLinear(nn.Module):
                 dense,
                 max_gemv_tokens,
             )
-        elif self.kind == "int4":  # PyTorch's packed layout
-            y = kernels.ops().int4_linear(
-                x,
+        if self.kind == "int4":  # PyTorch's packed layout
+            return "int4_linear", (
                 buffers["packed"],
                 buffers["scales_zeros"],
                 INT4_GROUP,
                 dense,
                 self.dense_min_tokens - 1,
             )
-        else:
-            y = kernels.ops().int8_linear(
-                x,
-                buffers["weight_int8"],
-                buffers["scales"],
-                dense,
-                max_gemv_tokens,
-                CHUNK_ROWS.get(x.dtype, DEFAULT_CHUNK_ROWS),
-            )
-        bias = parameters.get("bias")  # None is a plain attribute, a tensor a parameter
-        return y if bias is None else y + bias
+        return "int8_linear", (
+            buffers["weight_int8"],
+            buffers["scales"],
+            dense,
+            max_gemv_tokens,
+            CHUNK_ROWS.get(dtype, DEFAULT_CHUNK_ROWS),
+        )
 
     def _tiles(self) -> QuantTiles:
         return QuantTiles(self.tile_q, self.tile_scales, self.fifth_masks, self.tile_bits)

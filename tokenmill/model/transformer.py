@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model import kernels
-from tokenmill.model.attention import AttentionBatch, KVCache, paged_attention
+from tokenmill.model.attention import AttentionBatch, KVCache, kernel_fits, paged_attention
 from tokenmill.model.config import ModelConfig, RopeSettings
 from tokenmill.model.dense_linear import invariant_linear
 from tokenmill.model.moe import MoE
@@ -393,6 +393,8 @@ class DecoderLayer(nn.Module):
         self.per_layer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if width else None
         self.act_name = cfg.hidden_act
         self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalars else None
+        # `kernel_weights` by (dtype, one row)
+        self._kernel_weights: dict[tuple[torch.dtype, bool], object | None] = {}
 
     def forward(
         self,
@@ -427,6 +429,71 @@ class DecoderLayer(nn.Module):
         return h
 
     __call__ = forward  # without nn.Module's hook dispatch: see "Plain calls" above
+
+    def kernel_weights(self, h: torch.Tensor) -> object | None:
+        """The layer as `tokenmill::decoder_layer` computes it for rows like h (a
+        `DecoderLayerWeights`, bound once per dtype and for one row or more), or None for a layer
+        it does not compute: it takes a pre-norm layer of plain attention (q, k and v in one
+        projection, no q/k norms) and a plain MLP without hooks, outside tensor parallelism, each
+        linear layer in a form it multiplies by (`_bound_linear`)."""
+        if type(self.mlp) is not MLP or self.mlp._forward_hooks or self.mlp._forward_pre_hooks:
+            return None
+        key = (h.dtype, h.shape[0] == 1)
+        if key not in self._kernel_weights:
+            self._kernel_weights[key] = self._bind_kernel_weights(h)
+        return self._kernel_weights[key]
+
+    def _bind_kernel_weights(self, h: torch.Tensor) -> object | None:
+        attn, mlp = self.attn, self.mlp
+        plain = (
+            type(attn) is Attention
+            and attn.kv_parts == 2
+            and attn.unnormed_qkv
+            and attn.gather is None
+            and mlp.gather is None
+            and self.attn_norm is not None
+            and self.attn_norm.eps == self.ffn_norm.eps
+            and _fused_norm_fits(h, self.attn_norm.weight)
+            and _fused_norm_fits(h, self.ffn_norm.weight)
+            and self.attn_post_norm is None
+            and self.ffn_post_norm is None
+            and self.residual_scale == 1.0
+            and self.per_layer_gate is None
+            and self.layer_scalar is None
+        )
+        if not plain:
+            return None
+        linears = [
+            _bound_linear(linear, h)
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        if any(linear is None for linear in linears):
+            return None
+        qkv, o, gate_up, down = linears
+        return kernels.ops().DecoderLayerWeights(
+            attn_norm=self.attn_norm.weight,
+            ffn_norm=self.ffn_norm.weight,
+            eps=self.attn_norm.eps,
+            qkv=qkv,
+            o=o,
+            gate_up=gate_up,
+            down=down,
+            heads=attn.num_heads,
+            scale=attn.scale,
+            softcap=attn.softcap,
+            sinks=None if attn.sinks is None else attn.sinks.float(),
+            activation=mlp.act_name,
+        )
+
+
+def _bound_linear(linear: nn.Module, x: torch.Tensor) -> object | None:
+    """A linear layer as `tokenmill::decoder_layer` multiplies rows like x by it (a
+    `BoundLinear`), or None where its forward takes another way."""
+    if hasattr(linear, "bound"):  # QuantLinear, DenseLinear
+        return linear.bound(x)
+    if type(linear) is nn.Linear:
+        return kernels.ops().bind_linear(linear.weight, linear.bias)
+    return None
 
 
 class Transformer(nn.Module):
@@ -480,6 +547,12 @@ class Transformer(nn.Module):
             window: batch.mask(window) for window in {layer.attn.window for layer in self.layers}
         }
         ropes = {kind: r.tables(batch.positions, h.dtype) for kind, r in self.rotaries.items()}
+        calls = self._kernel_layer_calls(h, batch, masks, ropes, cache)
+        if calls is not None:
+            decoder_layer = kernels.ops().decoder_layer
+            for args in calls:
+                h = decoder_layer(h, *args)
+            return self.norm(h)
         no_rope = self.config.no_rope_layers
         per_layer = None if self.per_layer_embed is None else self.per_layer_inputs(input_ids, h)
         for i, (kind, layer) in enumerate(zip(self.config.layer_types, self.layers)):
@@ -491,6 +564,50 @@ class Transformer(nn.Module):
             else:
                 h = layer(h, rope, cache.k[c], cache.v[c], batch, mask, per_layer[:, i])
         return self.norm(h)
+
+    def _kernel_layer_calls(
+        self,
+        h: torch.Tensor,
+        batch: AttentionBatch,
+        masks: dict[int | None, torch.Tensor | tuple[torch.Tensor, ...]],
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        cache: KVCache,
+    ) -> list[tuple] | None:
+        """Each layer's arguments after h for `tokenmill::decoder_layer`, where it computes every
+        layer of this eager step: each layer one it takes (`DecoderLayer.kernel_weights`), the
+        step's tokens attending through the decode kernel in one call (a decode step, or prompts
+        with `token_context_slots`), few enough for one MLP call (`MLP_CHUNK_BYTES`), every layer
+        with a rope over whole heads and a cache that `tokenmill::rotary_write_kv` writes. None
+        otherwise: the layers' Python forwards, which call the same ops where these hold."""
+        if torch.compiler.is_compiling() or not _kernel_fits(h) or h.dim() != 2:
+            return None
+        if self.per_layer_embed is not None or self.config.no_rope_layers:
+            return None
+        if batch.token_context_slots is not None:
+            slots = batch.token_context_slots
+        elif batch.max_q == 1 and batch.parts is None:
+            slots = batch.context_slots
+        else:
+            return None
+        calls = []
+        for kind, layer, c in zip(self.config.layer_types, self.layers, self.cache_index):
+            weights = layer.kernel_weights(h)
+            if weights is None:
+                return None
+            attn, rope = layer.attn, ropes[kind]
+            k_cache, v_cache = cache.k[c], cache.v[c]
+            rows = max(1, MLP_CHUNK_BYTES // (layer.mlp.chunk_width * h.element_size()))
+            # h stands in for the q/k/v projection in `_fused_write_fits`: rows of its dtype
+            if (
+                h.shape[0] > rows
+                or not _fused_write_fits(h, rope, k_cache)
+                or not kernel_fits(h.dtype, k_cache.dtype, attn.head_dim, h.device)
+            ):
+                return None
+            calls.append(
+                (weights, *rope, k_cache, v_cache, batch.slot_mapping, slots, masks[attn.window])
+            )
+        return calls
 
     def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Gemma 4's per-layer inputs (T, layers, width): each token's rows of the second

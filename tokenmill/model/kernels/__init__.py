@@ -9,8 +9,10 @@ one pass, for eager steps (activation.cpp), `rms_norm` the model's norm (norm.cp
 the rotary embedding and `rotary_write_kv` an eager step's way from the fused q/k/v projection to
 the cache (rotary.cpp); `decode_attention` attends one query token per sequence over
 the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and
-`sample_ids` a draw from each row's softmax (sample.cpp). Python's eager code calls them through
-their pybind11 bindings (`ops`, bindings.cpp), compiled graphs through the dispatcher. They build
+`sample_ids` a draw from each row's softmax (sample.cpp); `decoder_layer` computes an eager
+step's pre-norm layer in one call of those ops (layer.cpp, bound for Python only). Python's eager
+code calls them through their pybind11 bindings (`ops`, bindings.cpp), compiled graphs through
+the dispatcher. They build
 (g++ through `torch.utils.cpp_extension`) as one translation unit per core, each including several
 sources: most of a unit's compile time goes to parsing torch's headers, once per unit.
 `build_in_background` runs the build on a daemon thread while PyTorch's kernels serve. The library
@@ -50,6 +52,7 @@ SOURCES = [
         "activation.cpp",
         "rotary.cpp",
         "norm.cpp",
+        "layer.cpp",
         "bindings.cpp",
     )
 ]

@@ -2,9 +2,62 @@
 // (`tokenmill.model.kernels.ops`); compiled graphs call the same functions as torch.ops.tokenmill.*.
 // Each call releases the GIL while it runs, as a call through the dispatcher does: the server's
 // event loop and the background graph builds run Python meanwhile.
+//
+// `bind_*` take a product's arguments after x, and the layer's bias, and give a BoundLinear: the
+// layers of `decoder_layer` multiply through them.
 #include <torch/extension.h>
 
 #include "ops.h"
+
+namespace {
+
+using tokenmill::BoundLinear;
+using Optional = std::optional<at::Tensor>;
+
+BoundLinear bind_quant_tiles_linear(at::Tensor tiles, at::Tensor tile_scales, Optional fifth_masks, int64_t bits,
+                                    Optional dense, int64_t max_tile_rows, int64_t x_block,
+                                    int64_t max_coarse_rows, int64_t amx_min_rows, Optional bias) {
+  return {[=](const at::Tensor& x) {
+            return tokenmill::quant_tiles_linear(x, tiles, tile_scales, fifth_masks, bits, dense, max_tile_rows,
+                                                 x_block, max_coarse_rows, amx_min_rows);
+          },
+          bias};
+}
+
+BoundLinear bind_int4_rows_linear(at::Tensor nibbles, at::Tensor steps_lows, at::Tensor units, Optional fifth_bits,
+                                  Optional dense, int64_t max_gemv_rows, Optional bias) {
+  return {[=](const at::Tensor& x) {
+            return tokenmill::int4_rows_linear(x, nibbles, steps_lows, units, fifth_bits, dense, max_gemv_rows);
+          },
+          bias};
+}
+
+BoundLinear bind_int4_linear(at::Tensor packed, at::Tensor scales_zeros, int64_t group_size, Optional dense,
+                             int64_t max_packed_rows, Optional bias) {
+  return {[=](const at::Tensor& x) {
+            return tokenmill::int4_linear(x, packed, scales_zeros, group_size, dense, max_packed_rows);
+          },
+          bias};
+}
+
+BoundLinear bind_int8_linear(at::Tensor weight, at::Tensor scale, Optional dense, int64_t max_gemv_rows,
+                             int64_t chunk_rows, Optional bias) {
+  return {[=](const at::Tensor& x) {
+            return tokenmill::int8_linear(x, weight, scale, dense, max_gemv_rows, chunk_rows);
+          },
+          bias};
+}
+
+// dense_linear and at::linear (F.linear) add the bias themselves
+BoundLinear bind_dense_linear(at::Tensor weight, Optional bias) {
+  return {[=](const at::Tensor& x) { return tokenmill::dense_linear(x, weight, bias); }, std::nullopt};
+}
+
+BoundLinear bind_linear(at::Tensor weight, Optional bias) {
+  return {[=](const at::Tensor& x) { return at::linear(x, weight, bias); }, std::nullopt};
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto unlocked = pybind11::call_guard<pybind11::gil_scoped_release>();
@@ -21,4 +74,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_ids", &tokenmill::greedy_ids, unlocked);
   m.def("sample_ids", &tokenmill::sample_ids, unlocked);
   m.def("ban_disallowed_", &tokenmill::ban_disallowed_, unlocked);
+
+  pybind11::class_<BoundLinear>(m, "BoundLinear").def("__call__", &BoundLinear::operator(), unlocked);
+  m.def("bind_quant_tiles_linear", &bind_quant_tiles_linear);
+  m.def("bind_int4_rows_linear", &bind_int4_rows_linear);
+  m.def("bind_int4_linear", &bind_int4_linear);
+  m.def("bind_int8_linear", &bind_int8_linear);
+  m.def("bind_dense_linear", &bind_dense_linear);
+  m.def("bind_linear", &bind_linear);
+  pybind11::class_<tokenmill::DecoderLayerWeights>(m, "DecoderLayerWeights")
+      .def(pybind11::init([](at::Tensor attn_norm, at::Tensor ffn_norm, double eps, BoundLinear qkv, BoundLinear o,
+                             BoundLinear gate_up, BoundLinear down, int64_t heads, double scale,
+                             std::optional<double> softcap, Optional sinks, std::string activation) {
+             return tokenmill::DecoderLayerWeights{attn_norm, ffn_norm, eps,   qkv,     o,     gate_up,
+                                                   down,      heads,    scale, softcap, sinks, activation};
+           }),
+           pybind11::arg("attn_norm"), pybind11::arg("ffn_norm"), pybind11::arg("eps"), pybind11::arg("qkv"),
+           pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("heads"),
+           pybind11::arg("scale"), pybind11::arg("softcap"), pybind11::arg("sinks"), pybind11::arg("activation"));
+  m.def("decoder_layer", &tokenmill::decoder_layer, unlocked);
 }

@@ -6,7 +6,9 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <optional>
+#include <string>
 #include <string_view>
 
 namespace tokenmill {
@@ -39,5 +41,28 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 at::Tensor greedy_ids(const at::Tensor& logits);
 at::Tensor sample_ids(const at::Tensor& logits, const at::Tensor& inverse_temperature, const at::Tensor& uniforms);
 void ban_disallowed_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bits);
+
+// layer.cpp
+// A linear layer as an eager step multiplies by it: one of the products above with the layer's
+// weights and settings bound, then its bias, if it has one, added.
+struct BoundLinear {
+  std::function<at::Tensor(const at::Tensor&)> product;
+  std::optional<at::Tensor> bias;
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+// What `decoder_layer` needs of a pre-norm decoder layer.
+struct DecoderLayerWeights {
+  at::Tensor attn_norm, ffn_norm;
+  double eps;
+  BoundLinear qkv, o, gate_up, down;
+  int64_t heads;
+  double scale;
+  std::optional<double> softcap;
+  std::optional<at::Tensor> sinks;
+  std::string activation;
+};
+at::Tensor decoder_layer(const at::Tensor& h, const DecoderLayerWeights& layer, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, const at::Tensor& context_slots, const at::Tensor& mask);
 
 }  // namespace tokenmill

@@ -1,0 +1,109 @@
+"""`tokenmill::decoder_layer`: an eager step computes each pre-norm layer of plain attention in one
+C++ call, with the same ops its Python forward calls; every row and cache entry comes out the same
+bits either way, for every kind of linear layer it binds, and the layers it does not take keep
+their Python forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import build_tiny_model
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.model import kernels, transformer
+from tokenmill.model.loader import load_model
+
+pytestmark = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="tokenmill's kernels build only for x86 CPUs with AVX2 or AVX-512",
+)
+
+LOADS = [
+    {"dtype": "float32"},  # DenseLinear through tokenmill::dense_linear
+    {"dtype": "float32", "batch_invariant": False},  # nn.Linear through at::linear
+    {"dtype": "bfloat16"},
+    {"dtype": "float32", "quantization": "int4"},
+    {"dtype": "float32", "quantization": "int8"},
+    {"dtype": "bfloat16", "quantization": "int4"},
+]
+# three prompts of different lengths, then a decode step of all three
+PROMPTS = [[5, 9, 14, 3, 7, 21, 30, 2, 11], [8, 1, 40, 6], list(range(50, 70))]
+BLOCK = 16
+
+
+class _CountedOps:
+    """kernels' bindings, counting calls of `decoder_layer`."""
+
+    def __init__(self, bindings) -> None:
+        self.bindings, self.layer_calls = bindings, 0
+
+    def __getattr__(self, name: str):
+        if name != "decoder_layer":
+            return getattr(self.bindings, name)
+
+        def counted(*args):
+            self.layer_calls += 1
+            return self.bindings.decoder_layer(*args)
+
+        return counted
+
+
+def _steps(runner: ModelRunner, first_block: int) -> list[torch.Tensor]:
+    """Hidden states of a prompt step and a decode step; sequence i from block first_block + 2i."""
+    tables = [[first_block + 2 * i, first_block + 2 * i + 1] for i in range(len(PROMPTS))]
+    lens = [len(p) for p in PROMPTS]
+    prompt = runner.hidden_states(PROMPTS, lens, tables)
+    decode = runner.hidden_states([[4]] * len(PROMPTS), [n + 1 for n in lens], tables)
+    return [prompt, decode]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no-bias", "bias"])
+def model_dir(request, tmp_path_factory) -> Path:
+    """A tiny llama with heads 32 wide: the fused rope and cache write take whole halves of 16."""
+    path = tmp_path_factory.mktemp("tiny-wide-heads")
+    return build_tiny_model(path, hidden_size=128, num_heads=4, num_kv_heads=2, bias=request.param)
+
+
+@pytest.mark.parametrize("options", LOADS, ids=lambda o: "-".join(map(str, o.values())))
+def test_layers_in_one_call_give_the_python_layers_bits(model_dir, monkeypatch, options) -> None:
+    loaded = load_model(model_dir, progress=False, **options)
+    runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK, compile=False)
+    layers = len(loaded.model.layers)
+    counted = _CountedOps(kernels.ops())
+    monkeypatch.setattr(kernels, "_bindings", counted)
+    fused = _steps(runner, first_block=0)
+    assert counted.layer_calls == 2 * layers  # both steps, every layer
+    monkeypatch.setattr(transformer.Transformer, "_kernel_layer_calls", lambda *args: None)
+    python = _steps(runner, first_block=8)
+    assert counted.layer_calls == 2 * layers
+    for step, (a, b) in enumerate(zip(fused, python)):
+        assert torch.equal(a, b), f"step {step} differs"
+    # the same K/V went into each run's slots: sequence i's positions from block 2i (fused) and
+    # 8 + 2i (Python) on
+    written = torch.cat([2 * i * BLOCK + torch.arange(len(p) + 1) for i, p in enumerate(PROMPTS)])
+    for k, v in zip(runner.cache.k, runner.cache.v):
+        for cache in (k, v):
+            assert torch.equal(cache[written], cache[written + 8 * BLOCK])
+
+
+def test_layers_it_does_not_take_keep_their_python_forward(tmp_path, tiny_loaded) -> None:
+    """Gemma 3's layers (sandwich norms, q/k norms) are not taken; neither is a layer whose MLP has
+    a forward hook, which then runs."""
+    gemma = load_model(build_tiny_model(tmp_path / "gemma3", arch="gemma3"), progress=False)
+    h = torch.zeros(3, gemma.config.hidden_size)
+    assert all(layer.kernel_weights(h) is None for layer in gemma.model.layers)
+
+    layer = tiny_loaded.model.layers[0]
+    h = torch.zeros(3, tiny_loaded.config.hidden_size, dtype=tiny_loaded.dtype)
+    assert layer.kernel_weights(h) is not None
+    seen = []
+    hook = layer.mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    try:
+        assert layer.kernel_weights(h) is None
+        runner = ModelRunner(tiny_loaded, num_blocks=4, block_size=BLOCK, compile=False)
+        runner.hidden_states([[3, 4, 5]], [3], [[0]])
+    finally:
+        hook.remove()
+    assert seen == [torch.Size([3, tiny_loaded.config.hidden_size])]
