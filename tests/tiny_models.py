@@ -53,12 +53,13 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     hidden_size: int = 64,
     bias: bool = False,
+    head_dim: int = 16,
 ) -> Path:
     """Save a tiny model of the given family plus tokenizer files into `path` (an HF directory).
     added_tokens (such as "<think>") are whole tokens of their own after the trained ones;
     tie_word_embeddings: llama's output head is the embedding table (gemma3's always is);
     num_heads, num_kv_heads, hidden_size: the attention's shape (gemma3's heads are 16 wide);
-    bias: llama's projections have biases (attention_bias, mlp_bias)."""
+    bias: llama's projections have biases (attention_bias, mlp_bias); head_dim: gemma3's."""
     path.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(vocab_size, added_tokens or [])
     tok.save(str(path / "tokenizer.json"))
@@ -91,9 +92,9 @@ def build_tiny_model(
         ),
         "gemma3": lambda: transformers.Gemma3TextConfig(
             **common,
-            head_dim=16,
+            head_dim=head_dim,
             sliding_window=8,
-            query_pre_attn_scalar=16,
+            query_pre_attn_scalar=head_dim,
             layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
         ),
     }

@@ -59,16 +59,26 @@ def _steps(runner: ModelRunner, first_block: int) -> list[torch.Tensor]:
     return [prompt, decode]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["no-bias", "bias"])
+@pytest.fixture(scope="module", params=["llama", "llama-bias", "gemma3"])
 def model_dir(request, tmp_path_factory) -> Path:
-    """A tiny llama with heads 32 wide: the fused rope and cache write take whole halves of 16."""
-    path = tmp_path_factory.mktemp("tiny-wide-heads")
-    return build_tiny_model(path, hidden_size=128, num_heads=4, num_kv_heads=2, bias=request.param)
+    """Tiny models with heads 32 wide (the fused rope and cache write take whole halves of 16):
+    llama, llama with biases on every projection, Gemma 3 (sandwich norms, q/k norms per head,
+    sliding windows, gelu)."""
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "gemma3":
+        return build_tiny_model(path, arch="gemma3", layers=3, head_dim=32)
+    bias = request.param == "llama-bias"
+    return build_tiny_model(path, hidden_size=128, num_heads=4, num_kv_heads=2, bias=bias)
 
 
 @pytest.mark.parametrize("options", LOADS, ids=lambda o: "-".join(map(str, o.values())))
 def test_layers_in_one_call_give_the_python_layers_bits(model_dir, monkeypatch, options) -> None:
     loaded = load_model(model_dir, progress=False, **options)
+    generator = torch.Generator().manual_seed(0)
+    for module in loaded.model.modules():  # norms of their own (saved models' are all ones)
+        if isinstance(module, transformer.RMSNorm):
+            weight = torch.rand(module.weight.shape, generator=generator) + 0.5
+            module.weight.data.copy_(weight)
     runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK, compile=False)
     layers = len(loaded.model.layers)
     counted = _CountedOps(kernels.ops())
@@ -89,11 +99,23 @@ def test_layers_in_one_call_give_the_python_layers_bits(model_dir, monkeypatch, 
 
 
 def test_layers_it_does_not_take_keep_their_python_forward(tmp_path, tiny_loaded) -> None:
-    """Gemma 3's layers (sandwich norms, q/k norms) are not taken; neither is a layer whose MLP has
-    a forward hook, which then runs."""
+    """A step of Gemma 3 with heads 16 wide (the rope kernel's halves are whole vectors of 16) goes
+    through the Python forward; so does a step of a model whose MLP has a forward hook, which
+    then runs."""
     gemma = load_model(build_tiny_model(tmp_path / "gemma3", arch="gemma3"), progress=False)
+    runner = ModelRunner(gemma, num_blocks=4, block_size=BLOCK, compile=False)
     h = torch.zeros(3, gemma.config.hidden_size)
-    assert all(layer.kernel_weights(h) is None for layer in gemma.model.layers)
+    assert all(layer.kernel_weights(h) is not None for layer in gemma.model.layers)
+    calls = []
+    calls_of = transformer.Transformer._kernel_layer_calls
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            transformer.Transformer,
+            "_kernel_layer_calls",
+            lambda *args: calls.append(calls_of(*args)) or calls[-1],
+        )
+        runner.hidden_states([[3, 4, 5]], [3], [[0]])
+    assert calls == [None]
 
     layer = tiny_loaded.model.layers[0]
     h = torch.zeros(3, tiny_loaded.config.hidden_size, dtype=tiny_loaded.dtype)

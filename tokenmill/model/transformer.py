@@ -433,9 +433,10 @@ class DecoderLayer(nn.Module):
     def kernel_weights(self, h: torch.Tensor) -> object | None:
         """The layer as `tokenmill::decoder_layer` computes it for rows like h (a
         `DecoderLayerWeights`, bound once per dtype and for one row or more), or None for a layer
-        it does not compute: it takes a pre-norm layer of plain attention (q, k and v in one
-        projection, no q/k norms) and a plain MLP without hooks, outside tensor parallelism, each
-        linear layer in a form it multiplies by (`_bound_linear`)."""
+        it does not compute: it takes a pre-norm layer (with post norms or without) of attention
+        with q, k and v in one projection (with per-head q/k norms or without) and a plain MLP
+        without hooks, outside tensor parallelism, each linear layer in a form it multiplies by
+        (`_bound_linear`), every norm with the layer's eps."""
         if type(self.mlp) is not MLP or self.mlp._forward_hooks or self.mlp._forward_pre_hooks:
             return None
         key = (h.dtype, h.shape[0] == 1)
@@ -445,18 +446,23 @@ class DecoderLayer(nn.Module):
 
     def _bind_kernel_weights(self, h: torch.Tensor) -> object | None:
         attn, mlp = self.attn, self.mlp
+        if type(attn) is not Attention or self.attn_norm is None:
+            return None
+        head_norms = [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+        post_norms = (
+            [self.attn_post_norm, self.ffn_post_norm] if self.attn_post_norm is not None else []
+        )
+        norms = [self.attn_norm, self.ffn_norm, *head_norms, *post_norms]
         plain = (
-            type(attn) is Attention
-            and attn.kv_parts == 2
-            and attn.unnormed_qkv
+            attn.kv_parts == 2
+            and attn.value_norm_eps is None
+            and not attn.qk_norm_whole
             and attn.gather is None
             and mlp.gather is None
-            and self.attn_norm is not None
-            and self.attn_norm.eps == self.ffn_norm.eps
-            and _fused_norm_fits(h, self.attn_norm.weight)
-            and _fused_norm_fits(h, self.ffn_norm.weight)
-            and self.attn_post_norm is None
-            and self.ffn_post_norm is None
+            and attn.head_dim % 16 == 0
+            and all(norm.eps == self.attn_norm.eps for norm in norms)
+            and all(_fused_norm_fits(h, norm.weight) for norm in [*norms[:2], *post_norms])
+            and all(norm.weight.dtype in (torch.float32, torch.bfloat16) for norm in head_norms)
             and self.residual_scale == 1.0
             and self.per_layer_gate is None
             and self.layer_scalar is None
@@ -470,9 +476,15 @@ class DecoderLayer(nn.Module):
         if any(linear is None for linear in linears):
             return None
         qkv, o, gate_up, down = linears
+        q_norm, k_norm = [norm.weight for norm in head_norms] or [None, None]
+        attn_post_norm, ffn_post_norm = [norm.weight for norm in post_norms] or [None, None]
         return kernels.ops().DecoderLayerWeights(
             attn_norm=self.attn_norm.weight,
             ffn_norm=self.ffn_norm.weight,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            attn_post_norm=attn_post_norm,
+            ffn_post_norm=ffn_post_norm,
             eps=self.attn_norm.eps,
             qkv=qkv,
             o=o,

@@ -82,15 +82,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_int8_linear", &bind_int8_linear);
   m.def("bind_dense_linear", &bind_dense_linear);
   m.def("bind_linear", &bind_linear);
-  pybind11::class_<tokenmill::DecoderLayerWeights>(m, "DecoderLayerWeights")
-      .def(pybind11::init([](at::Tensor attn_norm, at::Tensor ffn_norm, double eps, BoundLinear qkv, BoundLinear o,
-                             BoundLinear gate_up, BoundLinear down, int64_t heads, double scale,
-                             std::optional<double> softcap, Optional sinks, std::string activation) {
-             return tokenmill::DecoderLayerWeights{attn_norm, ffn_norm, eps,   qkv,     o,     gate_up,
-                                                   down,      heads,    scale, softcap, sinks, activation};
+  namespace py = pybind11;
+  py::class_<tokenmill::DecoderLayerWeights>(m, "DecoderLayerWeights")
+      .def(py::init([](at::Tensor attn_norm, at::Tensor ffn_norm, Optional q_norm, Optional k_norm,
+                       Optional attn_post_norm, Optional ffn_post_norm, double eps, BoundLinear qkv, BoundLinear o,
+                       BoundLinear gate_up, BoundLinear down, int64_t heads, double scale,
+                       std::optional<double> softcap, Optional sinks, std::string activation) {
+             return tokenmill::DecoderLayerWeights{attn_norm, ffn_norm, q_norm,  k_norm,  attn_post_norm, ffn_post_norm,
+                                                   eps,       qkv,      o,       gate_up, down,           heads,
+                                                   scale,     softcap,  sinks,   activation};
            }),
-           pybind11::arg("attn_norm"), pybind11::arg("ffn_norm"), pybind11::arg("eps"), pybind11::arg("qkv"),
-           pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("heads"),
-           pybind11::arg("scale"), pybind11::arg("softcap"), pybind11::arg("sinks"), pybind11::arg("activation"));
+           py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("attn_post_norm"),
+           py::arg("ffn_post_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("heads"), py::arg("scale"), py::arg("softcap"), py::arg("sinks"),
+           py::arg("activation"));
   m.def("decoder_layer", &tokenmill::decoder_layer, unlocked);
 }

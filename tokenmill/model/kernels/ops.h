@@ -50,9 +50,11 @@ struct BoundLinear {
   std::optional<at::Tensor> bias;
   at::Tensor operator()(const at::Tensor& x) const;
 };
-// What `decoder_layer` needs of a pre-norm decoder layer.
+// What `decoder_layer` needs of a pre-norm decoder layer: its norms (q_norm and k_norm per head,
+// and the post norms, where the layer has them), projections and attention settings.
 struct DecoderLayerWeights {
   at::Tensor attn_norm, ffn_norm;
+  std::optional<at::Tensor> q_norm, k_norm, attn_post_norm, ffn_post_norm;
   double eps;
   BoundLinear qkv, o, gate_up, down;
   int64_t heads;
