@@ -7,6 +7,7 @@ Internal parameter names follow the block structure (attn_norm, attn.q_proj, ffn
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -393,8 +394,6 @@ class DecoderLayer(nn.Module):
         self.per_layer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if width else None
         self.act_name = cfg.hidden_act
         self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalars else None
-        # `kernel_weights` by (dtype, one row)
-        self._kernel_weights: dict[tuple[torch.dtype, bool], object | None] = {}
 
     def forward(
         self,
@@ -439,10 +438,11 @@ class DecoderLayer(nn.Module):
         (`_bound_linear`), every norm with the layer's eps."""
         if type(self.mlp) is not MLP or self.mlp._forward_hooks or self.mlp._forward_pre_hooks:
             return None
+        bound = _KERNEL_WEIGHTS.setdefault(self, {})
         key = (h.dtype, h.shape[0] == 1)
-        if key not in self._kernel_weights:
-            self._kernel_weights[key] = self._bind_kernel_weights(h)
-        return self._kernel_weights[key]
+        if key not in bound:
+            bound[key] = self._bind_kernel_weights(h)
+        return bound[key]
 
     def _bind_kernel_weights(self, h: torch.Tensor) -> object | None:
         attn, mlp = self.attn, self.mlp
@@ -496,6 +496,13 @@ class DecoderLayer(nn.Module):
             sinks=None if attn.sinks is None else attn.sinks.float(),
             activation=mlp.act_name,
         )
+
+
+# `DecoderLayer.kernel_weights` by layer, then by (dtype, one row): kept outside the modules, whose
+# state the compiled graphs' builds pickle, which the bound C++ objects do not support
+_KERNEL_WEIGHTS: weakref.WeakKeyDictionary[DecoderLayer, dict[tuple[torch.dtype, bool], object]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _bound_linear(linear: nn.Module, x: torch.Tensor) -> object | None:
