@@ -37,15 +37,6 @@ static_assert(kChunk % simd::kWidth == 0, "a chunk's scores are padded to whole 
 // AVX-512's 32 vector registers hold 8 heads' sums (head_scores, weighted_rows); AVX2's 16 hold 4.
 constexpr int kMaxHeads = simd::kWidth == 16 ? 8 : 4;
 
-// f(heads) with heads as a std::integral_constant, for 0 < n <= H
-template <int H, typename F>
-void with_heads(int64_t n, const F& f) {
-  if constexpr (H > 1) {
-    if (n != H) return with_heads<H - 1>(n, f);
-  }
-  f(std::integral_constant<int, H>{});
-}
-
 // Requests the cache lines of a row of dim values into the cache level of Hint (_MM_HINT_T0: L1, T1: L2)
 template <int Hint, typename C>
 inline void prefetch_row(const C* row, int64_t dim) {
@@ -175,7 +166,8 @@ void merge_chunks(const float* tops, const float* totals, const float* accs, int
   using namespace simd;
   float highest = *std::max_element(tops, tops + chunks);
   if (sink) highest = std::max(highest, *sink);
-  float acc[kMaxHeadDim] = {};
+  float acc[kMaxHeadDim];
+  std::fill(acc, acc + dim, 0.0f);
   float denominator = sink ? std::exp(*sink - highest) : 0.0f;
   for (int64_t c = 0; c < chunks; ++c) {
     if (totals[c] == 0.0f) continue;
@@ -274,7 +266,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                                                   row_stride, dim, static_cast<float>(scale), softcap, prefetched[b],
                                                   tops + part, totals + part, accs + part * dim, chunks);
         };
-        with_heads<kMaxHeads>(n, attend);
+        simd::with_constant<kMaxHeads>(n, attend);
       }
       std::swap(rows, next_rows);
       count = next_count;

@@ -37,19 +37,6 @@ constexpr int kInt4RowsPerBlock = 8;
 constexpr int kInt4RowsPerBlock = 4;
 #endif
 
-// kernel(rows, m0, r0, r1) for a block of `count` activation rows, 0 < count <= R, with rows as a
-// std::integral_constant
-template <int R, typename Kernel>
-void run_row_block(int64_t count, const Kernel& kernel, int64_t m0, int64_t r0, int64_t r1) {
-  if constexpr (R > 0) {
-    if (count == R) {
-      kernel(std::integral_constant<int, R>{}, m0, r0, r1);
-    } else {
-      run_row_block<R - 1>(count, kernel, m0, r0, r1);
-    }
-  }
-}
-
 // Runs kernel(rows, m0, r0, r1) over blocks of activation rows (m0: the block's first; rows: its
 // size, as a std::integral_constant for the kernel's template: RowsPerBlock while that many are
 // left, then the rest as one block, whose weights are then loaded once), each over weight rows (or
@@ -65,7 +52,7 @@ void over_row_blocks(int64_t M, int64_t N, const Kernel& kernel, int64_t per_tas
       int64_t m0 = 0;
       for (; M - m0 >= RowsPerBlock; m0 += RowsPerBlock)
         kernel(std::integral_constant<int, RowsPerBlock>{}, m0, r0, r1);
-      if (M > m0) run_row_block<RowsPerBlock - 1>(M - m0, kernel, m0, r0, r1);
+      if (M > m0) simd::with_constant<RowsPerBlock - 1>(M - m0, [&](auto rows) { kernel(rows, m0, r0, r1); });
     }
   });
 }

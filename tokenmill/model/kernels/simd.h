@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace simd {
 
@@ -16,6 +17,16 @@ namespace simd {
 // that a decode step's few rows stay on the calling thread and a prompt's spread over all of them
 inline int64_t rows_per_task(int64_t row_elements) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1));
+}
+
+// f(std::integral_constant<int, n>{}) for 0 < n <= N: a count known only at run time (the rows of
+// a block, the heads of a pass) as a kernel template's constant
+template <int N, typename F>
+inline void with_constant(int64_t n, const F& f) {
+  if constexpr (N > 1) {
+    if (n != N) return with_constant<N - 1>(n, f);
+  }
+  f(std::integral_constant<int, N>{});
 }
 
 // The sum of 8 floats: AVX2's vector, and the integer GEMVs' on either kind of machine (gemv.cpp)
