@@ -98,10 +98,10 @@ def test_layers_in_one_call_give_the_python_layers_bits(model_dir, monkeypatch, 
             assert torch.equal(cache[written], cache[written + 8 * BLOCK])
 
 
-def test_layers_it_does_not_take_keep_their_python_forward(tmp_path, tiny_loaded) -> None:
+def test_layers_it_does_not_take_keep_their_python_forward(tmp_path) -> None:
     """A step of Gemma 3 with heads 16 wide (the rope kernel's halves are whole vectors of 16) goes
-    through the Python forward; so does a step of a model whose MLP has a forward hook, which
-    then runs."""
+    through the Python forward; so does a step of a model while an MLP has a forward hook, which
+    then runs, and the next step after the hook is removed goes through `decoder_layer` again."""
     gemma = load_model(build_tiny_model(tmp_path / "gemma3", arch="gemma3"), progress=False)
     runner = ModelRunner(gemma, num_blocks=4, block_size=BLOCK, compile=False)
     h = torch.zeros(3, gemma.config.hidden_size)
@@ -117,15 +117,24 @@ def test_layers_it_does_not_take_keep_their_python_forward(tmp_path, tiny_loaded
         runner.hidden_states([[3, 4, 5]], [3], [[0]])
     assert calls == [None]
 
-    layer = tiny_loaded.model.layers[0]
-    h = torch.zeros(3, tiny_loaded.config.hidden_size, dtype=tiny_loaded.dtype)
-    assert layer.kernel_weights(h) is not None
+    llama = load_model(
+        build_tiny_model(tmp_path / "llama", hidden_size=128, num_heads=4, num_kv_heads=2),
+        progress=False,
+    )
+    runner = ModelRunner(llama, num_blocks=4, block_size=BLOCK, compile=False)
+    counted = _CountedOps(kernels.ops())
     seen = []
-    hook = layer.mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    try:
-        assert layer.kernel_weights(h) is None
-        runner = ModelRunner(tiny_loaded, num_blocks=4, block_size=BLOCK, compile=False)
-        runner.hidden_states([[3, 4, 5]], [3], [[0]])
-    finally:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "_bindings", counted)
+        runner.hidden_states([[3, 4, 5]], [3], [[0]])  # through decoder_layer
+        assert counted.layer_calls == len(llama.model.layers)
+        mlp = llama.model.layers[0].mlp
+        hook = mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        h = torch.zeros(3, llama.config.hidden_size)
+        assert llama.model.layers[0].kernel_weights(h) is None
+        runner.hidden_states([[3, 4, 5]], [3], [[1]])  # the Python forward, and the hook runs
+        assert counted.layer_calls == len(llama.model.layers)
         hook.remove()
-    assert seen == [torch.Size([3, tiny_loaded.config.hidden_size])]
+        runner.hidden_states([[3, 4, 5]], [3], [[2]])  # through decoder_layer again
+        assert counted.layer_calls == 2 * len(llama.model.layers)
+    assert seen == [torch.Size([3, llama.config.hidden_size])]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -431,18 +432,14 @@ class DecoderLayer(nn.Module):
 
     def kernel_weights(self, h: torch.Tensor) -> object | None:
         """The layer as `tokenmill::decoder_layer` computes it for rows like h (a
-        `DecoderLayerWeights`, bound once per dtype and for one row or more), or None for a layer
-        it does not compute: it takes a pre-norm layer (with post norms or without) of attention
-        with q, k and v in one projection (with per-head q/k norms or without) and a plain MLP
-        without hooks, outside tensor parallelism, each linear layer in a form it multiplies by
-        (`_bound_linear`), every norm with the layer's eps."""
-        if type(self.mlp) is not MLP or self.mlp._forward_hooks or self.mlp._forward_pre_hooks:
+        `DecoderLayerWeights`, bound anew on each call: `Transformer` keeps them), or None for a
+        layer it does not compute: it takes a pre-norm layer (with post norms or without) of
+        attention with q, k and v in one projection (with per-head q/k norms or without) and a
+        plain MLP without hooks, outside tensor parallelism, each linear layer in a form it
+        multiplies by (`_bound_linear`), every norm with the layer's eps."""
+        if type(self.mlp) is not MLP or _has_hooks(self.mlp):
             return None
-        bound = _KERNEL_WEIGHTS.setdefault(self, {})
-        key = (h.dtype, h.shape[0] == 1)
-        if key not in bound:
-            bound[key] = self._bind_kernel_weights(h)
-        return bound[key]
+        return self._bind_kernel_weights(h)
 
     def _bind_kernel_weights(self, h: torch.Tensor) -> object | None:
         attn, mlp = self.attn, self.mlp
@@ -498,9 +495,25 @@ class DecoderLayer(nn.Module):
         )
 
 
-# `DecoderLayer.kernel_weights` by layer, then by (dtype, one row): kept outside the modules, whose
-# state the compiled graphs' builds pickle, which the bound C++ objects do not support
-_KERNEL_WEIGHTS: weakref.WeakKeyDictionary[DecoderLayer, dict[tuple[torch.dtype, bool], object]] = (
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+@dataclass(frozen=True)
+class _KernelPlan:
+    """What `Transformer._kernel_layer_calls` checks and binds once per model, dtype, one row or
+    more, and cache dtype: each layer's weights, rope kind, cache index and window, the most rows
+    one MLP call takes (`MLP_CHUNK_BYTES`), and the MLPs whose hooks each step checks."""
+
+    layers: tuple[tuple[object, str, int, int | None], ...]
+    max_rows: int
+    mlps: tuple[nn.Module, ...]
+
+
+# `Transformer._kernel_plan` by model, then by (dtype, one row, cache dtype): kept outside the
+# modules, whose state the compiled graphs' builds pickle, which the bound C++ objects do not
+# support. None: the model's steps of that key keep the Python forward.
+_KERNEL_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _KernelPlan | None]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -593,14 +606,11 @@ class Transformer(nn.Module):
         cache: KVCache,
     ) -> list[tuple] | None:
         """Each layer's arguments after h for `tokenmill::decoder_layer`, where it computes every
-        layer of this eager step: each layer one it takes (`DecoderLayer.kernel_weights`), the
-        step's tokens attending through the decode kernel in one call (a decode step, or prompts
-        with `token_context_slots`), few enough for one MLP call (`MLP_CHUNK_BYTES`), every layer
-        with a rope over whole heads and a cache that `tokenmill::rotary_write_kv` writes. None
-        otherwise: the layers' Python forwards, which call the same ops where these hold."""
+        layer of this eager step (`_kernel_plan`): the step's tokens attend through the decode
+        kernel in one call (a decode step, or prompts with `token_context_slots`) and are few
+        enough for one MLP call, and no MLP has a hook. None otherwise: the layers' Python
+        forwards, which call the same ops where these hold."""
         if torch.compiler.is_compiling() or not _kernel_fits(h) or h.dim() != 2:
-            return None
-        if self.per_layer_embed is not None or self.config.no_rope_layers:
             return None
         if batch.token_context_slots is not None:
             slots = batch.token_context_slots
@@ -608,25 +618,55 @@ class Transformer(nn.Module):
             slots = batch.context_slots
         else:
             return None
-        calls = []
+        plan = self._kernel_plan(h, ropes, cache)
+        if plan is None or h.shape[0] > plan.max_rows or any(map(_has_hooks, plan.mlps)):
+            return None
+        return [
+            (
+                weights,
+                *ropes[kind],
+                cache.k[c],
+                cache.v[c],
+                batch.slot_mapping,
+                slots,
+                masks[window],
+            )
+            for weights, kind, c, window in plan.layers
+        ]
+
+    def _kernel_plan(
+        self, h: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], cache: KVCache
+    ) -> _KernelPlan | None:
+        """The step-invariant part of `_kernel_layer_calls`, built on the first step of its key
+        (rows like h, the cache's dtype): every layer one `decoder_layer` takes
+        (`DecoderLayer.kernel_weights`), with a rope over whole heads (the rope tables are of h's
+        dtype and their kind's width on every step) and a cache `tokenmill::rotary_write_kv` and
+        the decode kernel take; else None."""
+        if any(_has_hooks(layer.mlp) for layer in self.layers):
+            return None  # not kept: the plan holds for steps after the hooks are gone
+        plans = _KERNEL_PLANS.setdefault(self, {})
+        key = (h.dtype, h.shape[0] == 1, cache.k[0].dtype)
+        if key in plans:
+            return plans[key]
+        plans[key] = None
+        if self.per_layer_embed is not None or self.config.no_rope_layers:
+            return None
+        layers, max_rows = [], 1 << 62
         for kind, layer, c in zip(self.config.layer_types, self.layers, self.cache_index):
-            weights = layer.kernel_weights(h)
-            if weights is None:
-                return None
-            attn, rope = layer.attn, ropes[kind]
-            k_cache, v_cache = cache.k[c], cache.v[c]
-            rows = max(1, MLP_CHUNK_BYTES // (layer.mlp.chunk_width * h.element_size()))
+            weights, attn, k_cache = layer.kernel_weights(h), layer.attn, cache.k[c]
             # h stands in for the q/k/v projection in `_fused_write_fits`: rows of its dtype
             if (
-                h.shape[0] > rows
-                or not _fused_write_fits(h, rope, k_cache)
+                weights is None
+                or not _fused_write_fits(h, ropes[kind], k_cache)
                 or not kernel_fits(h.dtype, k_cache.dtype, attn.head_dim, h.device)
             ):
                 return None
-            calls.append(
-                (weights, *rope, k_cache, v_cache, batch.slot_mapping, slots, masks[attn.window])
-            )
-        return calls
+            layers.append((weights, kind, c, attn.window))
+            chunk_rows = MLP_CHUNK_BYTES // (layer.mlp.chunk_width * h.element_size())
+            max_rows = min(max_rows, max(1, chunk_rows))
+        mlps = tuple(layer.mlp for layer in self.layers)
+        plans[key] = _KernelPlan(tuple(layers), max_rows, mlps)
+        return plans[key]
 
     def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Gemma 4's per-layer inputs (T, layers, width): each token's rows of the second
