@@ -14,7 +14,7 @@ step's pre-norm layer in one call of those ops (layer.cpp, bound for Python only
 code calls them through their pybind11 bindings (`ops`, bindings.cpp), compiled graphs through
 the dispatcher. They build
 (g++ through `torch.utils.cpp_extension`) as one translation unit per core, each including several
-sources: most of a unit's compile time goes to parsing torch's headers, once per unit.
+sources (balanced by `SOURCE_COMPILE_SECONDS`): torch's headers are parsed once per unit.
 `build_in_background` runs the build on a daemon thread while PyTorch's kernels serve. The library
 is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the torch version and the CPU's
 features, so later starts load it without compiling.
@@ -41,21 +41,20 @@ import torch
 from tokenmill.catalog import cache_root
 
 log = logging.getLogger("tokenmill.kernels")
-# in an order that, dealt out in turn, gives the translation units similar compile times
-SOURCES = [
-    Path(__file__).with_name(name)
-    for name in (
-        "gemv.cpp",
-        "dense.cpp",
-        "sample.cpp",
-        "attention.cpp",
-        "activation.cpp",
-        "rotary.cpp",
-        "norm.cpp",
-        "layer.cpp",
-        "bindings.cpp",
-    )
-]
+# Each source's own share of the build: seconds of one core past the headers that a translation
+# unit parses once (their ratios are what count). `_translation_units` balances the units by them.
+SOURCE_COMPILE_SECONDS = {
+    "gemv.cpp": 30.0,
+    "bindings.cpp": 13.0,
+    "attention.cpp": 12.0,
+    "sample.cpp": 5.5,
+    "dense.cpp": 4.5,
+    "rotary.cpp": 4.5,
+    "activation.cpp": 4.5,
+    "norm.cpp": 3.0,
+    "layer.cpp": 0.5,
+}
+SOURCES = [Path(__file__).with_name(name) for name in SOURCE_COMPILE_SECONDS]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
@@ -181,12 +180,20 @@ def _compile(directory: Path) -> None:
 
 
 def _translation_units(directory: Path) -> list[Path]:
-    """One source file per core in `directory`, together including every kernel source."""
+    """One source file per core in `directory`, together including every kernel source: each
+    source, longest first, goes to the unit with the least compile time so far, so that the units
+    (one per core, compiled at once) finish about together."""
     count = min(len(SOURCES), len(os.sched_getaffinity(0)))
+    shares: list[list[Path]] = [[] for _ in range(count)]
+    seconds = [0.0] * count
+    for source in sorted(SOURCES, key=lambda s: -SOURCE_COMPILE_SECONDS[s.name]):
+        least = seconds.index(min(seconds))
+        shares[least].append(source)
+        seconds[least] += SOURCE_COMPILE_SECONDS[source.name]
     units = []
-    for index in range(count):
+    for index, share in enumerate(shares):
         unit = directory / f"unit{index}.cpp"
-        unit.write_text("".join(f'#include "{source}"\n' for source in SOURCES[index::count]))
+        unit.write_text("".join(f'#include "{source}"\n' for source in share))
         units.append(unit)
     return units
 

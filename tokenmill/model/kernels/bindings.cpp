@@ -5,7 +5,7 @@
 //
 // `bind_*` take a product's arguments after x, and the layer's bias, and give a BoundLinear: the
 // layers of `decoder_layer` multiply through them.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 

@@ -757,15 +757,18 @@ constexpr int64_t tile_scales_size(int64_t groups, bool row_scales) {
   return (row_scales ? 1 : groups) * 32;
 }
 
-// xq, scales and sums: a block of M activation rows in quantize_blocks' kRowBlocks layout. row_totals:
+// xq, scales and sums: a block of M activation rows in quantize_blocks' kRowBlocks layout. The output
+// rows are float32 (y) or bf16 (y_bf16, where not null): a choice made at run time, once per tile and
+// row, rather than a template argument, which would double the kernel's instantiations and the
+// build's time for the same loop. row_totals:
 // with one scale and low per weight row (tile_scales (N / 16, 1, 2, 16)), each activation row's sum
 // of x, whose product with the low is added once after the last group; else nullptr. prefetch: whether
 // to ask the memory for the weights ahead; over_row_blocks' first block of activation rows does, and
 // the later blocks find the tiles in cache, where the requests would take load slots for nothing.
-template <int M, int Bits, bool Fifth, bool Fine, typename T, typename S>
+template <int M, int Bits, bool Fifth, bool Fine, typename S>
 void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const float* row_totals, int64_t K,
-                 const uint8_t* tiles, const uint8_t* fifth, const S* tile_scales, T* y, int64_t N, int64_t tile0,
-                 int64_t tile1, bool prefetch) {
+                 const uint8_t* tiles, const uint8_t* fifth, const S* tile_scales, float* y, at::BFloat16* y_bf16,
+                 int64_t N, int64_t tile0, int64_t tile1, bool prefetch) {
   const bool row_scales = row_totals != nullptr;
   const int64_t groups = K / 32, scale_stride = row_scales ? 0 : 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
@@ -844,7 +847,8 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
     }
     // bf16 rounded in vector registers (simd::store): rounding one lane at a time would cost a
     // large share of a small product
-    for (int i = 0; i < M; ++i) simd::store(y + i * N + t * 16, acc[i]);
+    for (int i = 0; i < M; ++i)
+      y_bf16 != nullptr ? simd::store(y_bf16 + i * N + t * 16, acc[i]) : simd::store(y + i * N + t * 16, acc[i]);
   }
 }
 
@@ -868,13 +872,15 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
   }
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const S* ts = tile_scales.data_ptr<S>();
-  T* out = y.data_ptr<T>();
+  float* out = std::is_same_v<T, float> ? y.data_ptr<float>() : nullptr;
+  at::BFloat16* out_bf16 = std::is_same_v<T, float> ? nullptr : y.data_ptr<at::BFloat16>();
   over_row_blocks(
       M, N / 16,
       [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
-        quant_tiles<decltype(rows)::value, Bits, Fifth, Fine, T, S>(
+        quant_tiles<decltype(rows)::value, Bits, Fifth, Fine, S>(
             xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4, xq.sums.get() + m0 * groups,
-            totals.empty() ? nullptr : totals.data() + m0, K, q, fifth, ts, out + m0 * N, N, t0, t1, m0 == 0);
+            totals.empty() ? nullptr : totals.data() + m0, K, q, fifth, ts, out ? out + m0 * N : nullptr,
+            out_bf16 ? out_bf16 + m0 * N : nullptr, N, t0, t1, m0 == 0);
       },
       kTilesPerTask, kTilesPerChunk);
   return y;
