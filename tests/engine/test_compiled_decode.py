@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import time
@@ -319,6 +320,24 @@ def test_gil_slices_are_short_while_graphs_build_and_restored_after(
         runner.wait_compiled(timeout=60)
     assert seen == [pytest.approx(model_runner.COMPILE_SWITCH_INTERVAL_S)] * 2
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_graphs_build_at_the_lowest_priority_and_the_serving_threads_keep_theirs(
+    tiny_loaded, monkeypatch
+) -> None:
+    # the compile thread, and the compilers it starts, yield the cores to the eager steps
+    seen: list[int] = []
+    monkeypatch.setattr(
+        ModelRunner,
+        "_build_or_load_graphs",
+        lambda self: seen.append(os.getpriority(os.PRIO_PROCESS, 0)),
+    )
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    runner.wait_compiled(timeout=60)
+    assert seen == [model_runner.COMPILE_NICE]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # this thread (the engine's) as it was
 
 
 def test_a_runner_loads_the_graphs_another_runner_is_building_rather_than_tracing_them(

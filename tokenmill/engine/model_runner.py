@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -103,6 +104,23 @@ class _ShortGilSlices:
 
 
 _short_gil_slices = _ShortGilSlices()
+
+# The nice value of the thread that builds the decode graphs, and so of the compilers it starts
+# (they inherit it): the lowest priority, so that the eager steps serving meanwhile keep the cores
+# and a busy server's compile waits for idle time rather than slowing its answers (see the tuning
+# log).
+COMPILE_NICE = 19
+
+
+def _lower_thread_priority() -> None:
+    """Give the calling thread `COMPILE_NICE`, where the OS sets it per thread (Linux); elsewhere
+    the thread keeps the process's priority."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        except OSError as exc:  # a container that forbids it: compile at the usual priority
+            log.debug("could not lower the compile thread's priority: %r", exc)
+
 
 # One lock per set of decode graphs (named by their cache entry): a runner that wants graphs another
 # runner of this process is building waits for them and loads them, rather than tracing them again
@@ -397,8 +415,10 @@ class ModelRunner:
         inductor's caches do not serve them (their key holds a random name), so they are saved
         whole, keyed by everything that shapes them: the sources they are traced from, torch,
         the CPU, the threads, the model's structure and the KV cache's size. Their guards are
-        checked on the warm-up step after loading as after compiling.
+        checked on the warm-up step after loading as after compiling. The thread runs at the
+        lowest priority (`COMPILE_NICE`).
         """
+        _lower_thread_priority()
         with _short_gil_slices:
             self._build_or_load_graphs()
 
