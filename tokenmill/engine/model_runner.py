@@ -106,9 +106,9 @@ class _ShortGilSlices:
 _short_gil_slices = _ShortGilSlices()
 
 # The nice value of the thread that builds the decode graphs, and so of the compilers it starts
-# (they inherit it): the lowest priority, so that the eager steps serving meanwhile keep the cores
-# and a busy server's compile waits for idle time rather than slowing its answers (see the tuning
-# log).
+# (they inherit it): the lowest priority, so that the eager steps serving meanwhile come first for
+# the cores and a busy server's answers slow less while the graphs build, which then take longer
+# (see the tuning log).
 COMPILE_NICE = 19
 
 
