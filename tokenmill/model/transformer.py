@@ -642,12 +642,12 @@ class Transformer(nn.Module):
         (`DecoderLayer.kernel_weights`), with a rope over whole heads (the rope tables are of h's
         dtype and their kind's width on every step) and a cache `tokenmill::rotary_write_kv` and
         the decode kernel take; else None."""
-        if any(_has_hooks(layer.mlp) for layer in self.layers):
-            return None  # not kept: the plan holds for steps after the hooks are gone
         plans = _KERNEL_PLANS.setdefault(self, {})
         key = (h.dtype, h.shape[0] == 1, cache.k[0].dtype)
         if key in plans:
-            return plans[key]
+            return plans[key]  # the caller checks the MLPs' hooks on every step
+        if any(_has_hooks(layer.mlp) for layer in self.layers):
+            return None  # not kept: the plan holds for steps after the hooks are gone
         plans[key] = None
         if self.per_layer_embed is not None or self.config.no_rope_layers:
             return None
