@@ -165,3 +165,17 @@ def test_the_start_path_imports_no_torch_dynamo() -> None:
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
+
+
+def test_an_eager_request_imports_no_torch_dynamo(tiny_model_dir) -> None:
+    # Nor does an eager step: importing TorchDynamo there would hold up a server's first request
+    # by over a second (the rotary tables' op imported it on its first call)
+    script = (
+        "import sys; from tokenmill import LLM, SamplingParams; "
+        f"llm = LLM({str(tiny_model_dir)!r}, compile=False); "
+        "out = llm.generate(['hello world'], SamplingParams(max_tokens=4, temperature=0), "
+        "use_tqdm=False); assert out[0].outputs[0].token_ids; "
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert run.stdout.strip().splitlines()[-1] == "[]"

@@ -424,8 +424,9 @@ class ModelRunner:
 
     def _build_or_load_graphs(self) -> None:
         start = time.perf_counter()
-        # Dynamo first, before any of inductor: an eager step's first custom op imports dynamo
-        # too, and two threads each importing a module the other's import needs deadlock.
+        # Dynamo first, before any of inductor: a custom op's first call, in another thread,
+        # imports dynamo too, and two threads each importing a module the other's import needs
+        # deadlock.
         import torch._dynamo  # noqa: F401
 
         if self._kernel_build is not None:

@@ -82,12 +82,13 @@ class Rotary:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape (T, 1, rotary_dim // 2), computed once per step and shared by
         layers."""
-        cos, sin = torch.ops.tokenmill_rope.tables(positions, self.inv_freq.to(positions.device))
+        # compiled graphs see the op, eager steps call its function without the op's dispatch
+        # (whose first call imports torch._dynamo: over a second, on a server's first request)
+        tables = torch.ops.tokenmill_rope.tables if torch.compiler.is_compiling() else rope_tables
+        cos, sin = tables(positions, self.inv_freq.to(positions.device))
         if self.long is not None:  # LongRoPE: positions past the original context
             long_inv_freq, start = self.long
-            long_cos, long_sin = torch.ops.tokenmill_rope.tables(
-                positions, long_inv_freq.to(positions.device)
-            )
+            long_cos, long_sin = tables(positions, long_inv_freq.to(positions.device))
             is_long = (positions >= start)[:, None]
             cos, sin = torch.where(is_long, long_cos, cos), torch.where(is_long, long_sin, sin)
         if self.factor != 1.0:
@@ -95,22 +96,28 @@ class Rotary:
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin of each position times each frequency (T, head_dim // 2). Compiled
+    graphs call it as an op of its own (`tokenmill_rope::tables`), so that they use PyTorch's eager
+    cos and sin: inductor's own differ from them in the last bit for about a third of the angles,
+    and a decode token's rotation (hence its logits) would then depend on whether its step ran
+    compiled or eagerly beside a prompt.
+
+    The angles are float32 products; their cos and sin are taken in float64 and rounded once.
+    ATen's float32 cos can be off by up to ~1e-4 on its first call after `torch._dynamo` is
+    imported, in the rows another thread computes, and a process's first prompt would then rotate
+    differently from the same prompt later (tuning log: `rope_tables`)."""
+    freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
+    return freqs.cos().float(), freqs.sin().float()
+
+
 @torch.library.custom_op("tokenmill_rope::tables", mutates_args=())
 def _rope_tables(
     positions: torch.Tensor, inv_freq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin of each position times each frequency (T, head_dim // 2). An op of its
-    own so that compiled graphs call PyTorch's eager cos and sin: inductor's own differ from them
-    in the last bit for about a third of the angles, and a decode token's rotation (hence its
-    logits) would then depend on whether its step ran compiled or eagerly beside a prompt.
-
-    The angles are float32 products; their cos and sin are taken in float64 and rounded once.
-    ATen's float32 cos can be off by up to ~1e-4 on its first call after `torch._dynamo` is
-    imported (this op's first call imports it), in the rows another thread computes, and a
-    process's first prompt would then rotate differently from the same prompt later (tuning log:
-    `_rope_tables`)."""
-    freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
-    return freqs.cos().float(), freqs.sin().float()
+    return rope_tables(positions, inv_freq)
 
 
 @_rope_tables.register_fake
