@@ -17,7 +17,8 @@
 #   OFFLINE_ARGS    extra offline.py flags, e.g. "--compile"
 #   SERVING_ARGS    extra serving.py flags, e.g. "--concurrency 1,8,32 --prompts-per-concurrency 2"
 #   PREFIX_ARGS     extra prefix_cache.py flags
-#   SKIP            space-separated parts to skip: offline serving prefix
+#   FIRST_START_ARGS  extra first_start.py flags
+#   SKIP            space-separated parts to skip: offline serving prefix first_start
 #   PYTHON          interpreter with tokenmill installed (default: python)
 #   LLAMA_CPP_PREFIX        llama.cpp directory whose build/bin holds its tools
 #                           (default: ~/.cache/tokenmill-peers/llama.cpp)
@@ -80,11 +81,16 @@ for model in $MODELS; do
     run prefix_cache "$slug" "$PYTHON" benchmarks/prefix_cache.py --model "$model" --threads "$THREADS" \
       --dtype "$DTYPE" ${PREFIX_ARGS:-} ;;
   esac
+  case " $SKIP " in *" first_start "*) ;; *)
+    # shellcheck disable=SC2086
+    run first_start "$slug" "$PYTHON" benchmarks/first_start.py --model "$model" --threads "$THREADS" \
+      --dtype "$DTYPE" ${FIRST_START_ARGS:-} ;;
+  esac
 done
 
 # the suite's own command, knobs included, for the summary's list of commands
 suite="MACHINE=$MACHINE REPS=$REPS THREADS=$THREADS DTYPE=$DTYPE"
-for knob in MODELS OFFLINE_ARGS SERVING_ARGS PREFIX_ARGS SKIP; do
+for knob in MODELS OFFLINE_ARGS SERVING_ARGS PREFIX_ARGS FIRST_START_ARGS SKIP; do
   value=${!knob:-}
   case $value in
     "") ;;

@@ -1,8 +1,8 @@
-"""Build a suite's summary.md from the JSON results of offline.py, serving.py and prefix_cache.py.
+"""Build a suite's summary.md from the JSON results of the suite's scripts.
 
-Reads RESULTS/{offline,serving,prefix-cache}-*.json and writes RESULTS/summary.md beside them:
-the headline tables (tokenmill / llama.cpp), the machine and the exact commands. The JSON and logs
-stay uncommitted; the summary (and the serving PNGs) are what a suite keeps in git.
+Reads RESULTS/{offline,serving,prefix-cache,first-start}-*.json and writes RESULTS/summary.md
+beside them: the headline tables (tokenmill / llama.cpp), the machine and the exact commands. The
+JSON and logs stay uncommitted; the summary (and the serving PNGs) are what a suite keeps in git.
 
     python benchmarks/summarize.py [--results DIR]   (default: BENCH_RESULTS or results/local)
 """
@@ -19,6 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, fmt, fmt_ratio, ratio  # noqa: E402
+from first_start import HEADERS as FIRST_START_HEADERS  # noqa: E402
+from first_start import row as first_start_row  # noqa: E402
 
 HOME = str(Path.home())
 
@@ -200,6 +202,26 @@ def prefix_section(runs: list[dict]) -> tuple[str, list[str]]:
     return text, cmds
 
 
+def first_start_section(runs: list[dict]) -> tuple[str, list[str]]:
+    rows, cmds = [], []
+    for d in runs:
+        for name, result in d["engines"].items():
+            rows.append([d["model_file"], *first_start_row(name, result)])
+        cmds.append(d["command"])
+        cmds += list(dict.fromkeys(short(e["command"]) for e in d["engines"].values()))
+    text = md_table(["model", *FIRST_START_HEADERS], rows, "ll" + "r" * 7)
+    if runs:
+        tokens = runs[0]["settings"]["max_tokens"]
+        text = (
+            "Seconds from the server's start. tokenmill's first start has empty caches (kernels, "
+            "decode graphs; the model file is given by path), its later start the caches the "
+            f"first one filled. {tokens}-token greedy answers, one at a time, from the first "
+            "/health 200 until the decode graphs serve (the fast path) and a few after; their "
+            "latencies in seconds.\n\n" + text
+        )
+    return text, cmds
+
+
 def machine_section(all_runs: list[dict]) -> str:
     if not all_runs:
         return ""
@@ -234,12 +256,13 @@ def machine_section(all_runs: list[dict]) -> str:
 
 
 def build(results: Path) -> str:
-    offline, serving, prefix = (
+    offline, serving, prefix, first_start = (
         load(results, "offline"),
         load(results, "serving"),
         load(results, "prefix-cache"),
+        load(results, "first-start"),
     )
-    all_runs = offline + serving + prefix
+    all_runs = offline + serving + prefix + first_start
     threads = {d["settings"].get("threads") for d in all_runs} - {None}
     threads_text = " / ".join(str(t) for t in sorted(threads)) or "the same"
     parts = [
@@ -258,6 +281,7 @@ def build(results: Path) -> str:
         ("Offline (llama-bench style)", offline, offline_section),
         ("Serving (OpenAI-compatible server, streaming)", serving, serving_section),
         ("Prefix caching (tokenmill only)", prefix, prefix_section),
+        ("First start (empty caches) and later start", first_start, first_start_section),
     ):
         parts += ["", f"## {title}", ""]
         if runs:

@@ -1,0 +1,269 @@
+"""A first start of `tokenmill serve` on a machine with empty caches, next to llama-server's start.
+
+tokenmill builds its C++ kernels for the CPU on the first start and its decode graphs in the
+background after it; both are cached (~/.cache/tokenmill, inductor's cache) for later starts.
+This script starts `tokenmill serve MODEL` with those caches in new, empty directories
+(`XDG_CACHE_HOME` and `TORCHINDUCTOR_CACHE_DIR`; the model file itself is passed by path), sends a
+16-token completion as soon as `/health` answers, then one after another until `/health` says the
+decode graphs serve ("the fast path"), and a few more after that. It then starts the server again
+on the now-filled caches (a later start), and last starts llama-server on the same file and sends
+it the same request. The servers run one at a time.
+
+Reported, in seconds from the server's start: the first `/health` 200, the first answer, when the
+kernels' library appeared in the cache and when the graphs served; the answers' latencies while
+the graphs built and after. Output: a table and first-start-<model>.json in the results directory
+(BENCH_RESULTS, default benchmarks/results/local).
+
+    python benchmarks/first_start.py --model smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import fmt, log  # noqa: E402
+
+PROMPT = "The capital of France is"
+ANSWERS_AFTER_FAST_PATH = 5  # answers timed once the graphs serve, to set beside those before
+
+
+def complete(url: str, max_tokens: int, timeout: float) -> float:
+    """Send one greedy completion; return its latency in seconds."""
+    import httpx
+
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
+    response = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    response.raise_for_status()
+    return time.perf_counter() - start
+
+
+def health(url: str) -> dict | None:
+    """/health's JSON body, or None while the server does not answer 200."""
+    import httpx
+
+    try:
+        response = httpx.get(url + "/health", timeout=2.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return {}
+
+
+def kernels_built(cache: Path) -> bool:
+    return any((cache / "tokenmill" / "kernels").glob("*/tokenmill_kernels.so"))
+
+
+def latencies(values: list[float]) -> dict[str, float | int | None]:
+    if not values:
+        return {"count": 0, "p50_s": None, "p90_s": None, "max_s": None}
+    ordered = sorted(values)
+    return {
+        "count": len(ordered),
+        "p50_s": statistics.median(ordered),
+        "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        "max_s": ordered[-1],
+    }
+
+
+def start_and_probe(
+    name: str,
+    cmd: list[str],
+    env: dict[str, str],
+    port: int,
+    log_path: Path,
+    args: argparse.Namespace,
+    cache: Path | None = None,
+) -> dict[str, object]:
+    """Start a server, wait for /health, time the first answer, then (tokenmill) keep answering
+    until the decode graphs serve. cache: tokenmill's XDG cache, watched for the kernels."""
+    if common.port_in_use(port):
+        raise RuntimeError(f"port {port} is already in use; pick another")
+    url = f"http://127.0.0.1:{port}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, object] = {"command": shlex.join(cmd)}
+    with open(log_path, "w") as out:
+        log(f"starting {name}: {shlex.join(cmd)}")
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            kernels_s = None
+
+            def since() -> float:
+                return time.perf_counter() - start
+
+            def watch_kernels() -> None:
+                nonlocal kernels_s
+                if cache is not None and kernels_s is None and kernels_built(cache):
+                    kernels_s = since()
+
+            while (state := health(url)) is None:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{name} exited with code {proc.returncode} before it was healthy; see "
+                        f"{log_path}:\n{common.tail(log_path)}"
+                    )
+                if since() > args.timeout:
+                    raise RuntimeError(f"{name} not healthy after {args.timeout:g} s")
+                watch_kernels()
+                time.sleep(0.05)
+            result["health_s"] = since()
+            watch_kernels()
+            complete(url, args.max_tokens, args.timeout)
+            result["first_answer_s"] = since()
+            log(
+                f"{name}: /health after {result['health_s']:.1f} s, first answer after "
+                f"{result['first_answer_s']:.1f} s"
+            )
+            before: list[float] = []
+            while (state or {}).get("decode") == "compiling" and since() < args.timeout:
+                before.append(complete(url, args.max_tokens, args.timeout))
+                state = health(url)
+            result["decode"] = (state or {}).get("decode")
+            if "decode" in (state or {}):  # tokenmill: when its fast path began, and its answers
+                if result["decode"] == "compiling":
+                    raise RuntimeError(f"{name}: graphs still building after {args.timeout:g} s")
+                result["fast_path_s"] = result["first_answer_s"] if not before else since()
+                after = [
+                    complete(url, args.max_tokens, args.timeout)
+                    for _ in range(ANSWERS_AFTER_FAST_PATH)
+                ]
+                result["answers_while_building"] = latencies(before)
+                result["answers_after"] = latencies(after)
+            result["kernels_s"] = kernels_s
+        finally:
+            common.kill_tree(proc)
+    return result
+
+
+HEADERS = [
+    "server",
+    "/health",
+    "first answer",
+    "kernels built",
+    "fast path",
+    "answers meanwhile",
+    "p50 meanwhile",
+    "p50 after",
+]
+
+
+def row(name: str, result: dict) -> list[str]:
+    """One line of the table for a start's result (summarize.py's too)."""
+    during = result.get("answers_while_building") or {}
+    after = result.get("answers_after") or {}
+    return [
+        name,
+        fmt(result.get("health_s")),
+        fmt(result.get("first_answer_s")),
+        fmt(result.get("kernels_s")),
+        fmt(result.get("fast_path_s")),
+        str(during.get("count", "-")),
+        fmt(during.get("p50_s"), 2),
+        fmt(after.get("p50_s"), 2),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path")
+    common.add_dtype_arg(p, "tokenmill serve --dtype")
+    p.add_argument(
+        "--threads", type=int, default=2, help="llama-server -t, OMP_NUM_THREADS for tokenmill"
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per timed answer")
+    p.add_argument("--engines", default="tokenmill,llama.cpp")
+    p.add_argument("--tokenmill-port", type=int, default=8767)
+    p.add_argument("--llama-port", type=int, default=8768)
+    p.add_argument("--tokenmill-args", default="", help="extra `tokenmill serve` flags")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds a start may take in all")
+    p.add_argument("--no-build", action="store_true", help="do not build a missing llama-server")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default: RESULTS/first-start-<model>.json)"
+    )
+    args = p.parse_args(argv)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - {"tokenmill", "llama.cpp"}
+    if unknown:
+        p.error(f"unknown engines {', '.join(sorted(unknown))}")
+
+    path = common.resolve_model(args.model)
+    slug = common.model_slug(args.model)
+    out = Path(args.out) if args.out else common.RESULTS / f"first-start-{slug}.json"
+    logs = out.parent / "logs" / slug
+    data: dict[str, object] = {
+        "benchmark": "first-start",
+        "model": args.model,
+        "model_path": str(path),
+        "model_file": path.name,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "command": shlex.join(
+            ["python", "benchmarks/first_start.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "machine": common.machine_info(),
+        "engines": {},
+    }
+    rows = []
+    if "tokenmill" in engines:
+        cmd = common.tokenmill_serve_cmd(
+            path, args.tokenmill_port, "--dtype", args.dtype, *shlex.split(args.tokenmill_args)
+        )
+        with tempfile.TemporaryDirectory(prefix="tokenmill-first-start-") as empty:
+            cache = Path(empty) / "cache"
+            env = common.thread_env(args.threads)
+            env.update(
+                XDG_CACHE_HOME=str(cache), TORCHINDUCTOR_CACHE_DIR=str(Path(empty) / "inductor")
+            )
+            for start, log_name in (("first start", "first-start"), ("later start", "later-start")):
+                result = start_and_probe(
+                    f"tokenmill ({start})",
+                    cmd,
+                    env,
+                    args.tokenmill_port,
+                    logs / f"tokenmill-{log_name}.log",
+                    args,
+                    cache if start == "first start" else None,
+                )
+                data["engines"][f"tokenmill, {start}"] = result
+                rows.append(row(f"tokenmill, {start}", result))
+    if "llama.cpp" in engines:
+        binary = common.ensure_llama(["llama-server"], build=not args.no_build)["llama-server"]
+        if binary is None:
+            raise RuntimeError(common.missing_llama_hint(["llama-server"]))
+        cmd = common.llama_server_cmd(binary, path, args.llama_port, args.threads)
+        result = start_and_probe(
+            "llama-server",
+            cmd,
+            common.thread_env(args.threads),
+            args.llama_port,
+            logs / "llama-server-start.log",
+            args,
+        )
+        data["engines"]["llama-server"] = result
+        rows.append(row("llama-server", result))
+
+    print(
+        f"\nFirst start: {path.name}, {args.threads} threads, {args.max_tokens}-token answers "
+        "(seconds from the server's start)\n"
+    )
+    print(common.table(HEADERS, rows), flush=True)
+    common.write_json(out, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.main_guard(main))
