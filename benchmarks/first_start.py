@@ -9,12 +9,18 @@ decode graphs serve ("the fast path"), and a few more after that. It then starts
 on the now-filled caches (a later start), and last starts llama-server on the same file and sends
 it the same request. The servers run one at a time.
 
+With --load-streams N, N answers are in flight at once from the first answer on instead, until
+the graphs serve and --after-s seconds more: what a busy server's throughput pays for the build.
+`--tokenmill-args=--no-compile` gives the same load without any build to set beside it.
+
 Reported, in seconds from the server's start: the first `/health` 200, the first answer, when the
-kernels' library appeared in the cache and when the graphs served; the answers' latencies while
-the graphs built and after. Output: a table and first-start-<model>.json in the results directory
-(BENCH_RESULTS, default benchmarks/results/local).
+kernels' library appeared in the cache and when the graphs served; the answers' latencies (and,
+under load, output tokens a second) while the graphs built and after. Output: a table and
+first-start-<model>.json in the results directory (BENCH_RESULTS, default
+benchmarks/results/local).
 
     python benchmarks/first_start.py --model smollm2-135m-instruct
+    python benchmarks/first_start.py --model smollm2-135m-instruct --load-streams 32 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -35,25 +45,28 @@ from common import fmt, log  # noqa: E402
 
 PROMPT = "The capital of France is"
 ANSWERS_AFTER_FAST_PATH = 5  # answers timed once the graphs serve, to set beside those before
+HEALTH_POLL_S = 0.2  # how often /health is asked while a server starts or its graphs build
 
 
-def complete(url: str, max_tokens: int, timeout: float) -> float:
+def client(connections: int = 1) -> httpx.Client:
+    """One client for a run's requests: kept-alive connections, so that the client's own work
+    takes little of the cores the server is timed on."""
+    return httpx.Client(limits=httpx.Limits(max_connections=connections + 1))
+
+
+def complete(http: httpx.Client, url: str, max_tokens: int, timeout: float) -> float:
     """Send one greedy completion; return its latency in seconds."""
-    import httpx
-
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()
-    response = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    response = http.post(url + "/v1/completions", json=body, timeout=timeout)
     response.raise_for_status()
     return time.perf_counter() - start
 
 
-def health(url: str) -> dict | None:
+def health(http: httpx.Client, url: str) -> dict | None:
     """/health's JSON body, or None while the server does not answer 200."""
-    import httpx
-
     try:
-        response = httpx.get(url + "/health", timeout=2.0)
+        response = http.get(url + "/health", timeout=2.0)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
@@ -80,6 +93,64 @@ def latencies(values: list[float]) -> dict[str, float | int | None]:
     }
 
 
+def under_load(
+    http: httpx.Client, url: str, args: argparse.Namespace, since: Callable[[], float]
+) -> dict[str, object]:
+    """--load-streams answers in flight at once from the first answer on, until the decode graphs
+    serve (tokenmill; at once for a server without them) and --after-s seconds more: the output
+    tokens a second and the answers' latencies while the graphs built and after."""
+    stop = threading.Event()
+    finished: list[tuple[float, float]] = []  # (when, latency) of each answer
+    failed: list[str] = []
+
+    def stream() -> None:
+        while not stop.is_set():
+            try:
+                latency = complete(http, url, args.max_tokens, args.timeout)
+            except httpx.HTTPError as exc:  # counted and reported: the rates would be too low
+                failed.append(repr(exc))
+                time.sleep(HEALTH_POLL_S)
+                continue
+            finished.append((since(), latency))
+
+    start = since()
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(args.load_streams)]
+    for thread in threads:
+        thread.start()
+    state = health(http, url) or {}
+    while state.get("decode") == "compiling" and since() < args.timeout:
+        time.sleep(HEALTH_POLL_S)
+        state = health(http, url) or {}
+    if state.get("decode") == "compiling":
+        stop.set()
+        raise RuntimeError(f"graphs still building after {args.timeout:g} s")
+    fast = since()
+    time.sleep(args.after_s)
+    end = since()
+    stop.set()
+    for thread in threads:
+        thread.join(args.timeout)
+
+    def rate(t0: float, t1: float) -> float | None:
+        count = sum(1 for when, _ in finished if t0 <= when < t1)
+        return count * args.max_tokens / (t1 - t0) if t1 - t0 >= 1 else None
+
+    result: dict[str, object] = {
+        "decode": state.get("decode"),
+        "load_streams": args.load_streams,
+        "tok_s_while_building": rate(start, fast),
+        "tok_s_after": rate(fast, end),
+        "answers_while_building": latencies([lat for when, lat in finished if when < fast]),
+        "answers_after": latencies([lat for when, lat in finished if fast <= when < end]),
+        "failed": len(failed),
+    }
+    if failed:
+        log(f"{len(failed)} answers failed under load, the first: {failed[0]}")
+    if "decode" in state:
+        result["fast_path_s"] = fast
+    return result
+
+
 def start_and_probe(
     name: str,
     cmd: list[str],
@@ -96,7 +167,7 @@ def start_and_probe(
     url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, object] = {"command": shlex.join(cmd)}
-    with open(log_path, "w") as out:
+    with open(log_path, "w") as out, client(args.load_streams) as http:
         log(f"starting {name}: {shlex.join(cmd)}")
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -111,7 +182,7 @@ def start_and_probe(
                 if cache is not None and kernels_s is None and kernels_built(cache):
                     kernels_s = since()
 
-            while (state := health(url)) is None:
+            while (state := health(http, url)) is None:
                 if proc.poll() is not None:
                     raise RuntimeError(
                         f"{name} exited with code {proc.returncode} before it was healthy; see "
@@ -120,30 +191,35 @@ def start_and_probe(
                 if since() > args.timeout:
                     raise RuntimeError(f"{name} not healthy after {args.timeout:g} s")
                 watch_kernels()
-                time.sleep(0.05)
+                time.sleep(HEALTH_POLL_S)
             result["health_s"] = since()
             watch_kernels()
-            complete(url, args.max_tokens, args.timeout)
+            complete(http, url, args.max_tokens, args.timeout)
             result["first_answer_s"] = since()
             log(
                 f"{name}: /health after {result['health_s']:.1f} s, first answer after "
                 f"{result['first_answer_s']:.1f} s"
             )
-            before: list[float] = []
-            while (state or {}).get("decode") == "compiling" and since() < args.timeout:
-                before.append(complete(url, args.max_tokens, args.timeout))
-                state = health(url)
-            result["decode"] = (state or {}).get("decode")
-            if "decode" in (state or {}):  # tokenmill: when its fast path began, and its answers
-                if result["decode"] == "compiling":
-                    raise RuntimeError(f"{name}: graphs still building after {args.timeout:g} s")
-                result["fast_path_s"] = result["first_answer_s"] if not before else since()
-                after = [
-                    complete(url, args.max_tokens, args.timeout)
-                    for _ in range(ANSWERS_AFTER_FAST_PATH)
-                ]
-                result["answers_while_building"] = latencies(before)
-                result["answers_after"] = latencies(after)
+            if args.load_streams:
+                result.update(under_load(http, url, args, since))
+            else:
+                before: list[float] = []
+                while (state or {}).get("decode") == "compiling" and since() < args.timeout:
+                    before.append(complete(http, url, args.max_tokens, args.timeout))
+                    state = health(http, url)
+                result["decode"] = (state or {}).get("decode")
+                if "decode" in (state or {}):  # tokenmill: its fast path's start, its answers
+                    if result["decode"] == "compiling":
+                        raise RuntimeError(
+                            f"{name}: graphs still building after {args.timeout:g} s"
+                        )
+                    result["fast_path_s"] = result["first_answer_s"] if not before else since()
+                    after = [
+                        complete(http, url, args.max_tokens, args.timeout)
+                        for _ in range(ANSWERS_AFTER_FAST_PATH)
+                    ]
+                    result["answers_while_building"] = latencies(before)
+                    result["answers_after"] = latencies(after)
             result["kernels_s"] = kernels_s
         finally:
             common.kill_tree(proc)
@@ -159,6 +235,8 @@ HEADERS = [
     "answers meanwhile",
     "p50 meanwhile",
     "p50 after",
+    "tok/s meanwhile",
+    "tok/s after",
 ]
 
 
@@ -175,6 +253,8 @@ def row(name: str, result: dict) -> list[str]:
         str(during.get("count", "-")),
         fmt(during.get("p50_s"), 2),
         fmt(after.get("p50_s"), 2),
+        fmt(result.get("tok_s_while_building")),
+        fmt(result.get("tok_s_after")),
     ]
 
 
@@ -190,6 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenmill-port", type=int, default=8767)
     p.add_argument("--llama-port", type=int, default=8768)
     p.add_argument("--tokenmill-args", default="", help="extra `tokenmill serve` flags")
+    p.add_argument(
+        "--load-streams",
+        type=int,
+        default=0,
+        help="answers in flight at once from the first answer on, to time the graphs' build "
+        "under load (default: 0, one answer after another)",
+    )
+    p.add_argument(
+        "--after-s",
+        type=float,
+        default=60,
+        help="with --load-streams: seconds of load after the fast path begins",
+    )
     p.add_argument("--timeout", type=float, default=1200, help="seconds a start may take in all")
     p.add_argument("--no-build", action="store_true", help="do not build a missing llama-server")
     p.add_argument(
@@ -228,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
             env.update(
                 XDG_CACHE_HOME=str(cache), TORCHINDUCTOR_CACHE_DIR=str(Path(empty) / "inductor")
             )
+            flags = f" {args.tokenmill_args}" if args.tokenmill_args else ""
             for start, log_name in (("first start", "first-start"), ("later start", "later-start")):
                 result = start_and_probe(
-                    f"tokenmill ({start})",
+                    f"tokenmill{flags} ({start})",
                     cmd,
                     env,
                     args.tokenmill_port,
@@ -238,13 +332,17 @@ def main(argv: list[str] | None = None) -> int:
                     args,
                     cache if start == "first start" else None,
                 )
-                data["engines"][f"tokenmill, {start}"] = result
-                rows.append(row(f"tokenmill, {start}", result))
+                data["engines"][f"tokenmill{flags}, {start}"] = result
+                rows.append(row(f"tokenmill{flags}, {start}", result))
     if "llama.cpp" in engines:
         binary = common.ensure_llama(["llama-server"], build=not args.no_build)["llama-server"]
         if binary is None:
             raise RuntimeError(common.missing_llama_hint(["llama-server"]))
-        cmd = common.llama_server_cmd(binary, path, args.llama_port, args.threads)
+        # as many slots as answers in flight, 1,024 tokens of context each (serving.py: 32 x 1,024)
+        slots = max(1, args.load_streams)
+        cmd = common.llama_server_cmd(
+            binary, path, args.llama_port, args.threads, "-np", str(slots), "-c", str(1024 * slots)
+        )
         result = start_and_probe(
             "llama-server",
             cmd,

@@ -209,15 +209,22 @@ def first_start_section(runs: list[dict]) -> tuple[str, list[str]]:
             rows.append([d["model_file"], *first_start_row(name, result)])
         cmds.append(d["command"])
         cmds += list(dict.fromkeys(short(e["command"]) for e in d["engines"].values()))
-    text = md_table(["model", *FIRST_START_HEADERS], rows, "ll" + "r" * 7)
+    text = md_table(["model", *FIRST_START_HEADERS], rows, "ll" + "r" * 9)
     if runs:
-        tokens = runs[0]["settings"]["max_tokens"]
+        settings = runs[0]["settings"]
+        streams = settings.get("load_streams")
+        sent = (
+            f"{streams} at a time, from the first answer until the decode graphs serve (the fast "
+            f"path) and {settings['after_s']:g} s after"
+            if streams
+            else "one at a time, from the first /health 200 until the decode graphs serve (the "
+            "fast path) and a few after"
+        )
         text = (
             "Seconds from the server's start. tokenmill's first start has empty caches (kernels, "
             "decode graphs; the model file is given by path), its later start the caches the "
-            f"first one filled. {tokens}-token greedy answers, one at a time, from the first "
-            "/health 200 until the decode graphs serve (the fast path) and a few after; their "
-            "latencies in seconds.\n\n" + text
+            f"first one filled. {settings['max_tokens']}-token greedy answers, {sent}; their "
+            "latencies in seconds, their output tokens a second.\n\n" + text
         )
     return text, cmds
 
