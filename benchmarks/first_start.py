@@ -26,6 +26,7 @@ benchmarks/results/local).
 from __future__ import annotations
 
 import argparse
+import random
 import shlex
 import statistics
 import subprocess
@@ -98,23 +99,30 @@ def under_load(
 ) -> dict[str, object]:
     """--load-streams answers in flight at once from the first answer on, until the decode graphs
     serve (tokenmill; at once for a server without them) and --after-s seconds more: the output
-    tokens a second and the answers' latencies while the graphs built and after."""
+    tokens a second and the answers' latencies while the graphs built and after. Each answer asks
+    for a length drawn from 1/2 to 3/2 of --max-tokens, so that the streams do not finish in waves
+    that a window of time would count whole or not at all."""
     stop = threading.Event()
-    finished: list[tuple[float, float]] = []  # (when, latency) of each answer
+    finished: list[tuple[float, float, int]] = []  # (when, latency, tokens) of each answer
     failed: list[str] = []
 
-    def stream() -> None:
+    def stream(seed: int) -> None:
+        lengths = random.Random(seed)
         while not stop.is_set():
+            tokens = lengths.randint(max(1, args.max_tokens // 2), args.max_tokens * 3 // 2)
             try:
-                latency = complete(http, url, args.max_tokens, args.timeout)
+                latency = complete(http, url, tokens, args.timeout)
             except httpx.HTTPError as exc:  # counted and reported: the rates would be too low
                 failed.append(repr(exc))
                 time.sleep(HEALTH_POLL_S)
                 continue
-            finished.append((since(), latency))
+            finished.append((since(), latency, tokens))
 
     start = since()
-    threads = [threading.Thread(target=stream, daemon=True) for _ in range(args.load_streams)]
+    threads = [
+        threading.Thread(target=stream, args=(seed,), daemon=True)
+        for seed in range(args.load_streams)
+    ]
     for thread in threads:
         thread.start()
     state = health(http, url) or {}
@@ -132,16 +140,16 @@ def under_load(
         thread.join(args.timeout)
 
     def rate(t0: float, t1: float) -> float | None:
-        count = sum(1 for when, _ in finished if t0 <= when < t1)
-        return count * args.max_tokens / (t1 - t0) if t1 - t0 >= 1 else None
+        tokens = sum(n for when, _, n in finished if t0 <= when < t1)
+        return tokens / (t1 - t0) if t1 - t0 >= 1 else None
 
     result: dict[str, object] = {
         "decode": state.get("decode"),
         "load_streams": args.load_streams,
         "tok_s_while_building": rate(start, fast),
         "tok_s_after": rate(fast, end),
-        "answers_while_building": latencies([lat for when, lat in finished if when < fast]),
-        "answers_after": latencies([lat for when, lat in finished if fast <= when < end]),
+        "answers_while_building": latencies([lat for when, lat, _ in finished if when < fast]),
+        "answers_after": latencies([lat for when, lat, _ in finished if fast <= when < end]),
         "failed": len(failed),
     }
     if failed:
