@@ -213,18 +213,21 @@ def first_start_section(runs: list[dict]) -> tuple[str, list[str]]:
     if runs:
         settings = runs[0]["settings"]
         streams = settings.get("load_streams")
+        after = " or ".join(sorted({f"{d['settings'].get('after_s', 0):g}" for d in runs}))
+        tokens = settings["max_tokens"]
         sent = (
-            f"{streams} at a time, from the first answer until the decode graphs serve (the fast "
-            f"path) and {settings['after_s']:g} s after"
+            f"Greedy answers of {max(1, tokens // 2)}-{tokens * 3 // 2} tokens, {streams} at a "
+            "time, from the first answer until the decode graphs serve (the fast path) and "
+            f"{after} s after"
             if streams
-            else "one at a time, from the first /health 200 until the decode graphs serve (the "
-            "fast path) and a few after"
+            else f"{tokens}-token greedy answers, one at a time, from the first /health 200 until "
+            "the decode graphs serve (the fast path) and a few after"
         )
         text = (
             "Seconds from the server's start. tokenmill's first start has empty caches (kernels, "
             "decode graphs; the model file is given by path), its later start the caches the "
-            f"first one filled. {settings['max_tokens']}-token greedy answers, {sent}; their "
-            "latencies in seconds, their output tokens a second.\n\n" + text
+            f"first one filled. {sent}; their latencies in seconds, their output tokens a "
+            "second.\n\n" + text
         )
     return text, cmds
 
