@@ -487,6 +487,24 @@ def machine_info() -> dict[str, object]:
     }
 
 
+def run_record(
+    benchmark: str, script: str, args: argparse.Namespace, path: Path, argv: list[str] | None
+) -> dict[str, object]:
+    """The fields every result JSON starts with: what ran (the script's command line, its settings
+    but --out), on which model file and machine."""
+    return {
+        "benchmark": benchmark,
+        "model": args.model,
+        "model_path": str(path),
+        "model_file": path.name,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "command": shlex.join(
+            ["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "machine": machine_info(),
+    }
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 

@@ -306,18 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     slug = common.model_slug(args.model)
     out = Path(args.out) if args.out else common.RESULTS / f"first-start-{slug}.json"
     logs = out.parent / "logs" / slug
-    data: dict[str, object] = {
-        "benchmark": "first-start",
-        "model": args.model,
-        "model_path": str(path),
-        "model_file": path.name,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "command": shlex.join(
-            ["python", "benchmarks/first_start.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "machine": common.machine_info(),
-        "engines": {},
-    }
+    data = common.run_record("first-start", "first_start.py", args, path, argv) | {"engines": {}}
     rows = []
     if "tokenmill" in engines:
         cmd = common.tokenmill_serve_cmd(

@@ -463,18 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
 
     path = common.resolve_model(args.model)
-    data: dict[str, object] = {
-        "benchmark": "offline",
-        "model": args.model,
-        "model_path": str(path),
-        "model_file": path.name,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
-        "command": shlex.join(
-            ["python", "benchmarks/offline.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "machine": common.machine_info(),
-        "results": {},
-    }
+    data = common.run_record("offline", "offline.py", args, path, argv) | {"results": {}}
     results: dict[str, dict] = data["results"]  # type: ignore[assignment]
     runs: dict[str, TokenmillRuns | LlamaRuns] = {}
     if "tokenmill" in engines:

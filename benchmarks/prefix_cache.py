@@ -72,18 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     path = common.resolve_model(args.model)
     slug = common.model_slug(args.model)
     out = Path(args.out) if args.out else common.RESULTS / f"prefix-cache-{slug}.json"
-    data: dict[str, object] = {
-        "benchmark": "prefix_cache",
-        "model": args.model,
-        "model_path": str(path),
-        "model_file": path.name,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "command": shlex.join(
-            ["python", "benchmarks/prefix_cache.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "machine": common.machine_info(),
-        "modes": {},
-    }
+    data = common.run_record("prefix_cache", "prefix_cache.py", args, path, argv) | {"modes": {}}
     results = {}
     for mode, flags in MODES:  # one server at a time
         cmd = common.tokenmill_serve_cmd(

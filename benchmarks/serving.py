@@ -187,15 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     path = common.resolve_model(args.model)
     slug = common.model_slug(args.model)
     out = Path(args.out) if args.out else common.RESULTS / f"serving-{slug}.json"
-    data: dict[str, object] = {
-        "benchmark": "serving",
-        "model": args.model,
-        "model_path": str(path),
-        "model_file": path.name,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "command": shlex.join(
-            ["python", "benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
+    data = common.run_record("serving", "serving.py", args, path, argv) | {
         "workload": {
             "endpoint": "/v1/completions",
             "input_len": args.input_len,
@@ -205,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": 1,
             "num_prompts": {str(c): num_prompts(c, args) for c in args.concurrency},
         },
-        "machine": common.machine_info(),
         "engines": {},
     }
     results: dict[str, dict] = {}
