@@ -94,6 +94,18 @@ def latencies(values: list[float]) -> dict[str, float | int | None]:
     }
 
 
+def building(
+    http: httpx.Client, url: str, timeout: float, since: Callable[[], float]
+) -> dict[str, object]:
+    """/health's body once it no longer says the graphs are building (or at `timeout`); a
+    /health that does not answer in time under the load is asked again, not taken for done."""
+    state = health(http, url)
+    while (state is None or state.get("decode") == "compiling") and since() < timeout:
+        time.sleep(HEALTH_POLL_S)
+        state = health(http, url)
+    return state or {}
+
+
 def under_load(
     http: httpx.Client, url: str, args: argparse.Namespace, since: Callable[[], float]
 ) -> dict[str, object]:
@@ -125,10 +137,7 @@ def under_load(
     ]
     for thread in threads:
         thread.start()
-    state = health(http, url) or {}
-    while state.get("decode") == "compiling" and since() < args.timeout:
-        time.sleep(HEALTH_POLL_S)
-        state = health(http, url) or {}
+    state = building(http, url, args.timeout, since)
     if state.get("decode") == "compiling":
         stop.set()
         raise RuntimeError(f"graphs still building after {args.timeout:g} s")
@@ -214,7 +223,7 @@ def start_and_probe(
                 before: list[float] = []
                 while (state or {}).get("decode") == "compiling" and since() < args.timeout:
                     before.append(complete(http, url, args.max_tokens, args.timeout))
-                    state = health(http, url)
+                    state = health(http, url) or state  # unanswered: ask after the next answer
                 result["decode"] = (state or {}).get("decode")
                 if "decode" in (state or {}):  # tokenmill: its fast path's start, its answers
                     if result["decode"] == "compiling":
