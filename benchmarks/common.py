@@ -56,6 +56,18 @@ def add_dtype_arg(parser: argparse.ArgumentParser, what: str = "tokenmill's dtyp
     )
 
 
+def add_server_pair_args(parser: argparse.ArgumentParser) -> None:
+    """--model, --dtype and --threads of a script that runs `tokenmill serve` and llama-server on
+    the same file with the same threads."""
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path"
+    )
+    add_dtype_arg(parser, "tokenmill serve --dtype")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="llama-server -t, OMP_NUM_THREADS for tokenmill"
+    )
+
+
 def resolve_model(name: str) -> Path:
     """A catalog alias (pulled on first use, as `tokenmill pull` does) or a GGUF path."""
     path = Path(name).expanduser()

@@ -277,11 +277,7 @@ def row(name: str, result: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path")
-    common.add_dtype_arg(p, "tokenmill serve --dtype")
-    p.add_argument(
-        "--threads", type=int, default=2, help="llama-server -t, OMP_NUM_THREADS for tokenmill"
-    )
+    common.add_server_pair_args(p)
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per timed answer")
     p.add_argument("--engines", default="tokenmill,llama.cpp")
     p.add_argument("--tokenmill-port", type=int, default=8767)

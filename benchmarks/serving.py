@@ -140,11 +140,7 @@ def summary_table(data: dict, concurrency: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog alias or GGUF path")
-    common.add_dtype_arg(p, "tokenmill serve --dtype")
-    p.add_argument(
-        "--threads", type=int, default=2, help="llama-server -t, OMP_NUM_THREADS for tokenmill"
-    )
+    common.add_server_pair_args(p)
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument(
         "--prompts-per-concurrency", type=int, default=3, help="prompts per level: this times C ..."
