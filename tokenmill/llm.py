@@ -26,7 +26,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel workers, if any (see `LLMEngine.shutdown`)."""
+        """Stop the engine's graph build and tensor-parallel workers, if any (see
+        `LLMEngine.shutdown`)."""
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -410,6 +411,78 @@ def test_engine_told_to_compile_or_not_never_waits_for_a_job(tiny_loaded, monkey
     while engine.has_unfinished_requests():
         engine.step()
     assert calls == [] and engine.runner.decode_mode == "eager"
+
+
+def test_a_build_stopped_while_it_traces_ends_and_leaves_eager_steps(
+    tiny_loaded, monkeypatch, tmp_path
+) -> None:
+    # An engine's shutdown stops its graphs' build wherever it is: dynamo and inductor have no
+    # way to cancel one, so the thread gets an exception raised inside it
+    monkeypatch.setattr(model_runner, "cache_root", lambda: tmp_path)  # no graphs cached
+    tracing = threading.Event()
+    trace = ModelRunner._trace_graphs
+
+    def traced(self, start: float) -> dict:
+        tracing.set()
+        return trace(self, start)
+
+    monkeypatch.setattr(ModelRunner, "_trace_graphs", traced)
+    runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    assert tracing.wait(120)
+    time.sleep(1.0)  # well inside the first graph's trace, which takes seconds
+    assert runner.decode_mode == "compiling" and runner._compiled_decode is None
+    assert runner.stop_compile(timeout=60)
+    assert runner.decode_mode == "eager" and runner.compile_error is None
+    assert not list(tmp_path.rglob("*.bin"))  # nothing saved
+    eager = ModelRunner(tiny_loaded, num_blocks=8, block_size=16)
+    for each in (runner, eager):
+        each.last_token_logits(PROMPTS, [len(p) for p in PROMPTS], TABLES)
+    step = ([[7]] * len(PROMPTS), [len(p) + 1 for p in PROMPTS], TABLES)
+    assert torch.equal(runner.last_token_logits(*step), eager.last_token_logits(*step))
+
+
+def test_the_interpreter_stops_a_running_build_before_it_exits(tiny_model_dir) -> None:
+    # A daemon thread still in a PyTorch op when the interpreter finalizes aborts the process
+    # (exit status 134; see engine/stoppable_thread.py): the exit stops the build first. The
+    # check is registered before tokenmill is imported, so it runs after tokenmill's handler.
+    script = f"""
+import atexit, threading
+atexit.register(lambda: print("alive at exit:", [
+    t.name for t in threading.enumerate() if t.name == "tokenmill-compile"]))
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.model.loader import load_model
+building = threading.Event()
+def build(self):
+    building.set()
+    while True:
+        sum(range(1000))  # Python, as dynamo's tracing is
+ModelRunner._build_or_load_graphs = build
+loaded = load_model({str(tiny_model_dir)!r}, progress=False)
+runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
+assert building.wait(60)
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "alive at exit: []"
+
+
+def test_an_engine_shut_down_stops_its_build(tiny_loaded, monkeypatch) -> None:
+    building = threading.Event()
+
+    def build(self) -> None:
+        building.set()
+        while True:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(ModelRunner, "_build_or_load_graphs", build)
+    engine = LLMEngine(tiny_loaded, num_kv_blocks=64, compile=True)
+    assert building.wait(60)
+    engine.shutdown()
+    engine.runner.wait_compiled(timeout=30)
+    assert engine.runner.decode_mode == "eager"
+    assert not engine.runner._compile_thread.is_alive()
 
 
 @pytest.fixture(scope="module")

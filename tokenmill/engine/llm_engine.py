@@ -261,8 +261,13 @@ class LLMEngine:
             executor.connect(num_blocks, self.loaded.model.device)
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent). graceful False: terminate
-        them, as after a failed step, when the ranks are out of step."""
+        """Stop the decode graphs' build and the tensor-parallel workers, if any (idempotent).
+        The build is told to stop, not waited for: it ends at its next bytecode, and the
+        interpreter's exit waits for it (see engine/stoppable_thread.py). graceful False:
+        terminate the workers, as after a failed step, when the ranks are out of step."""
+        for runner in (getattr(self, "runner", None), getattr(self, "drafter", None)):
+            if runner is not None:  # a start that failed has neither
+                runner.stop_compile(timeout=0)
         if self.executor is not None:
             self.executor.shutdown(graceful)
             self.executor = None

@@ -11,13 +11,14 @@ eager steps serve; the compiled graph takes over when it is ready.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ import torch
 
 from tokenmill import model as model_package
 from tokenmill.catalog import cache_root, mark_used, prune_cache
+from tokenmill.engine.stoppable_thread import StoppableThread
 from tokenmill.model import kernels
 from tokenmill.model.attention import (
     AttentionBatch,
@@ -134,6 +136,22 @@ def _graph_lock(entry: Path) -> threading.Lock:
         return _graph_locks.setdefault(entry, threading.Lock())
 
 
+# The compile thread waits for a lock or another thread in slices of this many seconds: a wait
+# in one C call would hold off `stop_compile`'s exception until it ends.
+WAIT_SLICE_S = 0.1
+
+
+@contextlib.contextmanager
+def _holding(lock: threading.Lock) -> Iterator[None]:
+    """Hold lock, waiting for it in `WAIT_SLICE_S` slices."""
+    while not lock.acquire(timeout=WAIT_SLICE_S):
+        pass
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache; block allocation is the caller's business."""
 
@@ -186,7 +204,7 @@ class ModelRunner:
         self.compile_requested = compile and self.compiles
         if compile and not self.compiles:
             log.info("mixture-of-experts model: decode steps stay eager (no compiled graph)")
-        self._compile_thread: threading.Thread | None = None
+        self._compile_thread: StoppableThread | None = None
         self.uncompiled_decode_steps = 0  # decode steps no compiled graph fitted (run eagerly)
         self._logits: torch.Tensor | None = None  # see _logits_buffer
         self._kernel_build = (
@@ -208,10 +226,15 @@ class ModelRunner:
         """Start the requested compilation, once. Tracing holds the GIL for seconds at a time, and
         loading saved graphs too delays a server's start, so a server starts it once it listens."""
         if self.compile_requested and self._compile_thread is None:
-            self._compile_thread = threading.Thread(
-                target=self._compile_decode, name="tokenmill-compile", daemon=True
-            )
+            self._compile_thread = StoppableThread(self._compile_decode, "tokenmill-compile")
             self._compile_thread.start()
+
+    def stop_compile(self, timeout: float | None = None) -> bool:
+        """Stop building or loading the decode graphs, wherever that has got to, and wait up to
+        timeout seconds for it to end (True if it has). A graph ready by then keeps serving its
+        batches; the others run eagerly."""
+        self.compile_requested = False
+        return self._compile_thread is None or self._compile_thread.stop(timeout)
 
     @property
     def decode_mode(self) -> str:
@@ -429,14 +452,16 @@ class ModelRunner:
         # deadlock.
         import torch._dynamo  # noqa: F401
 
+        # graphs traced before the kernels load would not use them
         if self._kernel_build is not None:
-            self._kernel_build.join()  # graphs traced before the kernels load would not use them
+            while self._kernel_build.is_alive():
+                self._kernel_build.join(WAIT_SLICE_S)
         # inductor builds its kernels for the current thread count
         self._set_threads(self.max_threads)
         paths = self._graph_paths()
         folder = paths[1].parent
         try:
-            with _graph_lock(paths[1]):
+            with _holding(_graph_lock(paths[1])):
                 graphs = self._load_graphs(paths)
                 if graphs is None:
                     graphs = self._trace_graphs(start)
