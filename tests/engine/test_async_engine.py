@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -104,3 +106,23 @@ def test_factory_failure_is_raised_to_the_caller() -> None:
 
     with pytest.raises(FileNotFoundError, match="no such model"):
         AsyncLLMEngine(build)
+
+
+def test_shutdown_waits_for_the_step_in_progress(tiny_loaded, monkeypatch) -> None:
+    # The engine thread is a daemon: one still inside a step's kernels when the interpreter exits
+    # would abort the process, so shutdown waits out a step longer than it once did (5 s)
+    llm = LLMEngine(tiny_loaded, num_kv_blocks=64)
+    stepping = threading.Event()
+    step = llm.step
+
+    def slow_step() -> list:
+        stepping.set()
+        time.sleep(6.0)
+        return step()
+
+    monkeypatch.setattr(llm, "step", slow_step)
+    llm.add_request("slow", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine = AsyncLLMEngine(llm)
+    assert stepping.wait(30)
+    engine.shutdown()
+    assert not engine._thread.is_alive()

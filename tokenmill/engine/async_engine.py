@@ -36,6 +36,12 @@ from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
 
+# How long `AsyncLLMEngine.shutdown` waits for the step in progress. Steps take seconds at most
+# (a long prompt chunk of a 1.5B model); the wait matters because the engine thread is a daemon,
+# and one still inside a kernel when the interpreter exits would abort it (see
+# engine/stoppable_thread.py). A step past this is stuck (a tensor-parallel worker gone).
+ENGINE_STOP_TIMEOUT_S = 60.0
+
 
 class EngineDeadError(TokenmillError):
     """The engine loop crashed; no request can be served until the process restarts."""
@@ -368,9 +374,12 @@ class AsyncLLMEngine(EngineClient):
         """Run fn(engine) on the engine thread (for reads that must not race a step)."""
         return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float = ENGINE_STOP_TIMEOUT_S) -> None:
+        """Stop the engine thread after its step in progress, waiting up to timeout seconds."""
         self._stop.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine's step did not end within %.0f s of shutdown", timeout)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
