@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch._inductor import loop_body
 from tokenmill.engine import llm_engine, model_runner
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.model import quant_linear
+from tokenmill.model import kernels, quant_linear
 from tokenmill.model.dense_linear import DenseLinear
 from tokenmill.model.loader import load_model
 from tokenmill.sample import SamplingParams
@@ -461,8 +462,11 @@ loaded = load_model({str(tiny_model_dir)!r}, progress=False)
 runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
 assert building.wait(60)
 """
+    env = dict(os.environ)
+    if kernels.loaded():  # the kernels this process loaded: a fixture may point the cache elsewhere
+        env["XDG_CACHE_HOME"] = str(Path(kernels._bindings.__file__).parents[3])
     run = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "alive at exit: []"
