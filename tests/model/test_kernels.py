@@ -7,9 +7,12 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
+from tests.model.test_gguf import random_blocks
 from tests.paged_cache import block_tables, filled_cache
 from tokenmill.model import kernels
 from tokenmill.model.attention import (
@@ -18,6 +21,7 @@ from tokenmill.model.attention import (
     _matmul_decode_attention,
 )
 from tokenmill.model.config import RopeSettings
+from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     MAX_STEP,
@@ -29,6 +33,7 @@ from tokenmill.model.quant_linear import (
     pack_fifth_bits,
     pack_int4_rows,
     pack_tiles,
+    packed_form,
     tiles_layout,
     unpack_int4_rows,
     unpack_tiles,
@@ -955,3 +960,44 @@ def test_translation_units_hold_every_source_once_and_share_the_build_evenly(
     seconds = [sum(kernels.SOURCE_COMPILE_SECONDS[name] for name in share) for share in shares]
     longest = max(kernels.SOURCE_COMPILE_SECONDS.values())
     assert max(seconds) <= 1.1 * max(sum(seconds) / len(units), longest)
+
+
+@pytest.mark.parametrize(("qtype", "compact"), [(Q.Q4_K, False), (Q.Q4_K, True), (Q.Q6_K, False)])
+def test_layout_kernels_lay_gguf_weights_out_as_the_python_path_does(
+    qtype: Q, compact: bool, monkeypatch
+) -> None:
+    # layout.cpp stands in for PyTorch's passes while a model loads: a model must load to the same
+    # bits whether or not the kernels build
+    assert kernels.load()
+    shape = (48, 512)
+    rng = np.random.default_rng(int(qtype))
+    raw = torch.from_numpy(random_blocks(qtype, shape, rng))
+    if qtype == Q.Q6_K:  # a row of zeros: its scale is the floor, 1e-12
+        raw.view(-1, 210)[:2, 208:210] = 0
+    if compact:  # as llama.cpp writes Q4_K: a block's largest 6-bit scale and min are 63
+        blocks = raw.view(-1, 144)
+        blocks[:, 4] |= 63
+        blocks[:, 8] |= 63
+        # d and dmin powers of two, so that d x 63 / 63 is d exactly
+        powers = torch.from_numpy(2.0 ** -rng.integers(4, 12, (blocks.shape[0], 2)))
+        blocks[:, :4] = powers.half().view(torch.uint8).view(-1, 4)
+    weight = GGMLWeight(raw, qtype, shape)
+
+    def laid_out() -> tuple[str, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        kind, data = packed_form(weight)
+        layer = QuantLinear(*shape, torch.float32, **{kind: data}, tiles=True)
+        return kind, data, {name: b for name, b in layer.named_buffers() if b is not None}
+
+    fast = laid_out()
+    monkeypatch.setattr(kernels, "loaded", lambda: False)
+    slow = laid_out()
+    assert fast[0] == slow[0] == ("int4" if qtype == Q.Q4_K else "int8")
+    for a, b in zip(fast[1], slow[1], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert fast[2].keys() == slow[2].keys() and "tile_q" in fast[2]
+    for name, buffer in fast[2].items():
+        assert buffer.dtype == slow[2][name].dtype and torch.equal(buffer, slow[2][name]), name
+    if qtype == Q.Q6_K:
+        assert fast[1][1][0] == torch.tensor(1e-12) and not fast[1][0][0].any()
+    else:  # compact scales are bytes, the others float16 or float32
+        assert (fast[2]["tile_scales"].dtype == torch.uint8) == compact

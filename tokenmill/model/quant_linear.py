@@ -255,6 +255,8 @@ def compact_tile_scales(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor 
     rows, groups = scale.shape
     if rows % TILE_ROWS or groups % COMPACT_GROUPS:
         return None
+    if kernels.loaded():  # the same bytes in one pass (layout.cpp)
+        return kernels.ops().compact_scales(scale.float().contiguous(), low.float().contiguous())
     parts = [_unit_multiples(values) for values in (scale, low)]
     if parts[0] is None or parts[1] is None:
         return None
@@ -313,6 +315,14 @@ def pack_tiles(
     output head never has a copy in memory whole."""
     rows, cols = q.shape
     groups, count = cols // INT4_GROUP, rows // TILE_ROWS
+    if kernels.loaded() and (bits, q.dtype) in ((4, torch.uint8), (8, torch.int8)):
+        # the same bytes in one pass (layout.cpp)
+        return QuantTiles(
+            kernels.ops().tile_bytes(q.contiguous(), bits),
+            _tile_scales(scale, low, compact),
+            None,
+            bits,
+        )
     tiles = torch.empty(count, groups, 4, 2 if bits == 8 else 1, TILE_ROWS, 4, dtype=torch.uint8)
     fifth = torch.empty(count, groups, 4, 2, 8, dtype=torch.uint8) if bits == 5 else None
     signed = q.dtype == torch.int8
@@ -399,6 +409,8 @@ def exact_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     (q in 0..31): q (rows, cols), scale and low (rows, cols / 32) float32, with
     w = scale * q + low exactly as ggml dequantizes."""
     rows, cols = w.shape
+    if w.qtype == Q.Q4_K and kernels.loaded():  # the same values in one pass (layout.cpp)
+        return kernels.ops().q4_k_groups(w.data.contiguous(), rows, cols)
     _, type_size = quant.GGML_QUANT_SIZES[w.qtype]
     b = w.data.contiguous().view(-1, type_size)
     if w.qtype in (Q.Q4_0, Q.Q5_0):
@@ -475,6 +487,8 @@ def packed_form(w: GGMLWeight) -> Packed:
     ):
         return "int5", exact_groups(w)
     rows, cols = w.shape
+    if w.qtype == Q.Q6_K and kernels.loaded():  # the same values in one pass (layout.cpp)
+        return "int8", kernels.ops().q6_k_int8_rows(w.data.contiguous(), rows, cols)
     q8 = torch.empty(rows, cols, dtype=torch.int8)
     scales = torch.empty(rows)
     step = max(1, quant.CHUNK_ELEMENTS // cols)

@@ -74,6 +74,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_ids", &tokenmill::greedy_ids, unlocked);
   m.def("sample_ids", &tokenmill::sample_ids, unlocked);
   m.def("ban_disallowed_", &tokenmill::ban_disallowed_, unlocked);
+  m.def("q4_k_groups", &tokenmill::q4_k_groups, unlocked);
+  m.def("q6_k_int8_rows", &tokenmill::q6_k_int8_rows, unlocked);
+  m.def("tile_bytes", &tokenmill::tile_bytes, unlocked);
+  m.def("compact_scales", &tokenmill::compact_scales, unlocked);
 
   pybind11::class_<BoundLinear>(m, "BoundLinear").def("__call__", &BoundLinear::operator(), unlocked);
   m.def("bind_quant_tiles_linear", &bind_quant_tiles_linear);

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 
 namespace tokenmill {
 
@@ -41,6 +42,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 at::Tensor greedy_ids(const at::Tensor& logits);
 at::Tensor sample_ids(const at::Tensor& logits, const at::Tensor& inverse_temperature, const at::Tensor& uniforms);
 void ban_disallowed_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bits);
+
+// layout.cpp (loading)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blocks, int64_t rows, int64_t cols);
+std::tuple<at::Tensor, at::Tensor> q6_k_int8_rows(const at::Tensor& blocks, int64_t rows, int64_t cols);
+at::Tensor tile_bytes(const at::Tensor& q, int64_t bits);
+std::optional<at::Tensor> compact_scales(const at::Tensor& scale, const at::Tensor& low);
 
 // layer.cpp
 // A linear layer as an eager step multiplies by it: one of the products above with the layer's

@@ -1,0 +1,230 @@
+// Loading: GGUF blocks to the kernels' forms, in one pass each where PyTorch takes many. Every
+// function computes what the Python path it stands in for computes (quant_linear.py's
+// `exact_groups`, `quantize_int8` of quant.py's dequantized rows, `pack_tiles`' tile bytes) with the
+// same float32 operations in the same order, so a model (finite weights) loads to the same bits with
+// or without these kernels. Those passes were most of a later start of a 1.5B model.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kSuperBlock = 256;  // the K-quants' elements per block
+constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210;
+constexpr int64_t kGroup = 32, kTileRows = 16;
+
+float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// The 8 6-bit scales and mins of a Q4_K block's 12 scale bytes (ggml's get_scale_min_k4).
+void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q6_K: values 32k..32k+31 of one half (128 values) of a block, as quant.py's `_q6_k`
+// (q - 32) * (d * scale): value 32k + l takes its low 4 bits from byte l (k even) or l + 32 (k odd)
+// of the half's 64 (the low nibble for k < 2, the high one after) and its high 2 bits from bits
+// 2k, 2k + 1 of byte l of the half's 32; a scale covers 16 values. K is a template argument so
+// that the shifts are constants and the loop vectorizes.
+template <int K>
+void q6_k_quarter(const uint8_t* __restrict ql, const uint8_t* __restrict qh, const int8_t* __restrict scales, float d,
+                  float* __restrict out) {
+  const uint8_t* __restrict low = ql + 32 * (K & 1);
+  for (int half = 0; half < 2; ++half) {
+    const float step = d * static_cast<float>(scales[2 * K + half]);
+    for (int l = 16 * half; l < 16 * half + 16; ++l) {
+      const int q = ((low[l] >> (4 * (K >> 1))) & 0x0F) | (((qh[l] >> (2 * K)) & 3) << 4);
+      out[32 * K + l] = static_cast<float>(q - 32) * step;
+    }
+  }
+}
+
+// Q6_K: the 256 values of one block as float32.
+void q6_k_values(const uint8_t* b, float* w) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  for (int g = 0; g < 2; ++g) {
+    const uint8_t *ql = b + 64 * g, *qh = b + 128 + 32 * g;
+    q6_k_quarter<0>(ql, qh, scales + 8 * g, d, w + 128 * g);
+    q6_k_quarter<1>(ql, qh, scales + 8 * g, d, w + 128 * g);
+    q6_k_quarter<2>(ql, qh, scales + 8 * g, d, w + 128 * g);
+    q6_k_quarter<3>(ql, qh, scales + 8 * g, d, w + 128 * g);
+  }
+}
+
+}  // namespace
+
+namespace tokenmill {
+
+// Q4_K blocks (rows, cols / 256 * 144) uint8 -> q (rows, cols) uint8 in 0..15 and scale, low
+// (rows, cols / 32) float32 with w = scale * q + low (`exact_groups`).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blocks, int64_t rows, int64_t cols) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "q4_k_groups: blocks must be contiguous uint8");
+  TORCH_CHECK(cols % kSuperBlock == 0 && blocks.numel() == rows * cols / kSuperBlock * kQ4KBytes,
+              "q4_k_groups: ", blocks.numel(), " bytes are not Q4_K blocks of ", rows, " x ", cols);
+  at::Tensor q = at::empty({rows, cols}, blocks.options());
+  at::Tensor scale = at::empty({rows, cols / kGroup}, blocks.options().dtype(at::kFloat));
+  at::Tensor low = at::empty_like(scale);
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* q_out = q.data_ptr<uint8_t>();
+  float *scale_out = scale.data_ptr<float>(), *low_out = low.data_ptr<float>();
+  const int64_t count = rows * cols / kSuperBlock;
+  at::parallel_for(0, count, 256, [&](int64_t first, int64_t end) {
+    for (int64_t n = first; n < end; ++n) {
+      const uint8_t* b = in + n * kQ4KBytes;
+      const float d = half_at(b), dmin = half_at(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        k_scale_min(b + 4, j, sc, mn);
+        scale_out[n * 8 + j] = d * static_cast<float>(sc);
+        low_out[n * 8 + j] = -(dmin * static_cast<float>(mn));
+        // sub-blocks 2i and 2i + 1: the low and high nibbles of bytes 32i..32i+31
+        const uint8_t* __restrict qs = b + 16 + (j / 2) * 32;
+        uint8_t* __restrict out = q_out + n * kSuperBlock + j * kGroup;
+        for (int i = 0; i < kGroup; ++i) out[i] = j % 2 ? qs[i] >> 4 : qs[i] & 0x0F;
+      }
+    }
+  });
+  return {q, scale, low};
+}
+
+// Q6_K blocks (rows, cols / 256 * 210) uint8 -> each row quantized to int8 with one scale, as
+// quant_linear.py's `quantize_int8` of the dequantized row: scale = max(amax / 127, 1e-12),
+// q = clamp(round-half-even(w / scale), -127, 127).
+std::tuple<at::Tensor, at::Tensor> q6_k_int8_rows(const at::Tensor& blocks, int64_t rows, int64_t cols) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "q6_k_int8_rows: blocks must be contiguous uint8");
+  TORCH_CHECK(cols % kSuperBlock == 0 && blocks.numel() == rows * cols / kSuperBlock * kQ6KBytes,
+              "q6_k_int8_rows: ", blocks.numel(), " bytes are not Q6_K blocks of ", rows, " x ", cols);
+  at::Tensor q = at::empty({rows, cols}, blocks.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({rows}, blocks.options().dtype(at::kFloat));
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  int8_t* q_out = q.data_ptr<int8_t>();
+  float* scale_out = scale.data_ptr<float>();
+  const int64_t row_bytes = cols / kSuperBlock * kQ6KBytes;
+  const float smallest = static_cast<float>(1e-12);
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
+    std::vector<float> w(cols);
+    for (int64_t r = first; r < end; ++r) {
+      for (int64_t k = 0; k < cols / kSuperBlock; ++k)
+        q6_k_values(in + r * row_bytes + k * kQ6KBytes, w.data() + k * kSuperBlock);
+      using namespace simd;
+      Vec peaks = zero();
+      for (int64_t i = 0; i < cols; i += kWidth) {
+        const Vec v = load(w.data() + i);
+        peaks = max(peaks, max(v, sub(zero(), v)));
+      }
+      const float s = std::max(max_of(peaks) / 127.0f, smallest);
+      scale_out[r] = s;
+      const Vec step = set1(s), lowest = set1(-127.0f), highest = set1(127.0f);
+      for (int64_t i = 0; i < cols; i += kWidth)
+        store(w.data() + i, min(max(round(div(load(w.data() + i), step)), lowest), highest));
+      int8_t* __restrict row_out = q_out + r * cols;
+      const float* __restrict rounded = w.data();
+      for (int64_t i = 0; i < cols; ++i) row_out[i] = static_cast<int8_t>(static_cast<int>(rounded[i]));
+    }
+  });
+  return {q, scale};
+}
+
+// `pack_tiles`' tile bytes of q (rows, cols): 4 bits (uint8 in 0..15; the two halves of each group
+// share bytes as low and high nibbles) or 8 (int8, stored as q + 128). Per tile of 16 rows, group
+// of 32 and sub-block j, byte 4c + e of each vector holds row c's q at element 4j + e of the
+// group's first half, then of its second.
+at::Tensor tile_bytes(const at::Tensor& q, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "tile_bytes: bits must be 4 or 8");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+              "tile_bytes: q must be contiguous 2-D, int8 for 8 bits, uint8 for 4");
+  const int64_t rows = q.size(0), cols = q.size(1);
+  TORCH_CHECK(rows % kTileRows == 0 && cols % kGroup == 0, "tile_bytes: rows must be a multiple of 16, cols of 32");
+  const int64_t groups = cols / kGroup, tiles = rows / kTileRows, halves = bits == 8 ? 2 : 1;
+  // [tile, group, j, half, c, e]
+  at::Tensor out = at::empty({tiles * groups * 4 * halves * kTileRows * 4}, q.options().dtype(at::kByte));
+  const uint8_t* in = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t end) {
+    for (int64_t t = first; t < end; ++t)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t j = 0; j < 4; ++j)
+          for (int64_t h = 0; h < halves; ++h) {
+            uint32_t* v = reinterpret_cast<uint32_t*>(o + (((t * groups + g) * 4 + j) * halves + h) * kTileRows * 4);
+            for (int64_t c = 0; c < kTileRows; ++c) {
+              const uint8_t* row = in + (t * kTileRows + c) * cols + g * kGroup + 4 * j;
+              uint32_t first_half, second_half;
+              std::memcpy(&first_half, row + 16 * h, 4);
+              if (bits == 8) {
+                v[c] = first_half ^ 0x80808080u;
+              } else {
+                std::memcpy(&second_half, row + 16, 4);
+                v[c] = (first_half & 0x0F0F0F0Fu) | ((second_half & 0x0F0F0F0Fu) << 4);
+              }
+            }
+          }
+  });
+  return out;
+}
+
+// `compact_tile_scales`: per-group scale and low (rows, groups) float32 as compact tile scales
+// (rows / 16, groups / 8, 8 * 32 + 128) uint8, or nullopt where some value is no whole multiple
+// (0-63) of its block's unit. Per tile, block of 8 groups: the multiples [group, scale/low, row c],
+// then the units [scale/low, c] as float32 bytes; a unit is the block's value of largest magnitude
+// (its first) / 63.
+std::optional<at::Tensor> compact_scales(const at::Tensor& scale, const at::Tensor& low) {
+  TORCH_CHECK(scale.dim() == 2 && scale.sizes() == low.sizes() && scale.scalar_type() == at::kFloat &&
+                  low.scalar_type() == at::kFloat && scale.is_contiguous() && low.is_contiguous(),
+              "compact_scales: scale and low must be contiguous float32 of one shape (rows, groups)");
+  const int64_t rows = scale.size(0), groups = scale.size(1);
+  constexpr int64_t kBlockGroups = 8, kBlockBytes = kBlockGroups * 32 + 128;
+  TORCH_CHECK(rows % kTileRows == 0 && groups % kBlockGroups == 0,
+              "compact_scales: rows must be a multiple of 16, groups of 8");
+  const int64_t tiles = rows / kTileRows, blocks = groups / kBlockGroups;
+  at::Tensor out = at::empty({tiles, blocks, kBlockBytes}, scale.options().dtype(at::kByte));
+  const float* values[2] = {scale.data_ptr<float>(), low.data_ptr<float>()};
+  uint8_t* o = out.data_ptr<uint8_t>();
+  std::atomic<bool> fits{true};
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t end) {
+    for (int64_t t = first; t < end && fits.load(std::memory_order_relaxed); ++t)
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* block = o + (t * blocks + b) * kBlockBytes;
+        float* units = reinterpret_cast<float*>(block + kBlockGroups * 32);  // [scale/low, c]
+        for (int sl = 0; sl < 2; ++sl)
+          for (int64_t c = 0; c < kTileRows; ++c) {
+            const float* v = values[sl] + (t * kTileRows + c) * groups + b * kBlockGroups;
+            int64_t peak = 0;
+            for (int64_t g = 1; g < kBlockGroups; ++g)
+              if (std::fabs(v[g]) > std::fabs(v[peak])) peak = g;
+            const float unit = v[peak] / 63.0f;
+            std::memcpy(units + sl * kTileRows + c, &unit, 4);
+            for (int64_t g = 0; g < kBlockGroups; ++g) {
+              const float multiple = unit == 0.0f ? 0.0f : std::nearbyint(v[g] / unit);
+              if (!(multiple * unit == v[g] && multiple >= 0.0f)) fits.store(false, std::memory_order_relaxed);
+              block[(g * 2 + sl) * kTileRows + c] = static_cast<uint8_t>(multiple);
+            }
+          }
+      }
+  });
+  if (!fits.load()) return std::nullopt;
+  return out;
+}
+
+}  // namespace tokenmill
