@@ -1,8 +1,8 @@
-// Loading: GGUF blocks to the kernels' forms, in one pass each where PyTorch takes many. Every
-// function computes what the Python path it stands in for computes (quant_linear.py's
-// `exact_groups`, `quantize_int8` of quant.py's dequantized rows, `pack_tiles`' tile bytes) with the
-// same float32 operations in the same order, so a model (finite weights) loads to the same bits with
-// or without these kernels. Those passes were most of a later start of a 1.5B model.
+// Loading: GGUF blocks to the kernels' forms, in one pass each where PyTorch takes many (several
+// times as long; see the tuning log). Every function computes what the Python path it stands in for
+// computes (quant_linear.py's `exact_groups`, `quantize_int8` of quant.py's dequantized rows,
+// `pack_tiles`' tile bytes, `compact_tile_scales`) with the same float32 operations in the same
+// order, so a model (finite weights) loads to the same bits with or without these kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -217,8 +217,9 @@ std::optional<at::Tensor> compact_scales(const at::Tensor& scale, const at::Tens
             std::memcpy(units + sl * kTileRows + c, &unit, 4);
             for (int64_t g = 0; g < kBlockGroups; ++g) {
               const float multiple = unit == 0.0f ? 0.0f : std::nearbyint(v[g] / unit);
-              if (!(multiple * unit == v[g] && multiple >= 0.0f)) fits.store(false, std::memory_order_relaxed);
-              block[(g * 2 + sl) * kTileRows + c] = static_cast<uint8_t>(multiple);
+              const bool whole = multiple * unit == v[g] && multiple >= 0.0f && multiple <= 255.0f;
+              if (!whole) fits.store(false, std::memory_order_relaxed);
+              block[(g * 2 + sl) * kTileRows + c] = whole ? static_cast<uint8_t>(multiple) : 0;
             }
           }
       }
