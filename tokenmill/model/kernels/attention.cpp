@@ -143,10 +143,12 @@ void attend_chunk(const T* q_in, const C* k_cache, const C* v_cache, const int64
     totals[h * part_stride] = denominator;
   }
   const int64_t acc_stride = part_stride * dim;
-  constexpr int kMost = H <= 2 ? 8 : H <= 4 ? 4 : 2;  // value vectors per pass: H x kMost sums in registers
+  // value vectors per pass: H x kMost sums in registers, beside the H probabilities and a row's
+  // vector on AVX2 (16 registers: more sums would spill)
+  constexpr int kMost = kWidth == 16 ? (H <= 2 ? 8 : H <= 4 ? 4 : 2) : (H == 1 ? 8 : H <= 3 ? 4 : 2);
   for (int64_t c = 0; c < dim;) {
     const int64_t left = (dim - c) / kWidth;
-    const int n = left >= kMost ? kMost : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    const int n = left >= kMost ? kMost : left >= 4 && kMost >= 4 ? 4 : left >= 2 ? 2 : 1;
     switch (n) {
       case 8: weighted_rows<8, H>(scores, v_cache + c, rows, count, row_stride, accs + c, acc_stride); break;
       case 4: weighted_rows<4, H>(scores, v_cache + c, rows, count, row_stride, accs + c, acc_stride); break;
