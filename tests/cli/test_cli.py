@@ -167,6 +167,24 @@ def test_the_start_path_imports_no_torch_dynamo() -> None:
     assert run.stdout.strip() == "[]"
 
 
+def test_a_command_imports_no_other_commands_module() -> None:
+    # `serve` parses its arguments without importing `bench` and its HTTP client (a fresh
+    # interpreter: this one has imported every command for other tests)
+    script = (
+        "import sys, tokenmill.cli.main as m; m.build_parser('serve').parse_args(['serve']); "
+        "print(sorted(n for n in sys.modules if n in ('aiohttp', 'tokenmill.cli.bench')))"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
+    everything = subprocess.run(
+        [sys.executable, "-c", script.replace("build_parser('serve')", "build_parser()")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert everything.stdout.strip() == "['aiohttp', 'tokenmill.cli.bench']"
+
+
 def test_an_eager_request_imports_no_torch_dynamo(tiny_model_dir) -> None:
     # Nor does an eager step: importing TorchDynamo there would hold up a server's first request
     # by over a second (the rotary tables' op imported it on its first call)

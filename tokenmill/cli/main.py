@@ -21,18 +21,22 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser, with every subcommand, or only `command` where it is one: a run
+    then imports only its own command's module (`bench`'s brings in an HTTP client)."""
     parser = argparse.ArgumentParser(
         prog="tokenmill", description="Run, serve and benchmark LLMs on CPU and GPU."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
-        importlib.import_module(module_name).add_parser(sub, name)
+        if command not in COMMANDS or name == command:
+            importlib.import_module(module_name).add_parser(sub, name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except TokenmillError as exc:
