@@ -18,7 +18,7 @@ from tokenmill.cli.common import (
     add_quantization_args,
     parallel_options,
 )
-from tokenmill.engine.scheduler import SchedulerConfig
+from tokenmill.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.parsers.reasoning import REASONING_PARSERS
@@ -67,8 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
-        help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)",
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="token budget of one step; longer prompts are prefilled in chunks (default: "
+        "%(default)s)",
     )
     p.add_argument(
         "--no-prefix-caching", action="store_true", help="disable automatic prefix caching"

@@ -24,7 +24,12 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import FINISHED_STATUS, Request, Sequence
-from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.engine.scheduler import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from tokenmill.engine.speculative import (
     DRAFT_MIN_CONFIDENCE,
     SPECULATION_MAX_BATCH,
@@ -63,7 +68,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; default: see default_kv_budget
     num_kv_blocks: int | None = None  # exact pool size (overrides kv_cache_memory; tests use it)
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
