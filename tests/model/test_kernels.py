@@ -952,7 +952,9 @@ def test_translation_units_hold_every_source_once_and_share_the_build_evenly(
     monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
     own = kernels.source_compile_seconds()
     assert own is (
-        kernels.SOURCE_COMPILE_SECONDS if "avx512bw" in flags else kernels.SOURCE_COMPILE_SECONDS_AVX2
+        kernels.SOURCE_COMPILE_SECONDS
+        if "avx512bw" in flags
+        else kernels.SOURCE_COMPILE_SECONDS_AVX2
     )
     units = kernels._translation_units(tmp_path)
     assert len(units) == min(cores, len(kernels.SOURCES))
