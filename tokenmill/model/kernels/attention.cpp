@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -148,7 +149,8 @@ void attend_chunk(const T* q_in, const C* k_cache, const C* v_cache, const int64
   constexpr int kMost = kWidth == 16 ? (H <= 2 ? 8 : H <= 4 ? 4 : 2) : (H == 1 ? 8 : H <= 3 ? 4 : 2);
   for (int64_t c = 0; c < dim;) {
     const int64_t left = (dim - c) / kWidth;
-    const int n = left >= kMost ? kMost : left >= 4 && kMost >= 4 ? 4 : left >= 2 ? 2 : 1;
+    // the widest pass that fits what is left: a power of two, at most kMost
+    const int n = static_cast<int>(std::min<uint64_t>(kMost, std::bit_floor(static_cast<uint64_t>(left))));
     switch (n) {
       case 8: weighted_rows<8, H>(scores, v_cache + c, rows, count, row_stride, accs + c, acc_stride); break;
       case 4: weighted_rows<4, H>(scores, v_cache + c, rows, count, row_stride, accs + c, acc_stride); break;
