@@ -29,7 +29,9 @@ from tokenmill.model.quant_linear import (
     QuantLinear,
     dense_crossover,
     dense_packed_form,
+    gguf_packed,
     int4_rows_layout,
+    merge_packed,
     pack_fifth_bits,
     pack_int4_rows,
     pack_tiles,
@@ -1006,3 +1008,33 @@ def test_layout_kernels_lay_gguf_weights_out_as_the_python_path_does(
         assert fast[1][1][0] == torch.tensor(1e-12) and not fast[1][0][0].any()
     else:  # compact scales are bytes, the others float16 or float32
         assert (fast[2]["tile_scales"].dtype == torch.uint8) == compact
+
+
+def test_q4_k_weights_stack_into_the_row_layout_in_one_pass() -> None:
+    # a q/k/v or gate/up projection of Q4_K weights goes from the file's blocks to the row layout
+    # in one pass (`gguf_packed`), to the bits of the groups' path: merged, then packed
+    assert kernels.load()
+    rng = np.random.default_rng(4)
+    weights = [
+        GGMLWeight(torch.from_numpy(random_blocks(Q.Q4_K, (rows, 512), rng)), Q.Q4_K, (rows, 512))
+        for rows in (48, 16, 16)
+    ]
+    weights[1].data[3, :2] = 0  # a row whose d is zero: every scale 0, its unit 1
+    weights[1].data[3, 144 : 144 + 2] = 0
+    kind, rows = gguf_packed(weights, tiles=False)
+    assert kind == "int4" and isinstance(rows, Int4Rows)
+    groups = merge_packed([packed_form(w) for w in weights])[1]
+    expected = pack_int4_rows(*groups)
+    for a, b in zip(rows, expected, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert rows.units[48 + 3] == 1 and not rows.steps[48 + 3].any()
+    x = torch.randn(3, 512)
+    laid_out = QuantLinear(80, 512, torch.float32, int4=rows, tiles=False, int4_rows=True)
+    grouped = QuantLinear(80, 512, torch.float32, int4=groups, tiles=False, int4_rows=True)
+    assert torch.equal(laid_out(x), grouped(x))
+    with pytest.raises(ValueError, match="row layout"):
+        QuantLinear(80, 512, torch.float32, int4=rows, tiles=False, int4_rows=False)
+    # a layer in tiles, or with a weight of another type, takes the groups' path
+    assert gguf_packed(weights, tiles=True)[1][0].shape == (80, 512)
+    q6_k = GGMLWeight(torch.from_numpy(random_blocks(Q.Q6_K, (16, 512), rng)), Q.Q6_K, (16, 512))
+    assert gguf_packed([weights[0], q6_k], tiles=False)[0] == "int8"

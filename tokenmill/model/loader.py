@@ -25,9 +25,9 @@ from tokenmill.model.quant_linear import (
     QuantLinear,
     dense_crossover,
     dense_packed_form,
+    gguf_packed,
     is_large_int8,
     merge_packed,
-    packed_form,
     takes_tiles,
 )
 from tokenmill.model.sharding import (
@@ -499,13 +499,13 @@ class _Builder:
             if bias is not None:
                 layer.bias = nn.Parameter(bias, requires_grad=False)
             return layer
+        tiles = takes_tiles(rows, num_cols)
         if q == "gguf":
-            kind, data = merge_packed([packed_form(w) for w in weights])
+            kind, data = gguf_packed(weights, tiles)
         else:
             kind, data = merge_packed(
                 [dense_packed_form(_dense(w, torch.float32), q) for w in weights]
             )
-        tiles = takes_tiles(rows, num_cols)
         threshold = (
             self.dense_min_tokens
             if self.dense_min_tokens is not None

@@ -542,6 +542,18 @@ def merge_packed(parts: list[Packed]) -> Packed:
     return merge_packed(as_int8)
 
 
+def gguf_packed(weights: list[GGMLWeight], tiles: bool) -> Packed:
+    """`merge_packed` of the weights' `packed_form`s, for a layer that takes the tile layout or
+    (`tiles` False) not. Where the layer takes the row layout and every weight is Q4_K, its rows
+    come laid out already (`Int4Rows`: `pack_int4_rows` of the merged groups) from one pass over
+    the blocks (layout.cpp), where the groups' q, a byte a weight, would take three more passes."""
+    cols = weights[0].shape[1]
+    if not tiles and all(w.qtype == Q.Q4_K for w in weights) and int4_rows_layout():
+        data = [w.data.contiguous() for w in weights]
+        return "int4", Int4Rows(*kernels.ops().q4_k_int4_rows(data, cols))
+    return merge_packed([packed_form(w) for w in weights])
+
+
 def _int4_weight(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     rows, cols = q.shape
     groups = q.float().view(rows, cols // INT4_GROUP, INT4_GROUP)
@@ -556,7 +568,7 @@ class QuantLinear(nn.Module):
         out_features: int,
         in_features: int,
         dtype: torch.dtype,
-        int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int4Rows | None = None,
         int8: tuple[torch.Tensor, torch.Tensor] | None = None,
         int5: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         bias: torch.Tensor | None = None,
@@ -570,10 +582,11 @@ class QuantLinear(nn.Module):
         """tiles: whether the weights take the tile layout of `quant_tiles_linear` (default: where
         it serves, `tiles_layout()`, and the shape fits); else int4_rows: the layout of int4 weights
         (default: `int4_rows_layout()`); 5-bit weights (int5: q in 0..31) have only those two.
-        x_block: activations per int8 scale in the tile kernel, 8 or 32 (`FINE_X_BLOCK`,
-        `COARSE_X_BLOCK`). batch_invariant: every row is computed alike whatever the batch (one
-        kernel, one activation rounding, no AMX or dense-copy switch by row count); off, the
-        kernel and rounding follow the batch size where that is faster or more exact."""
+        int4 may come in the row layout already (`Int4Rows`, from `gguf_packed`). x_block:
+        activations per int8 scale in the tile kernel, 8 or 32 (`FINE_X_BLOCK`, `COARSE_X_BLOCK`).
+        batch_invariant: every row is computed alike whatever the batch (one kernel, one
+        activation rounding, no AMX or dense-copy switch by row count); off, the kernel and
+        rounding follow the batch size where that is faster or more exact."""
         super().__init__()
         if sum(data is not None for data in (int4, int5, int8)) != 1:
             raise ValueError("give exactly one of int4, int5 and int8")
@@ -592,6 +605,8 @@ class QuantLinear(nn.Module):
         if int4 is not None and int4_rows is None:
             int4_rows = int4_rows_layout()
         self.int4_rows = not tiles and (int5 is not None or (int4 is not None and int4_rows))
+        if isinstance(int4, Int4Rows) and not self.int4_rows:
+            raise ValueError("int4 weights in the row layout (Int4Rows) need int4_rows, no tiles")
         if tiles:
             if int8 is not None:
                 q8, scale = int8
@@ -606,7 +621,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("fifth_masks", packed.fifth_masks)
             self.tile_bits = packed.bits
         elif self.int4_rows:
-            for name, tensor in pack_int4_rows(*(int4 or int5))._asdict().items():
+            rows = int4 if isinstance(int4, Int4Rows) else pack_int4_rows(*(int4 or int5))
+            for name, tensor in rows._asdict().items():
                 self.register_buffer(name, tensor)
             self.register_buffer("fifth_bits", None if int5 is None else pack_fifth_bits(int5[0]))
         elif int4 is not None:

@@ -108,6 +108,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blo
   return {q, scale, low};
 }
 
+// Q4_K weights (each (rows_i, cols / 256 * 144) uint8) stacked by rows -> `pack_int4_rows` of their
+// `q4_k_groups`, in one pass over the blocks and straight into the stacked outputs: nibbles
+// (rows, cols / 2) uint8, steps_lows (rows, cols / 32, 2) int16 and units (rows) float32. A row's
+// unit is its largest scale magnitude / 32767 (1 for a row of zero scales), each step its scale in
+// units rounded half to even, each low its float16 bits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols) {
+  TORCH_CHECK(!weights.empty() && cols % kSuperBlock == 0, "q4_k_int4_rows: give Q4_K weights of a multiple of 256 columns");
+  const int64_t row_bytes = cols / kSuperBlock * kQ4KBytes, groups = cols / kGroup;
+  std::vector<const uint8_t*> row_blocks;  // each stacked row's blocks
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() % row_bytes == 0,
+                "q4_k_int4_rows: weights must be contiguous uint8 rows of ", row_bytes, " bytes (Q4_K)");
+    for (int64_t r = 0; r < w.numel() / row_bytes; ++r) row_blocks.push_back(w.data_ptr<uint8_t>() + r * row_bytes);
+  }
+  const int64_t rows = static_cast<int64_t>(row_blocks.size());
+  const at::TensorOptions bytes = weights[0].options();
+  at::Tensor nibbles = at::empty({rows, cols / 2}, bytes);
+  at::Tensor steps_lows = at::empty({rows, groups, 2}, bytes.dtype(at::kShort));
+  at::Tensor units = at::empty({rows}, bytes.dtype(at::kFloat));
+  uint8_t* nibbles_out = nibbles.data_ptr<uint8_t>();
+  int16_t* steps_lows_out = steps_lows.data_ptr<int16_t>();
+  float* units_out = units.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
+    std::vector<float> scale(groups), low(groups);
+    for (int64_t r = first; r < end; ++r) {
+      float peak = 0.0f;
+      for (int64_t n = 0; n < cols / kSuperBlock; ++n) {
+        const uint8_t* b = row_blocks[r] + n * kQ4KBytes;
+        const float d = half_at(b), dmin = half_at(b + 2);
+        for (int j = 0; j < 8; ++j) {
+          int sc, mn;
+          k_scale_min(b + 4, j, sc, mn);
+          scale[n * 8 + j] = d * static_cast<float>(sc);
+          low[n * 8 + j] = -(dmin * static_cast<float>(mn));
+          peak = std::max(peak, std::fabs(scale[n * 8 + j]));
+          // sub-blocks 2i and 2i + 1: the low and high nibbles of bytes 32i..32i+31; a group's byte
+          // i takes its elements i and 16 + i
+          const uint8_t* __restrict qs = b + 16 + (j / 2) * 32;
+          uint8_t* __restrict out = nibbles_out + r * cols / 2 + (n * 8 + j) * kGroup / 2;
+          if (j % 2)
+            for (int i = 0; i < kGroup / 2; ++i) out[i] = (qs[i] >> 4) | (qs[16 + i] & 0xF0);
+          else
+            for (int i = 0; i < kGroup / 2; ++i) out[i] = (qs[i] & 0x0F) | (qs[16 + i] << 4);
+        }
+      }
+      float unit = peak / 32767.0f;
+      if (!(unit > 0.0f)) unit = 1.0f;
+      units_out[r] = unit;
+      int16_t* sl = steps_lows_out + r * groups * 2;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float step = std::clamp(std::nearbyint(scale[g] / unit), -32767.0f, 32767.0f);
+        sl[2 * g] = static_cast<int16_t>(step);
+        sl[2 * g + 1] = static_cast<int16_t>(c10::Half(low[g]).x);
+      }
+    }
+  });
+  return {nibbles, steps_lows, units};
+}
+
 // Q6_K blocks (rows, cols / 256 * 210) uint8 -> each row quantized to int8 with one scale, as
 // quant_linear.py's `quantize_int8` of the dequantized row: scale = max(amax / 127, 1e-12),
 // q = clamp(round-half-even(w / scale), -127, 127).

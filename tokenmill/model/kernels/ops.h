@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 namespace tokenmill {
 
@@ -45,6 +46,7 @@ void ban_disallowed_(at::Tensor& logits, const at::Tensor& rows, const at::Tenso
 
 // layout.cpp (loading)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blocks, int64_t rows, int64_t cols);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols);
 std::tuple<at::Tensor, at::Tensor> q6_k_int8_rows(const at::Tensor& blocks, int64_t rows, int64_t cols);
 at::Tensor tile_bytes(const at::Tensor& q, int64_t bits);
 std::optional<at::Tensor> compact_scales(const at::Tensor& scale, const at::Tensor& low);
