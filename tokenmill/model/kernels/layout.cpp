@@ -30,8 +30,11 @@ float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// The 8 6-bit scales and mins of a Q4_K block's 12 scale bytes (ggml's get_scale_min_k4).
-void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+// Sub-block j's (0-7) scale and low in the Q4_K block at b, w = scale * q + low: the block's d and
+// dmin times the sub-block's 6-bit scale and min from the 12 scale bytes (ggml's get_scale_min_k4).
+void q4_k_scale_low(const uint8_t* b, int j, float& scale, float& low) {
+  const uint8_t* s = b + 4;
+  int sc, mn;
   if (j < 4) {
     sc = s[j] & 63;
     mn = s[j + 4] & 63;
@@ -39,6 +42,8 @@ void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
     sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
     mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
+  scale = half_at(b) * static_cast<float>(sc);
+  low = -(half_at(b + 2) * static_cast<float>(mn));
 }
 
 // Q6_K: values 32k..32k+31 of one half (128 values) of a block, as quant.py's `_q6_k`
@@ -92,12 +97,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blo
   at::parallel_for(0, count, 256, [&](int64_t first, int64_t end) {
     for (int64_t n = first; n < end; ++n) {
       const uint8_t* b = in + n * kQ4KBytes;
-      const float d = half_at(b), dmin = half_at(b + 2);
       for (int j = 0; j < 8; ++j) {
-        int sc, mn;
-        k_scale_min(b + 4, j, sc, mn);
-        scale_out[n * 8 + j] = d * static_cast<float>(sc);
-        low_out[n * 8 + j] = -(dmin * static_cast<float>(mn));
+        q4_k_scale_low(b, j, scale_out[n * 8 + j], low_out[n * 8 + j]);
         // sub-blocks 2i and 2i + 1: the low and high nibbles of bytes 32i..32i+31
         const uint8_t* __restrict qs = b + 16 + (j / 2) * 32;
         uint8_t* __restrict out = q_out + n * kSuperBlock + j * kGroup;
@@ -111,8 +112,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blo
 // Q4_K weights (each (rows_i, cols / 256 * 144) uint8) stacked by rows -> `pack_int4_rows` of their
 // `q4_k_groups`, in one pass over the blocks and straight into the stacked outputs: nibbles
 // (rows, cols / 2) uint8, steps_lows (rows, cols / 32, 2) int16 and units (rows) float32. A row's
-// unit is its largest scale magnitude / 32767 (1 for a row of zero scales), each step its scale in
-// units rounded half to even, each low its float16 bits.
+// unit is its largest scale magnitude / 32767 (quant_linear.py's MAX_STEP; 1 for a row of zero
+// scales), each step its scale in units rounded half to even, each low its float16 bits.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols) {
   TORCH_CHECK(!weights.empty() && cols % kSuperBlock == 0, "q4_k_int4_rows: give Q4_K weights of a multiple of 256 columns");
   const int64_t row_bytes = cols / kSuperBlock * kQ4KBytes, groups = cols / kGroup;
@@ -136,12 +137,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<
       float peak = 0.0f;
       for (int64_t n = 0; n < cols / kSuperBlock; ++n) {
         const uint8_t* b = row_blocks[r] + n * kQ4KBytes;
-        const float d = half_at(b), dmin = half_at(b + 2);
         for (int j = 0; j < 8; ++j) {
-          int sc, mn;
-          k_scale_min(b + 4, j, sc, mn);
-          scale[n * 8 + j] = d * static_cast<float>(sc);
-          low[n * 8 + j] = -(dmin * static_cast<float>(mn));
+          q4_k_scale_low(b, j, scale[n * 8 + j], low[n * 8 + j]);
           peak = std::max(peak, std::fabs(scale[n * 8 + j]));
           // sub-blocks 2i and 2i + 1: the low and high nibbles of bytes 32i..32i+31; a group's byte
           // i takes its elements i and 16 + i
