@@ -26,6 +26,7 @@ from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     MAX_STEP,
     Int4Rows,
+    Int6Rows,
     QuantLinear,
     dense_crossover,
     dense_packed_form,
@@ -38,6 +39,7 @@ from tokenmill.model.quant_linear import (
     packed_form,
     tiles_layout,
     unpack_int4_rows,
+    unpack_int6_rows,
     unpack_tiles,
 )
 from tokenmill.model.transformer import RMSNorm, Rotary, apply_rotary
@@ -291,6 +293,97 @@ def test_int4_rows_linear_rejects_what_it_cannot_multiply() -> None:
         )
     with pytest.raises(RuntimeError, match="fifth_bits"):
         linear(torch.randn(1, 64), *packed, packed.nibbles, None, 4)
+
+
+def _q6_k_layer(rows: int, cols: int, seed: int) -> GGMLWeight:
+    raw = random_blocks(Q.Q6_K, (rows, cols), np.random.default_rng(seed))
+    return GGMLWeight(torch.from_numpy(raw), Q.Q6_K, (rows, cols))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 9, 14])  # 14: blocks of 4 (or 8) and the rest
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("cols", [256, 768])
+def test_int6_rows_linear_matches_a_float_reference(
+    tokens: int, dtype: torch.dtype, dense: bool, cols: int
+) -> None:
+    assert kernels.load()
+    rows = 1037  # not a multiple of the threads' share
+    weight = _q6_k_layer(rows, cols, tokens + cols)
+    weight.data.view(-1, 210)[: cols // 256, 208:210] = 0  # row 0's d: every scale 0, its unit 1
+    kind, packed = gguf_packed([weight], tiles=False)
+    assert kind == "int6" and isinstance(packed, Int6Rows)
+    assert packed.units[0] == 1 and not packed.steps[0].any()
+    assert packed.steps.abs().amax(dim=1)[1:].eq(MAX_STEP).all()
+    unpacked, exact = unpack_int6_rows(packed), weight.dequantize().float()
+    # each 16 values' scale within half a unit of its step: |q - 32| <= 32 units of q off
+    assert ((unpacked - exact).abs() <= 16 * packed.units[:, None] + 1e-6 * exact.abs()).all()
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, cols).to(dtype)
+    x[0, 32:64] = 0  # an all-zero block has no scale to divide by
+    copy = torch.randn(rows, cols).to(dtype) if dense else None  # unrelated: shows which served
+    out = torch.ops.tokenmill.int6_rows_linear(x, *packed, copy, 4)
+    assert out.dtype == dtype and out.shape == (tokens, rows)
+    by_copy = dense and tokens > 4
+    reference = x.float() @ copy.float().t() if by_copy else int8_activations(x) @ unpacked.t()
+    tolerance = (
+        dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    )
+    scale = reference.abs().amax()
+    torch.testing.assert_close(out.float() / scale, reference / scale, **tolerance)
+    if not by_copy:  # every row as it comes alone, to the bit
+        alone = [
+            torch.ops.tokenmill.int6_rows_linear(x[i : i + 1], *packed, None, 4)
+            for i in range(tokens)
+        ]
+        assert torch.equal(torch.cat(alone), out)
+
+
+def test_q6_k_weights_stack_into_the_int6_row_layout() -> None:
+    """A layer of Q6_K weights only takes the int6 row layout off the tiles (their rows stacked as
+    laid out alone); with other types, or in tiles, it takes int8 rows as before."""
+    assert kernels.load()
+    parts = [_q6_k_layer(rows, 512, seed) for seed, rows in enumerate((48, 16))]
+    kind, stacked = gguf_packed(parts, tiles=False)
+    alone = [gguf_packed([part], tiles=False)[1] for part in parts]
+    assert kind == "int6"
+    for field, *pieces in zip(stacked, *alone, strict=True):
+        assert torch.equal(field, torch.cat(pieces))
+    layer = QuantLinear(64, 512, torch.float32, int6=stacked, tiles=False)
+    torch.manual_seed(0)
+    x = torch.randn(3, 512)
+    assert layer._native_fits(x) and "(row layout)" in repr(layer)
+    weight = unpack_int6_rows(stacked)
+    reference = int8_activations(x) @ weight.t()
+    scale = reference.abs().amax()  # the sums' float rounding, against the largest output
+    torch.testing.assert_close(layer(x) / scale, reference / scale, atol=1e-5, rtol=0)
+    # a dtype the kernel does not take: the unpacked weight, unrounded activations
+    torch.testing.assert_close(layer(x.double()), x.double() @ weight.double().t())
+    with pytest.raises(ValueError, match="row layout only"):
+        QuantLinear(64, 512, torch.float32, int6=stacked, tiles=True)
+    q4_k = GGMLWeight(
+        torch.from_numpy(random_blocks(Q.Q4_K, (16, 512), np.random.default_rng(9))),
+        Q.Q4_K,
+        (16, 512),
+    )
+    assert gguf_packed([parts[0], q4_k], tiles=False)[0] == "int8"
+    assert gguf_packed(parts, tiles=True)[0] == "int8"
+
+
+def test_int6_rows_linear_rejects_what_it_cannot_multiply() -> None:
+    assert kernels.load()
+    packed = gguf_packed([_q6_k_layer(8, 256, 0)], tiles=False)[1]
+    linear = torch.ops.tokenmill.int6_rows_linear
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        linear(torch.randn(1, 256).half(), *packed, None, 4)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        linear(torch.randn(1, 128), packed.nibbles[:, :64].contiguous(), *packed[1:], None, 4)
+    with pytest.raises(RuntimeError, match="highs must be"):
+        linear(torch.randn(1, 256), packed.nibbles, packed.highs[:4], *packed[2:], None, 4)
+    with pytest.raises(RuntimeError, match="steps must be contiguous int16"):
+        linear(torch.randn(1, 256), *packed[:2], packed.steps.int(), packed.units, None, 4)
+    with pytest.raises(RuntimeError, match="units must be contiguous float32"):
+        linear(torch.randn(1, 256), *packed[:3], packed.units.double(), None, 4)
 
 
 needs_avx512 = pytest.mark.skipif(

@@ -61,7 +61,7 @@ FP32_GEMV_MAX_TOKENS = 64
 # tokenmill's kernels are built, or where they cannot be (5-bit weights, which only tokenmill's int4
 # row kernel reads, take int4's). A lower value hands more batches to the copy's matmul (bound by
 # arithmetic), a higher one keeps more on the packed kernel (bound by the bytes it reads).
-PACKED_DENSE_CROSSOVER = {"int4": 16, "int5": 16, "int8": 8}
+PACKED_DENSE_CROSSOVER = {"int4": 16, "int5": 16, "int6": 16, "int8": 8}
 # The same for the tile kernel against a bf16 copy on CPUs where oneDNN multiplies the copy on AMX
 # but the tile kernel cannot (`amx_tiles()` false): below it the tiles' int8 products win (a bf16
 # matmul of a few rows is bound by reading 2 bytes per weight), from it the matrix unit does.
@@ -189,6 +189,41 @@ def unpack_int4_rows(rows: Int4Rows, fifth_bits: torch.Tensor | None = None) -> 
         q += 16 * bits[:, : q.shape[1]].float()
     scale = rows.steps.float() * rows.units[:, None]
     return (q * scale[..., None] + rows.lows.float()[..., None]).view(count, -1)
+
+
+class Int6Rows(NamedTuple):
+    """6-bit weights (GGUF's Q6_K) in the row layout of `int6_rows_linear`:
+    w = step x unit x (q - 32), q in 0..63, one step per 16 values."""
+
+    # (rows, cols / 2) uint8: per pair of groups of 32, the low 4 bits of two vectors of 32 q (low
+    # and high nibbles), each the pair's first (or second) halves in `INT6_HALF_ELEMENTS`' order
+    nibbles: torch.Tensor
+    # (rows, cols / 4) uint8: per quad of groups, the top 2 bits of its 4 vectors (bits 2k, 2k + 1)
+    highs: torch.Tensor
+    steps: torch.Tensor  # (rows, cols / 16) int16: each 16 values' scale in units
+    units: torch.Tensor  # (rows,) float32: the row's largest scale magnitude / MAX_STEP
+
+
+# The element of a group of 32 at each position of its first (row 0) and second (row 1) half in
+# the int6 row layout: the activation sub-block j's 4j, 4j + 1, 16 + 4j, 16 + 4j + 1, then its
+# 4j + 2, 4j + 3, 16 + 4j + 2, 16 + 4j + 3 (gemv.cpp's `pair_halves`)
+_FIRST_HALF = torch.tensor([0, 1, 16, 17]) + 4 * torch.arange(4)[:, None]
+INT6_HALF_ELEMENTS = torch.stack((_FIRST_HALF.flatten(), _FIRST_HALF.flatten() + 2))
+_HIGH_SHIFTS = (2 * torch.arange(4)).to(torch.uint8)[:, None]
+
+
+def unpack_int6_rows(rows: Int6Rows) -> torch.Tensor:
+    """The float32 weight of `q6_k_int6_rows`' output."""
+    count, cols = rows.nibbles.shape[0], rows.nibbles.shape[1] * 2
+    pairs = rows.nibbles.view(count, -1, 1, INT4_GROUP)  # 32 bytes a pair of groups
+    low = torch.cat((pairs & 0xF, pairs >> 4), dim=2)  # (row, pair, half, position)
+    quads = rows.highs.view(count, -1, 1, INT4_GROUP)  # and a quad
+    high = ((quads >> _HIGH_SHIFTS) & 3).view(low.shape)
+    halves = (low | (high << 4)).view(count, -1, 2, 2, INT4_GROUP // 2)  # (.., half, group, p)
+    q = torch.empty(count, cols // (2 * INT4_GROUP), 2, INT4_GROUP, dtype=torch.uint8)
+    q[..., INT6_HALF_ELEMENTS] = halves.transpose(2, 3)
+    scale = rows.steps.float() * rows.units[:, None]
+    return ((q.view(count, -1, 16).float() - 32) * scale[..., None]).view(count, cols)
 
 
 TILE_ROWS = 16  # weight rows per tile of `quant_tiles_linear`
@@ -465,7 +500,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-# ("int4" | "int5", (q, scale, low)) or ("int8", (q8, scale))
+# ("int4" | "int5", (q, scale, low) or Int4Rows), ("int6", Int6Rows) or ("int8", (q8, scale))
 Packed = tuple[str, tuple[torch.Tensor, ...]]
 
 
@@ -546,11 +581,16 @@ def gguf_packed(weights: list[GGMLWeight], tiles: bool) -> Packed:
     """`merge_packed` of the weights' `packed_form`s, for a layer that takes the tile layout or
     (`tiles` False) not. Where the layer takes the row layout and every weight is Q4_K, its rows
     come laid out already (`Int4Rows`: `pack_int4_rows` of the merged groups) from one pass over
-    the blocks (layout.cpp), where the groups' q, a byte a weight, would take three more passes."""
-    cols = weights[0].shape[1]
-    if not tiles and all(w.qtype == Q.Q4_K for w in weights) and int4_rows_layout():
-        data = [w.data.contiguous() for w in weights]
-        return "int4", Int4Rows(*kernels.ops().q4_k_int4_rows(data, cols))
+    the blocks (layout.cpp), where the groups' q, a byte a weight, would take three more passes.
+    Where every weight is Q6_K, they take the int6 row layout (`Int6Rows`, exact but for the
+    scales' steps) rather than int8 re-rounded per row, which `int6_rows_linear` multiplies
+    faster."""
+    if not tiles and int4_rows_layout():
+        data, cols = [w.data.contiguous() for w in weights], weights[0].shape[1]
+        if all(w.qtype == Q.Q4_K for w in weights):
+            return "int4", Int4Rows(*kernels.ops().q4_k_int4_rows(data, cols))
+        if all(w.qtype == Q.Q6_K for w in weights):
+            return "int6", Int6Rows(*kernels.ops().q6_k_int6_rows(data, cols))
     return merge_packed([packed_form(w) for w in weights])
 
 
@@ -561,7 +601,8 @@ def _int4_weight(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tor
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W kept as packed int4 or 5-bit (groups of 32) or int8 (per row)."""
+    """y = x W^T + b with W kept as packed int4 or 5-bit (groups of 32), 6-bit (Q6_K's sub-blocks
+    of 16) or int8 (per row)."""
 
     def __init__(
         self,
@@ -571,6 +612,7 @@ class QuantLinear(nn.Module):
         int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int4Rows | None = None,
         int8: tuple[torch.Tensor, torch.Tensor] | None = None,
         int5: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        int6: Int6Rows | None = None,
         bias: torch.Tensor | None = None,
         dense: torch.Tensor | None = None,
         dense_min_tokens: int = 1 << 30,
@@ -582,23 +624,27 @@ class QuantLinear(nn.Module):
         """tiles: whether the weights take the tile layout of `quant_tiles_linear` (default: where
         it serves, `tiles_layout()`, and the shape fits); else int4_rows: the layout of int4 weights
         (default: `int4_rows_layout()`); 5-bit weights (int5: q in 0..31) have only those two.
-        int4 may come in the row layout already (`Int4Rows`, from `gguf_packed`). x_block:
+        int4 may come in the row layout already (`Int4Rows`, from `gguf_packed`); int6 comes in
+        its row layout (`Int6Rows`) and takes no tiles. x_block:
         activations per int8 scale in the tile kernel, 8 or 32 (`FINE_X_BLOCK`, `COARSE_X_BLOCK`).
         batch_invariant: every row is computed alike whatever the batch (one kernel, one
         activation rounding, no AMX or dense-copy switch by row count); off, the kernel and
         rounding follow the batch size where that is faster or more exact."""
         super().__init__()
-        if sum(data is not None for data in (int4, int5, int8)) != 1:
-            raise ValueError("give exactly one of int4, int5 and int8")
+        if sum(data is not None for data in (int4, int5, int6, int8)) != 1:
+            raise ValueError("give exactly one of int4, int5, int6 and int8")
         if batch_invariant and dense is not None:
             raise ValueError(
                 "a dense copy switches the layer's arithmetic by batch size; give it "
                 "only with batch_invariant=False"
             )
         self.out_features, self.in_features = out_features, in_features
-        self.kind = "int4" if int4 is not None else "int5" if int5 is not None else "int8"
+        kinds = {"int4": int4, "int5": int5, "int6": int6}
+        self.kind = next((kind for kind, data in kinds.items() if data is not None), "int8")
         if tiles is None:
-            tiles = takes_tiles(out_features, in_features)
+            tiles = int6 is None and takes_tiles(out_features, in_features)
+        if tiles and int6 is not None:
+            raise ValueError("6-bit weights (Int6Rows) have the row layout only; give tiles=False")
         self.tiles = tiles
         self.x_block = x_block
         self.batch_invariant = batch_invariant
@@ -625,6 +671,9 @@ class QuantLinear(nn.Module):
             for name, tensor in rows._asdict().items():
                 self.register_buffer(name, tensor)
             self.register_buffer("fifth_bits", None if int5 is None else pack_fifth_bits(int5[0]))
+        elif int6 is not None:
+            for name, tensor in int6._asdict().items():
+                self.register_buffer(name, tensor)
         elif int4 is not None:
             q, scale, low = int4
             self.register_buffer(
@@ -677,6 +726,8 @@ class QuantLinear(nn.Module):
             y = F.linear(x, unpack_tiles(self._tiles()).to(x.dtype))
         elif self.int4_rows:  # a dtype or device the kernel does not take
             y = F.linear(x, unpack_int4_rows(self._int4_rows(), self.fifth_bits).to(x.dtype))
+        elif self.kind == "int6":  # the same
+            y = F.linear(x, unpack_int6_rows(self._int6_rows()).to(x.dtype))
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(self.scales_zeros.dtype), self.packed, INT4_GROUP, self.scales_zeros
@@ -731,6 +782,15 @@ class QuantLinear(nn.Module):
                 dense,
                 max_gemv_tokens,
             )
+        if self.kind == "int6":
+            return "int6_rows_linear", (
+                buffers["nibbles"],
+                buffers["highs"],
+                buffers["steps"],
+                buffers["units"],
+                dense,
+                max_gemv_tokens,
+            )
         if self.kind == "int4":  # PyTorch's packed layout
             return "int4_linear", (
                 buffers["packed"],
@@ -753,15 +813,18 @@ class QuantLinear(nn.Module):
     def _int4_rows(self) -> Int4Rows:
         return Int4Rows(self.nibbles, self.steps_lows, self.units)
 
+    def _int6_rows(self) -> Int6Rows:
+        return Int6Rows(self.nibbles, self.highs, self.steps, self.units)
+
     def _x_block(self, tokens: int) -> int:
         """The tile kernel's activations per int8 scale for this many rows (`HEAD_COARSE_MAX_TOKENS`
         says when they follow the row count)."""
         return FINE_X_BLOCK if tokens == 1 and not self.batch_invariant else self.x_block
 
     def _gemv_max_tokens(self, dtype: torch.dtype) -> int:
-        """The most tokens `int8_linear` and `int4_rows_linear` multiply by their GEMV; beyond, the
-        dense copy or, for a layer without one, the GEMV still (int4 and 5-bit; every kind on fp32;
-        every kind when batch invariant) or chunks dequantized on the fly (int8 on bf16)."""
+        """The most tokens `int8_linear` and the row kernels multiply by their GEMV; beyond, the
+        dense copy or, for a layer without one, the GEMV still (int4, 5- and 6-bit; every kind on
+        fp32; every kind when batch invariant) or chunks dequantized on the fly (int8 on bf16)."""
         if self.batch_invariant:  # never leaves the GEMV (no dense copy: see __init__)
             return 1 << 30
         has_dense = self.dense is not None and self.dense_min_tokens > 0
@@ -776,7 +839,8 @@ class QuantLinear(nn.Module):
         if self.tiles:
             return x.dtype in (torch.bfloat16, torch.float32)
         if self.kind != "int8":
-            return not self.int4_rows or x.dtype in (torch.bfloat16, torch.float32)
+            rows = self.int4_rows or self.kind == "int6"  # the row kernels' dtypes
+            return not rows or x.dtype in (torch.bfloat16, torch.float32)
         return (
             x.dtype in (torch.bfloat16, torch.float32)
             and self.scales.dtype == x.dtype
@@ -804,7 +868,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         dense = f", dense for >= {self.dense_min_tokens} tokens" if self.dense is not None else ""
-        rows = " (tiles)" if self.tiles else " (row layout)" if self.int4_rows else ""
+        rows_layout = self.int4_rows or self.kind == "int6"
+        rows = " (tiles)" if self.tiles else " (row layout)" if rows_layout else ""
         return f"{self.in_features} -> {self.out_features}, {self.kind}{rows}{dense}"
 
 

@@ -1,9 +1,10 @@
 """C++ CPU kernels (`torch.ops.tokenmill.*`), compiled for the local CPU on first use and cached.
 
 `int8_linear` multiplies a few activation rows by an int8 weight faster than PyTorch's
-`_weight_int8pack_mm` (see gemv.cpp). It and `int4_linear` pick their means (a weight-only kernel
-or a bf16 matmul) by the number of rows when they run, so one compiled graph serves every batch
-size with the best of both. `dense_linear` multiplies by a dense fp32 weight, summing every row
+`_weight_int8pack_mm` (see gemv.cpp), `int4_rows_linear` and `int6_rows_linear` by 4- or 5-bit
+and 6-bit (Q6_K) ones. They and `int4_linear` pick their means (a weight-only kernel or a bf16
+matmul) by the number of rows when they run, so one compiled graph serves every batch size with
+the best of both. `dense_linear` multiplies by a dense fp32 weight, summing every row
 in one order whatever the batch (dense.cpp). `gated_activation` is the MLP's act(gate) * up in
 one pass, for eager steps (activation.cpp), `rms_norm` the model's norm (norm.cpp), `rotary`
 the rotary embedding and `rotary_write_kv` an eager step's way from the fused q/k/v projection to
@@ -11,12 +12,12 @@ the cache (rotary.cpp); `decode_attention` attends one query token per sequence 
 the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and
 `sample_ids` a draw from each row's softmax (sample.cpp); `decoder_layer` computes an eager
 step's pre-norm layer in one call of those ops (layer.cpp, bound for Python only); `q4_k_groups`,
-`q4_k_int4_rows`, `q6_k_int8_rows` and `tile_bytes` lay GGUF weights out for the others while a
-model loads (layout.cpp, bound for Python only). Python's eager
-code calls them through their pybind11 bindings (`ops`, bindings.cpp), compiled graphs through
-the dispatcher. They build
-(g++ through `torch.utils.cpp_extension`) as one translation unit per core, each including several
-sources (balanced by `SOURCE_COMPILE_SECONDS`): torch's headers are parsed once per unit.
+`q4_k_int4_rows`, `q6_k_int6_rows`, `q6_k_int8_rows` and `tile_bytes` lay GGUF weights out for
+the others while a model loads (layout.cpp, bound for Python only). Python's eager code calls
+them through their pybind11 bindings (`ops`, bindings.cpp), compiled graphs through the
+dispatcher. They build (g++ through `torch.utils.cpp_extension`) as one translation unit per
+core, each including several sources (balanced by `SOURCE_COMPILE_SECONDS`): torch's headers are
+parsed once per unit.
 `build_in_background` runs the build on a daemon thread while PyTorch's kernels serve. The library
 is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the torch version and the CPU's
 features, so later starts load it without compiling.
@@ -150,6 +151,7 @@ def load(build: bool = True) -> bool:
         torch.library.register_fake("tokenmill::int8_linear")(_int8_shape)
         torch.library.register_fake("tokenmill::int4_linear")(_int4_shape)
         torch.library.register_fake("tokenmill::int4_rows_linear")(_int4_rows_shape)
+        torch.library.register_fake("tokenmill::int6_rows_linear")(_int6_rows_shape)
         torch.library.register_fake("tokenmill::quant_tiles_linear")(_quant_tiles_shape)
         torch.library.register_fake("tokenmill::gated_activation")(_gated_shape)
         torch.library.register_fake("tokenmill::decode_attention")(_decode_attention_shape)
@@ -251,6 +253,18 @@ def _int4_rows_shape(
     steps_lows: torch.Tensor,
     units: torch.Tensor,
     fifth_bits: torch.Tensor | None,
+    dense: torch.Tensor | None,
+    max_gemv_rows: int,
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], nibbles.shape[0])
+
+
+def _int6_rows_shape(
+    x: torch.Tensor,
+    nibbles: torch.Tensor,
+    highs: torch.Tensor,
+    steps: torch.Tensor,
+    units: torch.Tensor,
     dense: torch.Tensor | None,
     max_gemv_rows: int,
 ) -> torch.Tensor:

@@ -32,6 +32,14 @@ BoundLinear bind_int4_rows_linear(at::Tensor nibbles, at::Tensor steps_lows, at:
           bias};
 }
 
+BoundLinear bind_int6_rows_linear(at::Tensor nibbles, at::Tensor highs, at::Tensor steps, at::Tensor units,
+                                  Optional dense, int64_t max_gemv_rows, Optional bias) {
+  return {[=](const at::Tensor& x) {
+            return tokenmill::int6_rows_linear(x, nibbles, highs, steps, units, dense, max_gemv_rows);
+          },
+          bias};
+}
+
 BoundLinear bind_int4_linear(at::Tensor packed, at::Tensor scales_zeros, int64_t group_size, Optional dense,
                              int64_t max_packed_rows, Optional bias) {
   return {[=](const at::Tensor& x) {
@@ -63,6 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto unlocked = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("int8_linear", &tokenmill::int8_linear, unlocked);
   m.def("int4_rows_linear", &tokenmill::int4_rows_linear, unlocked);
+  m.def("int6_rows_linear", &tokenmill::int6_rows_linear, unlocked);
   m.def("int4_linear", &tokenmill::int4_linear, unlocked);
   m.def("quant_tiles_linear", &tokenmill::quant_tiles_linear, unlocked);
   m.def("dense_linear", &tokenmill::dense_linear, unlocked);
@@ -76,6 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ban_disallowed_", &tokenmill::ban_disallowed_, unlocked);
   m.def("q4_k_groups", &tokenmill::q4_k_groups, unlocked);
   m.def("q4_k_int4_rows", &tokenmill::q4_k_int4_rows, unlocked);
+  m.def("q6_k_int6_rows", &tokenmill::q6_k_int6_rows, unlocked);
   m.def("q6_k_int8_rows", &tokenmill::q6_k_int8_rows, unlocked);
   m.def("tile_bytes", &tokenmill::tile_bytes, unlocked);
   m.def("compact_scales", &tokenmill::compact_scales, unlocked);
@@ -83,6 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<BoundLinear>(m, "BoundLinear").def("__call__", &BoundLinear::operator(), unlocked);
   m.def("bind_quant_tiles_linear", &bind_quant_tiles_linear);
   m.def("bind_int4_rows_linear", &bind_int4_rows_linear);
+  m.def("bind_int6_rows_linear", &bind_int6_rows_linear);
   m.def("bind_int4_linear", &bind_int4_linear);
   m.def("bind_int8_linear", &bind_int8_linear);
   m.def("bind_dense_linear", &bind_dense_linear);

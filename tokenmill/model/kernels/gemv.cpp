@@ -109,7 +109,10 @@ struct QuantizedRows {
 // rows' 32 values, 4 scales and sum side by side. The tile kernel then reaches every row of its block
 // from one pointer at offsets fixed when it is compiled, where a pointer per row would take more
 // registers than the loop has and spill.
-enum class Layout { kRows, kHalves, kRowBlocks };
+// kPairs has each pair of blocks in the order in which the int6 GEMV multiplies them
+// (`int6_rows`): the first halves (`simd::int6_halves`) of both blocks, then their second halves, and
+// per 16 values the sum (`sums`, (M, K / 16), times -32: Q6_K's offset).
+enum class Layout { kRows, kHalves, kRowBlocks, kPairs };
 
 // The place of block b of row `row` (of M rows of row_blocks blocks) in the kRowBlocks layout
 inline int64_t row_block_place(int64_t row, int64_t b, int64_t M, int64_t row_blocks) {
@@ -164,7 +167,12 @@ void quantize_blocks(const T* x_first, int64_t first, int64_t count, int64_t M, 
         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     const int64_t row = first + g / row_blocks, b = g % row_blocks;
     int64_t at = row * row_blocks + b;  // the block's place among all blocks, and its scales' and sum's
-    if (layout == Layout::kHalves) {
+    if (layout == Layout::kPairs) {
+      const __m256i halves = simd::int6_halves(bytes);
+      int8_t* q = out.q.get() + row * K + b / 2 * 64 + b % 2 * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(halves));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32), _mm256_extracti128_si256(halves, 1));
+    } else if (layout == Layout::kHalves) {
       int64_t first_half, second_half;
       half_offsets(b, row_blocks, first_half, second_half);
       int8_t* q = out.q.get() + row * K;
@@ -178,7 +186,13 @@ void quantize_blocks(const T* x_first, int64_t first, int64_t count, int64_t M, 
     block_scales[0] = d[0], block_scales[1] = d[1], block_scales[2] = d[2], block_scales[3] = d[3];
     if (out.sums != nullptr) {
       const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-      out.sums[at] = simd::sum8(_mm256_mul_ps(_mm256_cvtepi32_ps(lanes), lane_scales(block_scales)));
+      const __m256 terms = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), lane_scales(block_scales));
+      if (layout == Layout::kPairs) {  // lanes 0-3 hold elements 0-15, lanes 4-7 elements 16-31
+        out.sums[at * 2] = -32.0f * simd::sum4(_mm256_castps256_ps128(terms));
+        out.sums[at * 2 + 1] = -32.0f * simd::sum4(_mm256_extractf128_ps(terms, 1));
+      } else {
+        out.sums[at] = simd::sum8(terms);
+      }
     }
   }
 }
@@ -342,8 +356,9 @@ QuantizedRows quantize_rows(const at::Tensor& x, bool with_sums, Layout layout, 
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
   const at::Tensor xc = x.contiguous();
   const T* xs = xc.data_ptr<T>();
+  const int64_t sums_per_block = layout == Layout::kPairs ? 2 : 1;
   QuantizedRows rows{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * blocks * 4]),
-                     with_sums ? std::unique_ptr<float[]>(new float[M * blocks]) : nullptr};
+                     with_sums ? std::unique_ptr<float[]>(new float[M * blocks * sums_per_block]) : nullptr};
   at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeElementsPerTask / K), [&](int64_t begin, int64_t end) {
     quantize_blocks(xs + begin * K, begin, end - begin, M, K, rows, layout, coarse);
   });
@@ -424,8 +439,9 @@ inline void unpack_pair(const uint8_t* p, __m256i& q_low, __m256i& q_high) {
 }
 
 // The pair's q x sums times the groups' steps as int32: lanes 0-3 add up to group g's, lanes 4-7 to
-// group g + 1's (steps: 8 int16 copies of each). Two int16 products of at most 2 x 31 x 127 each,
-// 5-bit q included, still fit int16 when added; times a step of at most 2^15 - 1, their pair fits int32.
+// group g + 1's (steps: 8 int16 copies of each). Two int16 products of at most 2 x 63 x 127 each,
+// 5- and 6-bit q included, still fit int16 when added; times a step of at most 2^15 - 1, their pair
+// fits int32.
 inline __m256i pair_sums(__m256i q_low, __m256i q_high, const int8_t* x, __m256i steps) {
   return _mm256_madd_epi16(_mm256_add_epi16(products(q_low, x), products(q_high, x + 32)), steps);
 }
@@ -665,6 +681,119 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (x.size(0) > max_packed_rows && dense.has_value()) return at::linear(x, *dense);
   return at::_weight_int4pack_mm_for_cpu(x.to(scales_zeros.scalar_type()), packed, group_size, scales_zeros)
       .to(x.scalar_type());  // both no-ops where the dtypes agree
+}
+
+}  // namespace tokenmill
+
+namespace {
+
+// The int6 GEMV's blocks of activation rows: as the int4 one's, whose loop it shares in shape
+constexpr int kInt6RowsPerBlock = kInt4RowsPerBlock;
+
+// y = x W^T for W (N, K) of 6-bit q (0..63) in sub-blocks of 16 along K, w = step x unit x (q - 32):
+// GGUF's Q6_K, whose 16-value scales are each a step (int16) of the row's unit units[o] (> 0), as
+// the int4 row layout's. K is a multiple of 256 (Q6_K's blocks), so the groups of 32 come in quads.
+// Per pair of groups (g, g + 1) the kernel multiplies two vectors of 32 q: `int6_halves`' first
+// halves of both groups (group g in bytes 0-15, g + 1 in 16-31), then their second halves, each
+// with the activations laid out alike (quantize_blocks, kPairs). maddubs then sums in each int16
+// lane two products of one 16-value sub-block and one activation scale, and the two vectors' lanes
+// add up in int16 (at most 4 x 63 x 127); `madd` weighs the sub-blocks' lanes (in each int32 lane,
+// one of elements 0-15 and one of 16-31) by their steps as it sums them, so each int32 lane is one
+// activation sub-block, as the int4 GEMV's: 6 instructions per 64 products and row, where the int8
+// GEMV takes 10. The -32 offset is each sub-block's step times its activation sum (`sums`, times
+// -32), in FMA chains of their own.
+//
+// Row o's pair (g, g + 1) is the 32 bytes nibbles[o][16 g:], byte b holding the low 4 bits of the
+// first vector's q b in its low nibble and of the second's in its high one; the quad of groups
+// from g (a multiple of 4) has the q's top 2 bits in the 32 bytes highs[o][8 g:], bits 2k, 2k + 1
+// of byte b for vector k (the first pair's two, then the second's); steps[o][2 g + h] is the step
+// of group g's half h.
+template <int M, typename T>
+void int6_rows(const int8_t* xq, const float* scales, const float* sums, int64_t K, const uint8_t* nibbles,
+               const uint8_t* highs, const int16_t* steps, const float* units, T* y, int64_t N, int64_t row0,
+               int64_t row1) {
+  const int64_t groups = K / 32;
+  // a quad's 8 steps (16 bytes) as the int16 multipliers of its first pair and of its second
+  const __m256i first_pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i second_pair = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  for (int64_t o = row0; o < row1; ++o) {
+    const uint8_t* row = nibbles + o * groups * 16;
+    const uint8_t* row_highs = highs + o * groups * 8;
+    const int16_t* row_steps = steps + o * groups * 2;
+    // low_terms: their own FMA chains, as int4_rows'; in units of the row's unit, as acc
+    __m256 acc[M], low_terms[M];
+    for (int i = 0; i < M; ++i) acc[i] = low_terms[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 4) {
+      const __m128i quad = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_steps + 2 * g));
+      const __m256 quad_steps = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(quad));
+      for (int i = 0; i < M; ++i)
+        low_terms[i] = _mm256_fmadd_ps(quad_steps, _mm256_loadu_ps(sums + (i * groups + g) * 2), low_terms[i]);
+      const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_highs + g * 8));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + 2 * h) * 16));
+        // vectors 2h and 2h + 1: their top bits moved to bits 4-5
+        const __m256i first_tops = h == 0 ? _mm256_slli_epi16(tops, 4) : tops;
+        const __m256i second_tops = h == 0 ? _mm256_slli_epi16(tops, 2) : _mm256_srli_epi16(tops, 2);
+        const __m256i q_first = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_and_si256(first_tops, top));
+        const __m256i q_second =
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble), _mm256_and_si256(second_tops, top));
+        const __m256i pair_steps =
+            _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(quad), h == 0 ? first_pair : second_pair);
+        for (int i = 0; i < M; ++i) {
+          const int8_t* x = xq + i * K + (g + 2 * h) * 32;
+          const __m256i dots = pair_sums(q_first, q_second, x, pair_steps);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_loadu_ps(scales + (i * groups + g + 2 * h) * 4),
+                                   acc[i]);
+        }
+      }
+    }
+    const float unit = units[o];
+    for (int i = 0; i < M; ++i) y[i * N + o] = T(simd::sum8(_mm256_add_ps(acc[i], low_terms[i])) * unit);
+  }
+}
+
+template <typename T>
+at::Tensor int6_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& highs,
+                        const at::Tensor& steps, const at::Tensor& units) {
+  const int64_t M = x.size(0), N = nibbles.size(0), K = x.size(1), groups = K / 32;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantizedRows xq = quantize_rows<T>(x, true, Layout::kPairs);
+  over_row_blocks<kInt6RowsPerBlock>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
+    int6_rows<decltype(rows)::value>(xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4,
+                                     xq.sums.get() + m0 * groups * 2, K, nibbles.data_ptr<uint8_t>(),
+                                     highs.data_ptr<uint8_t>(), steps.data_ptr<int16_t>(), units.data_ptr<float>(),
+                                     y.data_ptr<T>() + m0 * N, N, r0, r1);
+  });
+  return y;
+}
+
+}  // namespace
+
+namespace tokenmill {
+
+// The int6 product for any number of rows: the GEMV up to max_gemv_rows or for a layer without a
+// dense copy, the dense copy beyond.
+at::Tensor int6_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& highs,
+                            const at::Tensor& steps, const at::Tensor& units, const std::optional<at::Tensor>& dense,
+                            int64_t max_gemv_rows) {
+  if (x.size(0) > max_gemv_rows && dense.has_value()) return at::linear(x, *dense);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "int6_rows_linear: x must be a 2-D bfloat16 or float32 tensor");
+  const int64_t N = nibbles.size(0), K = x.size(1);
+  TORCH_CHECK(K % 256 == 0 && nibbles.dim() == 2 && nibbles.size(1) * 2 == K && nibbles.scalar_type() == at::kByte &&
+                  nibbles.is_contiguous(),
+              "int6_rows_linear: nibbles must be contiguous uint8 (N, K / 2), K a multiple of 256");
+  TORCH_CHECK(highs.scalar_type() == at::kByte && highs.is_contiguous() && highs.numel() == N * K / 4,
+              "int6_rows_linear: highs must be contiguous uint8 (N, K / 4)");
+  TORCH_CHECK(steps.scalar_type() == at::kShort && steps.is_contiguous() && steps.numel() == N * K / 16,
+              "int6_rows_linear: steps must be contiguous int16 (N, K / 16)");
+  TORCH_CHECK(units.scalar_type() == at::kFloat && units.is_contiguous() && units.numel() == N,
+              "int6_rows_linear: units must be contiguous float32 (N)");
+  return dtype == at::kFloat ? int6_gemv_as<float>(x, nibbles, highs, steps, units)
+                             : int6_gemv_as<at::BFloat16>(x, nibbles, highs, steps, units);
 }
 
 }  // namespace tokenmill
@@ -1313,6 +1442,8 @@ TORCH_LIBRARY(tokenmill, m) {
         "-> Tensor");
   m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor steps_lows, Tensor units, Tensor? fifth_bits, "
         "Tensor? dense, int max_gemv_rows) -> Tensor");
+  m.def("int6_rows_linear(Tensor x, Tensor nibbles, Tensor highs, Tensor steps, Tensor units, Tensor? dense, "
+        "int max_gemv_rows) -> Tensor");
   m.def("quant_tiles_linear(Tensor x, Tensor tiles, Tensor tile_scales, Tensor? fifth_masks, int bits, Tensor? dense, "
         "int max_tile_rows, int x_block=8, int max_coarse_rows=-1, int amx_min_rows=-1) -> Tensor");
 }
@@ -1321,5 +1452,6 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("int8_linear", &tokenmill::int8_linear);
   m.impl("int4_linear", &tokenmill::int4_linear);
   m.impl("int4_rows_linear", &tokenmill::int4_rows_linear);
+  m.impl("int6_rows_linear", &tokenmill::int6_rows_linear);
   m.impl("quant_tiles_linear", &tokenmill::quant_tiles_linear);
 }

@@ -164,6 +164,79 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<
   return {nibbles, steps_lows, units};
 }
 
+// Q6_K weights (each (rows_i, cols / 256 * 210) uint8) stacked by rows -> the int6 row layout of
+// `int6_rows_linear`: nibbles (rows, cols / 2) uint8, highs (rows, cols / 4) uint8, steps
+// (rows, cols / 16) int16 and units (rows) float32, w = step x unit x (q - 32). A row's unit is
+// its largest 16-value scale (d x scale, as `q6_k_values`) in magnitude / 32767 (1 for a row of
+// zero scales), each step its scale in units rounded half to even, as `q4_k_int4_rows`'.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6_k_int6_rows(const std::vector<at::Tensor>& weights,
+                                                                         int64_t cols) {
+  TORCH_CHECK(!weights.empty() && cols % kSuperBlock == 0, "q6_k_int6_rows: give Q6_K weights of a multiple of 256 columns");
+  const int64_t row_bytes = cols / kSuperBlock * kQ6KBytes, blocks = cols / kSuperBlock;
+  std::vector<const uint8_t*> row_blocks;  // each stacked row's blocks
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() % row_bytes == 0,
+                "q6_k_int6_rows: weights must be contiguous uint8 rows of ", row_bytes, " bytes (Q6_K)");
+    for (int64_t r = 0; r < w.numel() / row_bytes; ++r) row_blocks.push_back(w.data_ptr<uint8_t>() + r * row_bytes);
+  }
+  const int64_t rows = static_cast<int64_t>(row_blocks.size());
+  const at::TensorOptions bytes = weights[0].options();
+  at::Tensor nibbles = at::empty({rows, cols / 2}, bytes), highs = at::empty({rows, cols / 4}, bytes);
+  at::Tensor steps = at::empty({rows, cols / 16}, bytes.dtype(at::kShort));
+  at::Tensor units = at::empty({rows}, bytes.dtype(at::kFloat));
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
+    std::vector<float> scale(cols / 16);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
+    for (int64_t r = first; r < end; ++r) {
+      float peak = 0.0f;
+      for (int64_t n = 0; n < blocks; ++n) {
+        const uint8_t* b = row_blocks[r] + n * kQ6KBytes;
+        const float d = half_at(b + 208);
+        for (int s = 0; s < 16; ++s) {
+          scale[n * 16 + s] = d * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[s]);
+          peak = std::max(peak, std::fabs(scale[n * 16 + s]));
+        }
+      }
+      float unit = peak / 32767.0f;
+      if (!(unit > 0.0f)) unit = 1.0f;
+      units.data_ptr<float>()[r] = unit;
+      int16_t* row_steps = steps.data_ptr<int16_t>() + r * cols / 16;
+      for (int64_t s = 0; s < cols / 16; ++s)
+        row_steps[s] = static_cast<int16_t>(std::clamp(std::nearbyint(scale[s] / unit), -32767.0f, 32767.0f));
+      for (int64_t n = 0; n < blocks; ++n) {
+        const uint8_t* b = row_blocks[r] + n * kQ6KBytes;
+        __m256i halves[8];  // group k's q (as q6_k_quarter: half k / 4, quarter k % 4) in int6_halves' order
+        for (int k = 0; k < 8; ++k) {
+          const int half = k / 4, quarter = k % 4;
+          const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (quarter & 1)));
+          const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+          const __m256i q = _mm256_or_si256(
+              _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(4 * (quarter >> 1))), nibble),
+              _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(top, _mm_cvtsi32_si128(2 * quarter)), two_bits), 4));
+          halves[k] = simd::int6_halves(q);
+        }
+        uint8_t* row_nibbles = nibbles.data_ptr<uint8_t>() + r * cols / 2 + n * kSuperBlock / 2;
+        uint8_t* row_highs = highs.data_ptr<uint8_t>() + r * cols / 4 + n * kSuperBlock / 4;
+        for (int quad = 0; quad < 2; ++quad) {
+          __m256i tops = _mm256_setzero_si256();
+          for (int pair = 0; pair < 2; ++pair) {  // the pair's first halves, then its second ones
+            const __m256i a = halves[4 * quad + 2 * pair], c = halves[4 * quad + 2 * pair + 1];
+            const __m256i vectors[2] = {_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31)};
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_nibbles + (4 * quad + 2 * pair) * 16),
+                                _mm256_or_si256(_mm256_and_si256(vectors[0], nibble),
+                                                _mm256_slli_epi16(_mm256_and_si256(vectors[1], nibble), 4)));
+            for (int v = 0; v < 2; ++v)  // vector 2 pair + v's top bits to bits 2 (2 pair + v) and up
+              tops = _mm256_or_si256(tops, _mm256_sll_epi16(_mm256_and_si256(_mm256_srli_epi16(vectors[v], 4), two_bits),
+                                                            _mm_cvtsi32_si128(2 * (2 * pair + v))));
+          }
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_highs + quad * 32), tops);
+        }
+      }
+    }
+  });
+  return {nibbles, highs, steps, units};
+}
+
 // Q6_K blocks (rows, cols / 256 * 210) uint8 -> each row quantized to int8 with one scale, as
 // quant_linear.py's `quantize_int8` of the dequantized row: scale = max(amax / 127, 1e-12),
 // q = clamp(round-half-even(w / scale), -127, 127).

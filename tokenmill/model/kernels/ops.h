@@ -21,6 +21,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& steps_lows,
                             const at::Tensor& units, const std::optional<at::Tensor>& fifth_bits,
                             const std::optional<at::Tensor>& dense, int64_t max_gemv_rows);
+at::Tensor int6_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& highs,
+                            const at::Tensor& steps, const at::Tensor& units, const std::optional<at::Tensor>& dense,
+                            int64_t max_gemv_rows);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                        int64_t group_size, const std::optional<at::Tensor>& dense, int64_t max_packed_rows);
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
@@ -47,6 +50,8 @@ void ban_disallowed_(at::Tensor& logits, const at::Tensor& rows, const at::Tenso
 // layout.cpp (loading)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blocks, int64_t rows, int64_t cols);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6_k_int6_rows(const std::vector<at::Tensor>& weights,
+                                                                         int64_t cols);
 std::tuple<at::Tensor, at::Tensor> q6_k_int8_rows(const at::Tensor& blocks, int64_t rows, int64_t cols);
 at::Tensor tile_bytes(const at::Tensor& q, int64_t bits);
 std::optional<at::Tensor> compact_scales(const at::Tensor& scale, const at::Tensor& low);

@@ -29,12 +29,27 @@ inline void with_constant(int64_t n, const F& f) {
   f(std::integral_constant<int, N>{});
 }
 
-// The sum of 8 floats: AVX2's vector, and the integer GEMVs' on either kind of machine (gemv.cpp)
-inline float sum8(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+// 32 bytes of a group of 32 values in element order as the int6 row layout's two halves (lower and
+// upper 128 bits), for the weights (layout.cpp) and the activations (gemv.cpp) alike: the
+// activation sub-block j's (elements 4j..4j+3 and 16+4j..16+4j+3) elements 4j, 4j + 1, 16 + 4j,
+// 16 + 4j + 1 in bytes 4j..4j+3 of the first half, and 4j + 2, 4j + 3, 16 + 4j + 2, 16 + 4j + 3 in
+// those of the second (see gemv.cpp's int6_rows).
+inline __m256i int6_halves(__m256i bytes) {
+  // lane 0: elements 0-7 and 16-23; lane 1: 8-15 and 24-31
+  const __m256i lanes = _mm256_permute4x64_epi64(bytes, _MM_SHUFFLE(3, 1, 2, 0));
+  const __m256i order = _mm256_setr_epi8(0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15,  //
+                                         0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15);
+  return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(lanes, order), _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// The sum of 4 floats, (0 + 2) + (1 + 3)
+inline float sum4(__m128 s) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// The sum of 8 floats: AVX2's vector, and the integer GEMVs' on either kind of machine (gemv.cpp)
+inline float sum8(__m256 a) { return sum4(_mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1))); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define SIMD_AVX512 1  // for kernels with 512-bit integer code of their own (gemv.cpp)
