@@ -13,8 +13,10 @@ tokenmill's GEMVs keep up with a dense fp32 matmul at every size and serve alone
 GGUF formats map onto the int4 kernels' form (group of 32, w = scale * q + low, q in 0..15, as
 ggml writes them) without loss for Q4_0, Q4_1 and Q4_K, and where tokenmill's int4 row kernel
 serves, Q5_0, Q5_1 and Q5_K onto its 5-bit form (q in 0..31: the nibbles plus a plane of
-fifth bits; 0.75 bytes per weight against 1 for int8). Other formats are re-quantized to int8 with
-one scale per output row, which costs a little accuracy (reported by `tokenmill perplexity`).
+fifth bits; 0.75 bytes per weight against 1 for int8). There, layers of Q6_K weights take a 6-bit
+row layout of their own (`Int6Rows`: Q6_K's 16-value scales as integer steps). Other formats are
+re-quantized to int8 with one scale per output row, which costs a little accuracy (reported by
+`tokenmill perplexity`).
 """
 
 from __future__ import annotations
@@ -58,9 +60,9 @@ GEMV_MAX_TOKENS_NO_COPY = 8
 # speed. Elsewhere every kind keeps one for batches beyond FP32_GEMV_MAX_TOKENS.
 FP32_GEMV_MAX_TOKENS = 64
 # Batch sizes from which a dense bf16 copy beats PyTorch's weight-only kernels, which serve until
-# tokenmill's kernels are built, or where they cannot be (5-bit weights, which only tokenmill's int4
-# row kernel reads, take int4's). A lower value hands more batches to the copy's matmul (bound by
-# arithmetic), a higher one keeps more on the packed kernel (bound by the bytes it reads).
+# tokenmill's kernels are built, or where they cannot be (5- and 6-bit weights, which only
+# tokenmill's row kernels read, take int4's). A lower value hands more batches to the copy's matmul
+# (bound by arithmetic), a higher one keeps more on the packed kernel (bound by the bytes it reads).
 PACKED_DENSE_CROSSOVER = {"int4": 16, "int5": 16, "int6": 16, "int8": 8}
 # The same for the tile kernel against a bf16 copy on CPUs where oneDNN multiplies the copy on AMX
 # but the tile kernel cannot (`amx_tiles()` false): below it the tiles' int8 products win (a bf16
