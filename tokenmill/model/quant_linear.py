@@ -208,22 +208,25 @@ class Int6Rows(NamedTuple):
 
 # The element of a group of 32 at each position of its first (row 0) and second (row 1) half in
 # the int6 row layout: the activation sub-block j's 4j, 4j + 1, 16 + 4j, 16 + 4j + 1, then its
-# 4j + 2, 4j + 3, 16 + 4j + 2, 16 + 4j + 3 (gemv.cpp's `pair_halves`)
+# 4j + 2, 4j + 3, 16 + 4j + 2, 16 + 4j + 3 (simd.h's `int6_halves`)
 _FIRST_HALF = torch.tensor([0, 1, 16, 17]) + 4 * torch.arange(4)[:, None]
 INT6_HALF_ELEMENTS = torch.stack((_FIRST_HALF.flatten(), _FIRST_HALF.flatten() + 2))
 _HIGH_SHIFTS = (2 * torch.arange(4)).to(torch.uint8)[:, None]
 
 
 def unpack_int6_rows(rows: Int6Rows) -> torch.Tensor:
-    """The float32 weight of `q6_k_int6_rows`' output."""
+    """The float32 weight of `q6_k_int6_rows`' output (on the rows' device)."""
     count, cols = rows.nibbles.shape[0], rows.nibbles.shape[1] * 2
+    device = rows.nibbles.device
     pairs = rows.nibbles.view(count, -1, 1, INT4_GROUP)  # 32 bytes a pair of groups
     low = torch.cat((pairs & 0xF, pairs >> 4), dim=2)  # (row, pair, half, position)
     quads = rows.highs.view(count, -1, 1, INT4_GROUP)  # and a quad
-    high = ((quads >> _HIGH_SHIFTS) & 3).view(low.shape)
+    high = ((quads >> _HIGH_SHIFTS.to(device)) & 3).view(low.shape)
     halves = (low | (high << 4)).view(count, -1, 2, 2, INT4_GROUP // 2)  # (.., half, group, p)
-    q = torch.empty(count, cols // (2 * INT4_GROUP), 2, INT4_GROUP, dtype=torch.uint8)
-    q[..., INT6_HALF_ELEMENTS] = halves.transpose(2, 3)
+    q = torch.empty(
+        count, cols // (2 * INT4_GROUP), 2, INT4_GROUP, dtype=torch.uint8, device=device
+    )
+    q[..., INT6_HALF_ELEMENTS.to(device)] = halves.transpose(2, 3)
     scale = rows.steps.float() * rows.units[:, None]
     return ((q.view(count, -1, 16).float() - 32) * scale[..., None]).view(count, cols)
 

@@ -77,6 +77,32 @@ void q6_k_values(const uint8_t* b, float* w) {
   }
 }
 
+// Where each row of K-quant weights of `type` (each (rows_i, cols / 256 * block_bytes) uint8)
+// starts, the weights' rows stacked; `name` (the caller's) heads the errors
+std::vector<const uint8_t*> stacked_rows(const std::vector<at::Tensor>& weights, int64_t cols, int64_t block_bytes,
+                                         const char* name, const char* type) {
+  TORCH_CHECK(!weights.empty() && cols % kSuperBlock == 0, name, ": give ", type, " weights of a multiple of 256 columns");
+  const int64_t row_bytes = cols / kSuperBlock * block_bytes;
+  std::vector<const uint8_t*> rows;
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() % row_bytes == 0, name,
+                ": weights must be contiguous uint8 rows of ", row_bytes, " bytes (", type, ")");
+    for (int64_t r = 0; r < w.numel() / row_bytes; ++r) rows.push_back(w.data_ptr<uint8_t>() + r * row_bytes);
+  }
+  return rows;
+}
+
+// The row layouts' unit of a row whose largest scale magnitude is peak: peak / 32767
+// (quant_linear.py's MAX_STEP), 1 for a row of zero scales; and a scale's step, the scale in units
+// rounded half to even
+float row_unit(float peak) {
+  const float unit = peak / 32767.0f;
+  return unit > 0.0f ? unit : 1.0f;
+}
+int16_t step_of(float scale, float unit) {
+  return static_cast<int16_t>(std::clamp(std::nearbyint(scale / unit), -32767.0f, 32767.0f));
+}
+
 }  // namespace
 
 namespace tokenmill {
@@ -115,15 +141,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blo
 // unit is its largest scale magnitude / 32767 (quant_linear.py's MAX_STEP; 1 for a row of zero
 // scales), each step its scale in units rounded half to even, each low its float16 bits.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols) {
-  TORCH_CHECK(!weights.empty() && cols % kSuperBlock == 0, "q4_k_int4_rows: give Q4_K weights of a multiple of 256 columns");
-  const int64_t row_bytes = cols / kSuperBlock * kQ4KBytes, groups = cols / kGroup;
-  std::vector<const uint8_t*> row_blocks;  // each stacked row's blocks
-  for (const at::Tensor& w : weights) {
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() % row_bytes == 0,
-                "q4_k_int4_rows: weights must be contiguous uint8 rows of ", row_bytes, " bytes (Q4_K)");
-    for (int64_t r = 0; r < w.numel() / row_bytes; ++r) row_blocks.push_back(w.data_ptr<uint8_t>() + r * row_bytes);
-  }
-  const int64_t rows = static_cast<int64_t>(row_blocks.size());
+  const std::vector<const uint8_t*> row_blocks = stacked_rows(weights, cols, kQ4KBytes, "q4_k_int4_rows", "Q4_K");
+  const int64_t groups = cols / kGroup, rows = static_cast<int64_t>(row_blocks.size());
   const at::TensorOptions bytes = weights[0].options();
   at::Tensor nibbles = at::empty({rows, cols / 2}, bytes);
   at::Tensor steps_lows = at::empty({rows, groups, 2}, bytes.dtype(at::kShort));
@@ -150,13 +169,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<
             for (int i = 0; i < kGroup / 2; ++i) out[i] = (qs[i] & 0x0F) | (qs[16 + i] << 4);
         }
       }
-      float unit = peak / 32767.0f;
-      if (!(unit > 0.0f)) unit = 1.0f;
-      units_out[r] = unit;
+      const float unit = units_out[r] = row_unit(peak);
       int16_t* sl = steps_lows_out + r * groups * 2;
       for (int64_t g = 0; g < groups; ++g) {
-        const float step = std::clamp(std::nearbyint(scale[g] / unit), -32767.0f, 32767.0f);
-        sl[2 * g] = static_cast<int16_t>(step);
+        sl[2 * g] = step_of(scale[g], unit);
         sl[2 * g + 1] = static_cast<int16_t>(c10::Half(low[g]).x);
       }
     }
@@ -171,15 +187,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<
 // zero scales), each step its scale in units rounded half to even, as `q4_k_int4_rows`'.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6_k_int6_rows(const std::vector<at::Tensor>& weights,
                                                                          int64_t cols) {
-  TORCH_CHECK(!weights.empty() && cols % kSuperBlock == 0, "q6_k_int6_rows: give Q6_K weights of a multiple of 256 columns");
-  const int64_t row_bytes = cols / kSuperBlock * kQ6KBytes, blocks = cols / kSuperBlock;
-  std::vector<const uint8_t*> row_blocks;  // each stacked row's blocks
-  for (const at::Tensor& w : weights) {
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() % row_bytes == 0,
-                "q6_k_int6_rows: weights must be contiguous uint8 rows of ", row_bytes, " bytes (Q6_K)");
-    for (int64_t r = 0; r < w.numel() / row_bytes; ++r) row_blocks.push_back(w.data_ptr<uint8_t>() + r * row_bytes);
-  }
-  const int64_t rows = static_cast<int64_t>(row_blocks.size());
+  const std::vector<const uint8_t*> row_blocks = stacked_rows(weights, cols, kQ6KBytes, "q6_k_int6_rows", "Q6_K");
+  const int64_t blocks = cols / kSuperBlock, rows = static_cast<int64_t>(row_blocks.size());
   const at::TensorOptions bytes = weights[0].options();
   at::Tensor nibbles = at::empty({rows, cols / 2}, bytes), highs = at::empty({rows, cols / 4}, bytes);
   at::Tensor steps = at::empty({rows, cols / 16}, bytes.dtype(at::kShort));
@@ -197,12 +206,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6_k_int6_rows(const 
           peak = std::max(peak, std::fabs(scale[n * 16 + s]));
         }
       }
-      float unit = peak / 32767.0f;
-      if (!(unit > 0.0f)) unit = 1.0f;
-      units.data_ptr<float>()[r] = unit;
+      const float unit = units.data_ptr<float>()[r] = row_unit(peak);
       int16_t* row_steps = steps.data_ptr<int16_t>() + r * cols / 16;
-      for (int64_t s = 0; s < cols / 16; ++s)
-        row_steps[s] = static_cast<int16_t>(std::clamp(std::nearbyint(scale[s] / unit), -32767.0f, 32767.0f));
+      for (int64_t s = 0; s < cols / 16; ++s) row_steps[s] = step_of(scale[s], unit);
       for (int64_t n = 0; n < blocks; ++n) {
         const uint8_t* b = row_blocks[r] + n * kQ6KBytes;
         __m256i halves[8];  // group k's q (as q6_k_quarter: half k / 4, quarter k % 4) in int6_halves' order
