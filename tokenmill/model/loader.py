@@ -21,13 +21,12 @@ from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     FINE_X_BLOCK,
-    LARGE_INT8_WEIGHTS,
     QuantEmbedding,
     QuantLinear,
     dense_crossover,
     dense_packed_form,
     gguf_packed,
-    is_large_int8,
+    keeps_no_dense_copy,
     merge_packed,
     takes_tiles,
 )
@@ -512,11 +511,7 @@ class _Builder:
             if self.dense_min_tokens is not None
             else dense_crossover(kind, self.dtype, tiles)
         )
-        if is_large_int8(kind, rows * num_cols) or (
-            kind == "int6" and rows * num_cols >= LARGE_INT8_WEIGHTS
-        ):
-            # an output head: tiles, dequantized chunks or the int6 GEMV serve every batch (see
-            # QuantLinear), where a dense copy would take GBs
+        if keeps_no_dense_copy(kind, rows * num_cols):
             threshold = 0
         dense = None
         if threshold > 0:

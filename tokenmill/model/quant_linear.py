@@ -444,6 +444,13 @@ def is_large_int8(kind: str, weights: int) -> bool:
     return kind == "int8" and weights >= LARGE_INT8_WEIGHTS
 
 
+def keeps_no_dense_copy(kind: str, weights: int) -> bool:
+    """Whether a packed matrix of `weights` weights never gets a dense copy: an output head in
+    int8 (tiles or its own kernels serve every batch) or in 6-bit rows (their GEMV does), where a
+    dense copy would take GBs."""
+    return kind in ("int8", "int6") and weights >= LARGE_INT8_WEIGHTS
+
+
 def exact_groups(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, low) of a Q4_0/Q4_1/Q4_K weight (q in 0..15) or a Q5_0/Q5_1/Q5_K or MXFP4 one
     (q in 0..31): q (rows, cols), scale and low (rows, cols / 32) float32, with
@@ -656,6 +663,7 @@ class QuantLinear(nn.Module):
         if int4 is not None and int4_rows is None:
             int4_rows = int4_rows_layout()
         self.int4_rows = not tiles and (int5 is not None or (int4 is not None and int4_rows))
+        self.row_layout = self.int4_rows or int6 is not None  # the row kernels' layouts
         if isinstance(int4, Int4Rows) and not self.int4_rows:
             raise ValueError("int4 weights in the row layout (Int4Rows) need int4_rows, no tiles")
         if tiles:
@@ -844,8 +852,7 @@ class QuantLinear(nn.Module):
         if self.tiles:
             return x.dtype in (torch.bfloat16, torch.float32)
         if self.kind != "int8":
-            rows = self.int4_rows or self.kind == "int6"  # the row kernels' dtypes
-            return not rows or x.dtype in (torch.bfloat16, torch.float32)
+            return not self.row_layout or x.dtype in (torch.bfloat16, torch.float32)
         return (
             x.dtype in (torch.bfloat16, torch.float32)
             and self.scales.dtype == x.dtype
@@ -873,8 +880,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         dense = f", dense for >= {self.dense_min_tokens} tokens" if self.dense is not None else ""
-        rows_layout = self.int4_rows or self.kind == "int6"
-        rows = " (tiles)" if self.tiles else " (row layout)" if rows_layout else ""
+        rows = " (tiles)" if self.tiles else " (row layout)" if self.row_layout else ""
         return f"{self.in_features} -> {self.out_features}, {self.kind}{rows}{dense}"
 
 
