@@ -209,8 +209,8 @@ def test_int4_linear_switches_to_the_dense_copy_above_the_crossover(tokens: int)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 9, 14])  # 14: blocks of 8 and 6 rows
 @pytest.mark.parametrize("dense", [False, True])
-# 5 and 9 groups of 32: quads, a pair and a single group left
-@pytest.mark.parametrize("cols", [160, 288])
+# 5, 9 and 23 groups of 32: blocks of 8 and 4 groups, a pair and a single group left
+@pytest.mark.parametrize("cols", [160, 288, 736])
 def test_int4_rows_linear_matches_a_float_reference(
     tokens: int, dtype: torch.dtype, dense: bool, cols: int
 ) -> None:
@@ -301,7 +301,7 @@ def _q6_k_layer(rows: int, cols: int, seed: int) -> GGMLWeight:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 9, 14])  # 14: blocks of 4 (or 8) and the rest
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 9, 14])  # 14: blocks of 8 and 6 rows
 @pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("cols", [256, 768])
 def test_int6_rows_linear_matches_a_float_reference(

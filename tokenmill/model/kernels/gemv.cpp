@@ -29,13 +29,15 @@ namespace {
 constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kRowsPerTile = 32;
 constexpr int kRowsPerBlock = 8;  // activation rows that share each weight load (over_row_blocks)
-// The int4 GEMV's: with AVX2's 16 vector registers, 8 rows' accumulators and low terms spill, and
-// blocks of 4 rows run faster though each loaded weight serves fewer rows; AVX-512 has 32.
-#ifdef SIMD_AVX512
-constexpr int kInt4RowsPerBlock = 8;
-#else
-constexpr int kInt4RowsPerBlock = 4;
-#endif
+// Activation rows per block in the row GEMVs (int4_rows, int6_rows). Their low terms (int4: each
+// group's low times its activation sum; 6-bit: the -32 offset) have FMA chains of their own: for up
+// to kInlineLowRows rows in the loop over the weights, beside the products; for more in a pass of
+// their own after it, which leaves AVX2's 16 vector registers to the products of 8 rows (with the
+// low terms beside them, 8 rows spill). Both add a row's terms in the same order, so a row's result
+// does not depend on its block. int4_rows with AVX-512, whose 32 registers hold them, keeps them in
+// the loop.
+constexpr int kRowGemvRowsPerBlock = 8;
+constexpr int kInlineLowRows = 4;
 
 // Runs kernel(rows, m0, r0, r1) over blocks of activation rows (m0: the block's first; rows: its
 // size, as a std::integral_constant for the kernel's template: RowsPerBlock while that many are
@@ -471,6 +473,16 @@ inline float low_of(const int16_t* step_low, int64_t g) {
   return simd::to_float(c10::Half(step_low[2 * g + 1], c10::Half::from_bits()));
 }
 
+// The lows of groups g to g + 7 from a row's (step, low) pairs, times per_unit
+inline __m256 octet_lows(const int16_t* step_low, int64_t g, __m256 per_unit) {
+  const __m256i low_bytes = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,  //
+                                             2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i picked =
+      _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step_low + 2 * g)), low_bytes);
+  const __m128i halves = _mm256_castsi256_si128(_mm256_permute4x64_epi64(picked, _MM_SHUFFLE(0, 0, 2, 0)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(halves), per_unit);
+}
+
 // The rounding of the activations adds a relative error of ~0.4% per product, less than llama.cpp's
 // Q8 activations (one scale per 32); `tokenmill perplexity --decode` measures its cost.
 //
@@ -496,33 +508,43 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
   const __m256i first_pair = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
                                               4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5);
   const __m256i second_pair = _mm256_add_epi8(first_pair, _mm256_set1_epi8(8));
+#ifdef SIMD_AVX512
   const __m128i quad_lows_bits = _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+#endif
   for (int64_t o = row0; o < row1; ++o) {
     const uint8_t* row = nibbles + o * groups * 16;
     const uint8_t* fifth_row = Fifth ? fifth + o * fifth_row_bytes(groups) : nullptr;
     const int16_t* step_low = steps_lows + o * groups * 2;
     const float unit = units[o];
-    const __m128 per_unit = _mm_set1_ps(1.0f / unit);
-    // low_terms: their own FMA chains for any row count, so that a row's sums are added in the same
-    // order whatever its batch (with more than 4 rows on AVX2 they no longer fit the 16 vector
-    // registers beside acc). In units of `unit`, as acc; tail in plain ones.
+    // low_terms: their own FMA chains, so that a row's sums are added in the same order whatever its
+    // batch. With AVX-512 a quad at a time in the loop, groups outside quads in `tail`; on AVX2 8
+    // groups at a time (`add_low_terms`), groups past the last 8 in `tail`. In units of `unit`, as
+    // acc; tail in plain ones.
     __m256 acc[M], low_terms[M];
     float tail[M];
     for (int i = 0; i < M; ++i) acc[i] = low_terms[i] = _mm256_setzero_ps(), tail[i] = 0.0f;
 #ifdef SIMD_AVX512
+    const __m128 per_unit = _mm_set1_ps(1.0f / unit);
     __m512 wide[M];
     for (int i = 0; i < M; ++i) wide[i] = _mm512_setzero_ps();
+#else
+    const __m256 per_unit = _mm256_set1_ps(1.0f / unit);
+    const auto add_low_terms = [&](int64_t h) {  // groups h to h + 7
+      const __m256 lows = octet_lows(step_low, h, per_unit);
+      for (int i = 0; i < M; ++i)
+        low_terms[i] = _mm256_fmadd_ps(lows, _mm256_loadu_ps(sums + i * groups + h), low_terms[i]);
+    };
 #endif
     int64_t g = 0;
     for (; g + 4 <= groups; g += 4) {
       const __m128i quad = _mm_loadu_si128(reinterpret_cast<const __m128i*>(step_low + 2 * g));
+#ifdef SIMD_AVX512
       const __m128 quad_lows = _mm_mul_ps(_mm_cvtph_ps(_mm_shuffle_epi8(quad, quad_lows_bits)), per_unit);
       for (int i = 0; i < M; ++i) {
         const __m128 quad_sums = _mm_loadu_ps(sums + i * groups + g);  // 4 lanes; the other 4 are 0 x 0
         low_terms[i] = _mm256_fmadd_ps(_mm256_zextps128_ps256(quad_lows), _mm256_zextps128_ps256(quad_sums),
                                        low_terms[i]);
       }
-#ifdef SIMD_AVX512
       // the quad's 4 groups in one vector: 128-bit lane L holds group g + L's elements 0-15 in
       // q_low and 16-31 in q_high (the activations' units of 4, quantize_blocks), and its step
       const __m512i b = _mm512_loadu_si512(row + g * 16), nibble = _mm512_set1_epi8(0x0F);
@@ -547,6 +569,9 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
         wide[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(scales + (i * groups + g) * 4), wide[i]);
       }
 #else
+      if constexpr (M <= kInlineLowRows) {
+        if (g % 8 == 4) add_low_terms(g - 4);
+      }
       const __m256i quad_steps = _mm256_broadcastsi128_si256(quad);
       __m256i planes = _mm256_setzero_si256();
       if constexpr (Fifth) planes = fifth_planes(fifth_row + g * 4);
@@ -566,6 +591,15 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
       }
 #endif
     }
+#ifndef SIMD_AVX512
+    if constexpr (M > kInlineLowRows) {
+      for (int64_t h = 0; h + 8 <= groups; h += 8) add_low_terms(h);
+    }
+    for (int64_t h = groups / 8 * 8; h < groups; ++h) {
+      const float low = low_of(step_low, h);
+      for (int i = 0; i < M; ++i) tail[i] += low * sums[i * groups + h];
+    }
+#endif
     const int64_t block_start = g;  // the groups left: a pair, or a last unpaired one, or both
     __m256i planes = _mm256_setzero_si256();
     if constexpr (Fifth) {
@@ -573,7 +607,6 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
     }
     for (; g < groups; g += 2) {
       const int k = static_cast<int>(g - block_start);  // the group's first vector in the planes
-      const float l0 = low_of(step_low, g);
       if (g + 1 < groups) {
         __m256i q_low, q_high;
         unpack_pair(row + g * 16, q_low, q_high);
@@ -581,14 +614,15 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
           q_low = _mm256_or_si256(q_low, fifth_vector(planes, k));
           q_high = _mm256_or_si256(q_high, fifth_vector(planes, k + 1));
         }
-        const float l1 = low_of(step_low, g + 1);
         const __m256i pair_steps =
             _mm256_set_m128i(_mm_set1_epi16(step_low[2 * g + 2]), _mm_set1_epi16(step_low[2 * g]));
         for (int i = 0; i < M; ++i) {
-          const float* s = sums + i * groups + g;
           const __m256i dots = pair_sums(q_low, q_high, xq + i * K + g * 32, pair_steps);
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_loadu_ps(scales + (i * groups + g) * 4), acc[i]);
-          tail[i] += l0 * s[0] + l1 * s[1];
+#ifdef SIMD_AVX512
+          const float* s = sums + i * groups + g;
+          tail[i] += low_of(step_low, g) * s[0] + low_of(step_low, g + 1) * s[1];
+#endif
         }
       } else {  // bytes in element order: lanes j and j + 4 hold sub-block j
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
@@ -602,7 +636,9 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
         for (int i = 0; i < M; ++i) {
           const __m256i dots = _mm256_madd_epi16(products(q, xq + i * K + g * 32), step);
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), lane_scales(scales + (i * groups + g) * 4), acc[i]);
-          tail[i] += l0 * sums[i * groups + g];
+#ifdef SIMD_AVX512
+          tail[i] += low_of(step_low, g) * sums[i * groups + g];
+#endif
         }
       }
     }
@@ -626,7 +662,7 @@ at::Tensor int4_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const ui
   const uint8_t* w = nibbles.data_ptr<uint8_t>();
   const int16_t* sl = steps_lows.data_ptr<int16_t>();
   const float* un = units.data_ptr<float>();
-  over_row_blocks<kInt4RowsPerBlock>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
+  over_row_blocks<kRowGemvRowsPerBlock>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
     constexpr int R = decltype(rows)::value;
     const float *row_scales = xq.scales.get() + m0 * groups * 4, *row_sums = xq.sums.get() + m0 * groups;
     const int8_t* row_q = xq.q.get() + m0 * K;
@@ -687,9 +723,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 namespace {
 
-// The int6 GEMV's blocks of activation rows: as the int4 one's, whose loop it shares in shape
-constexpr int kInt6RowsPerBlock = kInt4RowsPerBlock;
-
 // y = x W^T for W (N, K) of 6-bit q (0..63) in sub-blocks of 16 along K, w = step x unit x (q - 32):
 // GGUF's Q6_K, whose 16-value scales are each a step (int16) of the row's unit units[o] (> 0), as
 // the int4 row layout's. K is a multiple of 256 (Q6_K's blocks), so the groups of 32 come in quads.
@@ -721,14 +754,18 @@ void int6_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
     const uint8_t* row = nibbles + o * groups * 16;
     const uint8_t* row_highs = highs + o * groups * 8;
     const int16_t* row_steps = steps + o * groups * 2;
-    // low_terms: their own FMA chains, as int4_rows'; in units of the row's unit, as acc
+    // low_terms: their own FMA chains, as int4_rows', a quad at a time; in units of the row's unit,
+    // as acc
     __m256 acc[M], low_terms[M];
     for (int i = 0; i < M; ++i) acc[i] = low_terms[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 4) {
-      const __m128i quad = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_steps + 2 * g));
+    const auto add_low_terms = [&](int64_t g, __m128i quad) {
       const __m256 quad_steps = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(quad));
       for (int i = 0; i < M; ++i)
         low_terms[i] = _mm256_fmadd_ps(quad_steps, _mm256_loadu_ps(sums + (i * groups + g) * 2), low_terms[i]);
+    };
+    for (int64_t g = 0; g < groups; g += 4) {
+      const __m128i quad = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_steps + 2 * g));
+      if constexpr (M <= kInlineLowRows) add_low_terms(g, quad);
       const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_highs + g * 8));
       for (int h = 0; h < 2; ++h) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + 2 * h) * 16));
@@ -748,6 +785,10 @@ void int6_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
         }
       }
     }
+    if constexpr (M > kInlineLowRows) {
+      for (int64_t g = 0; g < groups; g += 4)
+        add_low_terms(g, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_steps + 2 * g)));
+    }
     const float unit = units[o];
     for (int i = 0; i < M; ++i) y[i * N + o] = T(simd::sum8(_mm256_add_ps(acc[i], low_terms[i])) * unit);
   }
@@ -760,7 +801,7 @@ at::Tensor int6_gemv_as(const at::Tensor& x, const at::Tensor& nibbles, const at
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantizedRows xq = quantize_rows<T>(x, true, Layout::kPairs);
-  over_row_blocks<kInt6RowsPerBlock>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
+  over_row_blocks<kRowGemvRowsPerBlock>(M, N, [&](auto rows, int64_t m0, int64_t r0, int64_t r1) {
     int6_rows<decltype(rows)::value>(xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4,
                                      xq.sums.get() + m0 * groups * 2, K, nibbles.data_ptr<uint8_t>(),
                                      highs.data_ptr<uint8_t>(), steps.data_ptr<int16_t>(), units.data_ptr<float>(),
