@@ -470,6 +470,11 @@ class ModelRunner:
                     prune_cache(folder, "*.bin", KEEP_GRAPHS)
         except Exception as exc:  # noqa: BLE001 - eager steps keep serving; say why once
             self._compiled_decode = None  # a graph built before the failure too
+            if self._compile_thread is not None and self._compile_thread.stop_requested:
+                # the compilers sometimes turn the stop raised inside them into an error of their
+                # own (an AssertionError from dynamo) on the way out: a stop, not a failure
+                log.info("compiling the decode step stopped (%r)", exc)
+                return
             self.compile_error = exc
             log.warning("compiling the decode step failed; decoding stays eager: %r", exc)
             return

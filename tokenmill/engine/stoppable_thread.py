@@ -57,6 +57,11 @@ class StoppableThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether `stop` was called: what the target raises from then on is the stop's doing."""
+        return self._stop_requested
+
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
