@@ -503,13 +503,15 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
                const uint8_t* fifth, const int16_t* steps_lows, const float* units, T* y, int64_t N, int64_t row0,
                int64_t row1) {
   const int64_t groups = K / 32;
+#ifdef SIMD_AVX512
+  // a quad's (step, low) x 4: its 4 lows' bits
+  const __m128i quad_lows_bits = _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+#else
   // a quad's (step, low) x 4 (16 bytes, in both halves) as the int16 multipliers of its first pair
-  // (steps 0 and 1) and of its second (2 and 3), and its 4 lows' bits
+  // (steps 0 and 1) and of its second (2 and 3)
   const __m256i first_pair = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
                                               4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5);
   const __m256i second_pair = _mm256_add_epi8(first_pair, _mm256_set1_epi8(8));
-#ifdef SIMD_AVX512
-  const __m128i quad_lows_bits = _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
 #endif
   for (int64_t o = row0; o < row1; ++o) {
     const uint8_t* row = nibbles + o * groups * 16;
@@ -616,12 +618,15 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
         }
         const __m256i pair_steps =
             _mm256_set_m128i(_mm_set1_epi16(step_low[2 * g + 2]), _mm_set1_epi16(step_low[2 * g]));
+#ifdef SIMD_AVX512
+        const float low0 = low_of(step_low, g), low1 = low_of(step_low, g + 1);
+#endif
         for (int i = 0; i < M; ++i) {
           const __m256i dots = pair_sums(q_low, q_high, xq + i * K + g * 32, pair_steps);
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_loadu_ps(scales + (i * groups + g) * 4), acc[i]);
 #ifdef SIMD_AVX512
           const float* s = sums + i * groups + g;
-          tail[i] += low_of(step_low, g) * s[0] + low_of(step_low, g + 1) * s[1];
+          tail[i] += low0 * s[0] + low1 * s[1];
 #endif
         }
       } else {  // bytes in element order: lanes j and j + 4 hold sub-block j
@@ -633,11 +638,14 @@ void int4_rows(const int8_t* xq, const float* scales, const float* sums, int64_t
           q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srlv_epi32(lower, shifts), _mm256_set1_epi8(0x10)));
         }
         const __m256i step = _mm256_set1_epi16(step_low[2 * g]);
+#ifdef SIMD_AVX512
+        const float low = low_of(step_low, g);
+#endif
         for (int i = 0; i < M; ++i) {
           const __m256i dots = _mm256_madd_epi16(products(q, xq + i * K + g * 32), step);
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), lane_scales(scales + (i * groups + g) * 4), acc[i]);
 #ifdef SIMD_AVX512
-          tail[i] += low_of(step_low, g) * sums[i * groups + g];
+          tail[i] += low * sums[i * groups + g];
 #endif
         }
       }
