@@ -1062,7 +1062,9 @@ def test_translation_units_hold_every_source_once_and_share_the_build_evenly(
     assert max(seconds) <= 1.1 * max(sum(seconds) / len(units), max(own.values()))
 
 
-@pytest.mark.parametrize(("qtype", "compact"), [(Q.Q4_K, False), (Q.Q4_K, True), (Q.Q6_K, False)])
+@pytest.mark.parametrize(
+    ("qtype", "compact"), [(Q.Q4_K, False), (Q.Q4_K, True), (Q.Q6_K, False), (Q.Q8_0, False)]
+)
 def test_layout_kernels_lay_gguf_weights_out_as_the_python_path_does(
     qtype: Q, compact: bool, monkeypatch
 ) -> None:
@@ -1074,6 +1076,8 @@ def test_layout_kernels_lay_gguf_weights_out_as_the_python_path_does(
     raw = torch.from_numpy(random_blocks(qtype, shape, rng))
     if qtype == Q.Q6_K:  # a row of zeros: its scale is the floor, 1e-12
         raw.view(-1, 210)[:2, 208:210] = 0
+    if qtype == Q.Q8_0:  # the same: every block's d zero
+        raw.view(-1, 34)[:16, :2] = 0
     if compact:  # as llama.cpp writes Q4_K: a block's largest 6-bit scale and min are 63
         blocks = raw.view(-1, 144)
         blocks[:, 4] |= 63
@@ -1097,10 +1101,43 @@ def test_layout_kernels_lay_gguf_weights_out_as_the_python_path_does(
     assert fast[2].keys() == slow[2].keys() and "tile_q" in fast[2]
     for name, buffer in fast[2].items():
         assert buffer.dtype == slow[2][name].dtype and torch.equal(buffer, slow[2][name]), name
-    if qtype == Q.Q6_K:
+    if qtype in (Q.Q6_K, Q.Q8_0):
         assert fast[1][1][0] == torch.tensor(1e-12) and not fast[1][0][0].any()
     else:  # compact scales are bytes, the others float16 or float32
         assert (fast[2]["tile_scales"].dtype == torch.uint8) == compact
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_q4_0_and_q4_1_weights_stack_into_the_row_layout_in_one_pass(qtype: Q) -> None:
+    # as Q4_K's: the blocks' bytes go straight to the row layout (`q4_int4_rows`), to the bits of
+    # the groups' path (exact_groups, merged, then packed)
+    assert kernels.load()
+    rng = np.random.default_rng(int(qtype) + 7)
+    block_bytes = 18 if qtype == Q.Q4_0 else 20
+    weights = [
+        GGMLWeight(torch.from_numpy(random_blocks(qtype, (rows, 96), rng)), qtype, (rows, 96))
+        for rows in (40, 8, 8)
+    ]
+    weights[1].data[3, 0 : 3 * block_bytes : block_bytes] = 0  # a row whose scales are all zero:
+    weights[1].data[3, 1 : 3 * block_bytes : block_bytes] = 0  # its unit 1
+    kind, rows = gguf_packed(weights, tiles=False)
+    assert kind == "int4" and isinstance(rows, Int4Rows)
+    groups = merge_packed([packed_form(w) for w in weights])[1]
+    expected = pack_int4_rows(*groups)
+    for a, b in zip(rows, expected, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert rows.units[40 + 3] == 1 and not rows.steps_lows[40 + 3, :, 0].any()
+    x = torch.randn(5, 96)
+    laid_out = QuantLinear(56, 96, torch.float32, int4=rows, tiles=False, int4_rows=True)
+    reference = x @ torch.cat([w.dequantize() for w in weights]).T
+    assert (laid_out(x) - reference).abs().max() <= 0.02 * reference.abs().max()
+    # Q4_0 beside Q4_1 takes the groups' path
+    other = Q.Q4_0 if qtype == Q.Q4_1 else Q.Q4_1
+    mixed = [
+        weights[0],
+        GGMLWeight(torch.from_numpy(random_blocks(other, (8, 96), rng)), other, (8, 96)),
+    ]
+    assert not isinstance(gguf_packed(mixed, tiles=False)[1], Int4Rows)
 
 
 def test_q4_k_weights_stack_into_the_row_layout_in_one_pass() -> None:

@@ -534,8 +534,11 @@ def packed_form(w: GGMLWeight) -> Packed:
     ):
         return "int5", exact_groups(w)
     rows, cols = w.shape
-    if w.qtype == Q.Q6_K and kernels.loaded():  # the same values in one pass (layout.cpp)
-        return "int8", kernels.ops().q6_k_int8_rows(w.data.contiguous(), rows, cols)
+    if w.qtype in (Q.Q6_K, Q.Q8_0) and kernels.loaded():  # the same values in one pass (layout.cpp)
+        rows_of = (
+            kernels.ops().q6_k_int8_rows if w.qtype == Q.Q6_K else kernels.ops().q8_0_int8_rows
+        )
+        return "int8", rows_of(w.data.contiguous(), rows, cols)
     q8 = torch.empty(rows, cols, dtype=torch.int8)
     scales = torch.empty(rows)
     step = max(1, quant.CHUNK_ELEMENTS // cols)
@@ -593,15 +596,18 @@ def gguf_packed(weights: list[GGMLWeight], tiles: bool) -> Packed:
     """`merge_packed` of the weights' `packed_form`s, for a layer that takes the tile layout or
     (`tiles` False) not. Where the layer takes the row layout and every weight is Q4_K, its rows
     come laid out already (`Int4Rows`: `pack_int4_rows` of the merged groups) from one pass over
-    the blocks (layout.cpp), where the groups' q, a byte a weight, would take three more passes.
-    Where every weight is Q6_K, they take the int6 row layout (`Int6Rows`, exact but for the
-    scales' steps) rather than int8 re-rounded per row, which `int6_rows_linear` multiplies
-    faster."""
+    the blocks (layout.cpp), where the groups' q, a byte a weight, would take three more passes;
+    the same where every weight is Q4_0, or every one Q4_1. Where every weight is Q6_K, they take
+    the int6 row layout (`Int6Rows`, exact but for the scales' steps) rather than int8 re-rounded
+    per row, which `int6_rows_linear` multiplies faster."""
     if not tiles and int4_rows_layout():
         data, cols = [w.data.contiguous() for w in weights], weights[0].shape[1]
-        if all(w.qtype == Q.Q4_K for w in weights):
+        qtypes = {w.qtype for w in weights}
+        if qtypes == {Q.Q4_K}:
             return "int4", Int4Rows(*kernels.ops().q4_k_int4_rows(data, cols))
-        if all(w.qtype == Q.Q6_K for w in weights):
+        if qtypes in ({Q.Q4_0}, {Q.Q4_1}):
+            return "int4", Int4Rows(*kernels.ops().q4_int4_rows(data, cols, qtypes == {Q.Q4_1}))
+        if qtypes == {Q.Q6_K}:
             return "int6", Int6Rows(*kernels.ops().q6_k_int6_rows(data, cols))
     return merge_packed([packed_form(w) for w in weights])
 

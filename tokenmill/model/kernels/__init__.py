@@ -12,12 +12,12 @@ the cache (rotary.cpp); `decode_attention` attends one query token per sequence 
 the paged KV cache (attention.cpp); `greedy_ids` is a vectorized argmax of each row of logits and
 `sample_ids` a draw from each row's softmax (sample.cpp); `decoder_layer` computes an eager
 step's pre-norm layer in one call of those ops (layer.cpp, bound for Python only); `q4_k_groups`,
-`q4_k_int4_rows`, `q6_k_int6_rows`, `q6_k_int8_rows` and `tile_bytes` lay GGUF weights out for
-the others while a model loads (layout.cpp, bound for Python only). Python's eager code calls
-them through their pybind11 bindings (`ops`, bindings.cpp), compiled graphs through the
-dispatcher. They build (g++ through `torch.utils.cpp_extension`) as one translation unit per
-core, each including several sources (balanced by `SOURCE_COMPILE_SECONDS`): torch's headers are
-parsed once per unit.
+`q4_k_int4_rows`, `q4_int4_rows`, `q6_k_int6_rows`, `q6_k_int8_rows`, `q8_0_int8_rows` and
+`tile_bytes` lay GGUF weights out for the others while a model loads (layout.cpp, bound for Python
+only). Python's eager code calls them through their pybind11 bindings (`ops`, bindings.cpp),
+compiled graphs through the dispatcher. They build (g++ through `torch.utils.cpp_extension`) as
+one translation unit per core, each including several sources (balanced by
+`SOURCE_COMPILE_SECONDS`): torch's headers are parsed once per unit.
 `build_in_background` runs the build on a daemon thread while PyTorch's kernels serve. The library
 is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the torch version and the CPU's
 features, so later starts load it without compiling.

@@ -77,12 +77,14 @@ void q6_k_values(const uint8_t* b, float* w) {
   }
 }
 
-// Where each row of K-quant weights of `type` (each (rows_i, cols / 256 * block_bytes) uint8)
-// starts, the weights' rows stacked; `name` (the caller's) heads the errors
-std::vector<const uint8_t*> stacked_rows(const std::vector<at::Tensor>& weights, int64_t cols, int64_t block_bytes,
-                                         const char* name, const char* type) {
-  TORCH_CHECK(!weights.empty() && cols % kSuperBlock == 0, name, ": give ", type, " weights of a multiple of 256 columns");
-  const int64_t row_bytes = cols / kSuperBlock * block_bytes;
+// Where each row of weights of `type` in blocks of block_size values (each (rows_i, cols /
+// block_size * block_bytes) uint8) starts, the weights' rows stacked; `name` (the caller's) heads
+// the errors
+std::vector<const uint8_t*> stacked_rows(const std::vector<at::Tensor>& weights, int64_t cols, int64_t block_size,
+                                         int64_t block_bytes, const char* name, const char* type) {
+  TORCH_CHECK(!weights.empty() && cols % block_size == 0, name, ": give ", type, " weights of a multiple of ",
+              block_size, " columns");
+  const int64_t row_bytes = cols / block_size * block_bytes;
   std::vector<const uint8_t*> rows;
   for (const at::Tensor& w : weights) {
     TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() % row_bytes == 0, name,
@@ -101,6 +103,24 @@ float row_unit(float peak) {
 }
 int16_t step_of(float scale, float unit) {
   return static_cast<int16_t>(std::clamp(std::nearbyint(scale / unit), -32767.0f, 32767.0f));
+}
+
+// A float32 row w (cols, a multiple of simd::kWidth) quantized to int8 with one scale, as
+// quant_linear.py's `quantize_int8`: scale = max(amax / 127, 1e-12), q = clamp(round-half-even(w /
+// scale), -127, 127) into q_out; w is overwritten; returns the scale
+float int8_row(float* w, int64_t cols, int8_t* __restrict q_out) {
+  using namespace simd;
+  Vec peaks = zero();
+  for (int64_t i = 0; i < cols; i += kWidth) {
+    const Vec v = load(w + i);
+    peaks = max(peaks, max(v, sub(zero(), v)));
+  }
+  const float s = std::max(max_of(peaks) / 127.0f, static_cast<float>(1e-12));
+  const Vec step = set1(s), lowest = set1(-127.0f), highest = set1(127.0f);
+  for (int64_t i = 0; i < cols; i += kWidth) store(w + i, min(max(round(div(load(w + i), step)), lowest), highest));
+  const float* __restrict rounded = w;
+  for (int64_t i = 0; i < cols; ++i) q_out[i] = static_cast<int8_t>(static_cast<int>(rounded[i]));
+  return s;
 }
 
 }  // namespace
@@ -141,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blo
 // unit is its largest scale magnitude / 32767 (quant_linear.py's MAX_STEP; 1 for a row of zero
 // scales), each step its scale in units rounded half to even, each low its float16 bits.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols) {
-  const std::vector<const uint8_t*> row_blocks = stacked_rows(weights, cols, kQ4KBytes, "q4_k_int4_rows", "Q4_K");
+  const std::vector<const uint8_t*> row_blocks = stacked_rows(weights, cols, kSuperBlock, kQ4KBytes, "q4_k_int4_rows", "Q4_K");
   const int64_t groups = cols / kGroup, rows = static_cast<int64_t>(row_blocks.size());
   const at::TensorOptions bytes = weights[0].options();
   at::Tensor nibbles = at::empty({rows, cols / 2}, bytes);
@@ -180,6 +200,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<
   return {nibbles, steps_lows, units};
 }
 
+// Q4_0 weights (blocks of 32 values in 18 bytes: d, then 16 bytes whose byte j holds element j in
+// its low nibble and 16 + j in its high one; w = d q - 8 d) or Q4_1 ones (20 bytes: d, m, the same
+// 16; w = d q + m), each (rows_i, cols / 32 * block bytes) uint8, stacked by rows -> `pack_int4_rows`
+// of their `exact_groups`, in one pass, as `q4_k_int4_rows`: a block's 16 bytes are the row
+// layout's nibbles as they are.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols,
+                                                           bool with_min) {
+  const int64_t block_bytes = with_min ? 20 : 18, header = block_bytes - kGroup / 2;
+  const std::vector<const uint8_t*> row_blocks =
+      stacked_rows(weights, cols, kGroup, block_bytes, "q4_int4_rows", with_min ? "Q4_1" : "Q4_0");
+  const int64_t groups = cols / kGroup, rows = static_cast<int64_t>(row_blocks.size());
+  const at::TensorOptions bytes = weights[0].options();
+  at::Tensor nibbles = at::empty({rows, cols / 2}, bytes);
+  at::Tensor steps_lows = at::empty({rows, groups, 2}, bytes.dtype(at::kShort));
+  at::Tensor units = at::empty({rows}, bytes.dtype(at::kFloat));
+  uint8_t* nibbles_out = nibbles.data_ptr<uint8_t>();
+  int16_t* steps_lows_out = steps_lows.data_ptr<int16_t>();
+  float* units_out = units.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
+    for (int64_t r = first; r < end; ++r) {
+      const uint8_t* row = row_blocks[r];
+      float peak = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* b = row + g * block_bytes;
+        peak = std::max(peak, std::fabs(half_at(b)));
+        std::memcpy(nibbles_out + (r * groups + g) * kGroup / 2, b + header, kGroup / 2);
+      }
+      const float unit = units_out[r] = row_unit(peak);
+      int16_t* sl = steps_lows_out + r * groups * 2;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* b = row + g * block_bytes;
+        const float d = half_at(b), low = with_min ? half_at(b + 2) : -8.0f * d;
+        sl[2 * g] = step_of(d, unit);
+        sl[2 * g + 1] = static_cast<int16_t>(c10::Half(low).x);
+      }
+    }
+  });
+  return {nibbles, steps_lows, units};
+}
+
 // Q6_K weights (each (rows_i, cols / 256 * 210) uint8) stacked by rows -> the int6 row layout of
 // `int6_rows_linear`: nibbles (rows, cols / 2) uint8, highs (rows, cols / 4) uint8, steps
 // (rows, cols / 16) int16 and units (rows) float32, w = step x unit x (q - 32). A row's unit is
@@ -187,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<
 // zero scales), each step its scale in units rounded half to even, as `q4_k_int4_rows`'.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6_k_int6_rows(const std::vector<at::Tensor>& weights,
                                                                          int64_t cols) {
-  const std::vector<const uint8_t*> row_blocks = stacked_rows(weights, cols, kQ6KBytes, "q6_k_int6_rows", "Q6_K");
+  const std::vector<const uint8_t*> row_blocks = stacked_rows(weights, cols, kSuperBlock, kQ6KBytes, "q6_k_int6_rows", "Q6_K");
   const int64_t blocks = cols / kSuperBlock, rows = static_cast<int64_t>(row_blocks.size());
   const at::TensorOptions bytes = weights[0].options();
   at::Tensor nibbles = at::empty({rows, cols / 2}, bytes), highs = at::empty({rows, cols / 4}, bytes);
@@ -257,26 +317,42 @@ std::tuple<at::Tensor, at::Tensor> q6_k_int8_rows(const at::Tensor& blocks, int6
   int8_t* q_out = q.data_ptr<int8_t>();
   float* scale_out = scale.data_ptr<float>();
   const int64_t row_bytes = cols / kSuperBlock * kQ6KBytes;
-  const float smallest = static_cast<float>(1e-12);
   at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
     std::vector<float> w(cols);
     for (int64_t r = first; r < end; ++r) {
       for (int64_t k = 0; k < cols / kSuperBlock; ++k)
         q6_k_values(in + r * row_bytes + k * kQ6KBytes, w.data() + k * kSuperBlock);
-      using namespace simd;
-      Vec peaks = zero();
-      for (int64_t i = 0; i < cols; i += kWidth) {
-        const Vec v = load(w.data() + i);
-        peaks = max(peaks, max(v, sub(zero(), v)));
+      scale_out[r] = int8_row(w.data(), cols, q_out + r * cols);
+    }
+  });
+  return {q, scale};
+}
+
+// Q8_0 blocks (rows, cols / 32 * 34) uint8 (d, then 32 int8 q; w = d q, exact in float32) -> each
+// row quantized to int8 with one scale, as `q6_k_int8_rows` (a Q8_0 embedding that is also the
+// output head: Gemma 3's has 262k rows).
+std::tuple<at::Tensor, at::Tensor> q8_0_int8_rows(const at::Tensor& blocks, int64_t rows, int64_t cols) {
+  constexpr int64_t kQ8_0Bytes = 2 + kGroup;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "q8_0_int8_rows: blocks must be contiguous uint8");
+  TORCH_CHECK(cols % kGroup == 0 && blocks.numel() == rows * cols / kGroup * kQ8_0Bytes, "q8_0_int8_rows: ",
+              blocks.numel(), " bytes are not Q8_0 blocks of ", rows, " x ", cols);
+  at::Tensor q = at::empty({rows, cols}, blocks.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({rows}, blocks.options().dtype(at::kFloat));
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  int8_t* q_out = q.data_ptr<int8_t>();
+  float* scale_out = scale.data_ptr<float>();
+  const int64_t groups = cols / kGroup;
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
+    std::vector<float> w(cols);
+    for (int64_t r = first; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* b = in + (r * groups + g) * kQ8_0Bytes;
+        const float d = half_at(b);
+        const int8_t* values = reinterpret_cast<const int8_t*>(b + 2);
+        for (int64_t e = 0; e < kGroup; ++e) w[g * kGroup + e] = d * static_cast<float>(values[e]);
       }
-      const float s = std::max(max_of(peaks) / 127.0f, smallest);
-      scale_out[r] = s;
-      const Vec step = set1(s), lowest = set1(-127.0f), highest = set1(127.0f);
-      for (int64_t i = 0; i < cols; i += kWidth)
-        store(w.data() + i, min(max(round(div(load(w.data() + i), step)), lowest), highest));
-      int8_t* __restrict row_out = q_out + r * cols;
-      const float* __restrict rounded = w.data();
-      for (int64_t i = 0; i < cols; ++i) row_out[i] = static_cast<int8_t>(static_cast<int>(rounded[i]));
+      scale_out[r] = int8_row(w.data(), cols, q_out + r * cols);
     }
   });
   return {q, scale};
