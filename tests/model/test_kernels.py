@@ -1107,6 +1107,19 @@ def test_layout_kernels_lay_gguf_weights_out_as_the_python_path_does(
         assert (fast[2]["tile_scales"].dtype == torch.uint8) == compact
 
 
+def rows_laid_out_as_the_groups_path_does(
+    weights: list[GGMLWeight],
+) -> tuple[Int4Rows, tuple[torch.Tensor, ...]]:
+    """`gguf_packed`'s one-pass row layout of weights (layout.cpp), checked against the groups'
+    path (each weight's exact groups, merged, then packed); the layout and the groups."""
+    kind, rows = gguf_packed(weights, tiles=False)
+    assert kind == "int4" and isinstance(rows, Int4Rows)
+    groups = merge_packed([packed_form(w) for w in weights])[1]
+    for a, b in zip(rows, pack_int4_rows(*groups), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return rows, groups
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
 def test_q4_0_and_q4_1_weights_stack_into_the_row_layout_in_one_pass(qtype: Q) -> None:
     # as Q4_K's: the blocks' bytes go straight to the row layout (`q4_int4_rows`), to the bits of
@@ -1120,13 +1133,8 @@ def test_q4_0_and_q4_1_weights_stack_into_the_row_layout_in_one_pass(qtype: Q) -
     ]
     weights[1].data[3, 0 : 3 * block_bytes : block_bytes] = 0  # a row whose scales are all zero:
     weights[1].data[3, 1 : 3 * block_bytes : block_bytes] = 0  # its unit 1
-    kind, rows = gguf_packed(weights, tiles=False)
-    assert kind == "int4" and isinstance(rows, Int4Rows)
-    groups = merge_packed([packed_form(w) for w in weights])[1]
-    expected = pack_int4_rows(*groups)
-    for a, b in zip(rows, expected, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    assert rows.units[40 + 3] == 1 and not rows.steps_lows[40 + 3, :, 0].any()
+    rows, _ = rows_laid_out_as_the_groups_path_does(weights)
+    assert rows.units[40 + 3] == 1 and not rows.steps[40 + 3].any()
     x = torch.randn(5, 96)
     laid_out = QuantLinear(56, 96, torch.float32, int4=rows, tiles=False, int4_rows=True)
     reference = x @ torch.cat([w.dequantize() for w in weights]).T
@@ -1151,12 +1159,7 @@ def test_q4_k_weights_stack_into_the_row_layout_in_one_pass() -> None:
     ]
     weights[1].data[3, :2] = 0  # a row whose d is zero: every scale 0, its unit 1
     weights[1].data[3, 144 : 144 + 2] = 0
-    kind, rows = gguf_packed(weights, tiles=False)
-    assert kind == "int4" and isinstance(rows, Int4Rows)
-    groups = merge_packed([packed_form(w) for w in weights])[1]
-    expected = pack_int4_rows(*groups)
-    for a, b in zip(rows, expected, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    rows, groups = rows_laid_out_as_the_groups_path_does(weights)
     assert rows.units[48 + 3] == 1 and not rows.steps[48 + 3].any()
     x = torch.randn(3, 512)
     laid_out = QuantLinear(80, 512, torch.float32, int4=rows, tiles=False, int4_rows=True)

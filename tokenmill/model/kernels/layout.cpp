@@ -105,7 +105,40 @@ int16_t step_of(float scale, float unit) {
   return static_cast<int16_t>(std::clamp(std::nearbyint(scale / unit), -32767.0f, 32767.0f));
 }
 
-// A float32 row w (cols, a multiple of simd::kWidth) quantized to int8 with one scale, as
+// The int4 row layout's outputs for rows x cols weights (`pack_int4_rows`): nibbles (rows, cols / 2)
+// uint8, steps_lows (rows, cols / 32, 2) int16 and units (rows) float32
+struct Int4RowsOut {
+  at::Tensor nibbles, steps_lows, units;
+  uint8_t* nibbles_out;
+  int16_t* steps_lows_out;
+  float* units_out;
+
+  Int4RowsOut(int64_t rows, int64_t cols, const at::TensorOptions& bytes)
+      : nibbles(at::empty({rows, cols / 2}, bytes)),
+        steps_lows(at::empty({rows, cols / kGroup, 2}, bytes.dtype(at::kShort))),
+        units(at::empty({rows}, bytes.dtype(at::kFloat))),
+        nibbles_out(nibbles.data_ptr<uint8_t>()),
+        steps_lows_out(steps_lows.data_ptr<int16_t>()),
+        units_out(units.data_ptr<float>()) {}
+
+  // Row r's unit (its largest scale magnitude / 32767: quant_linear.py's MAX_STEP; 1 for a row of
+  // zero scales), each group's step (its scale in units, rounded half to even) and its low's
+  // float16 bits
+  void set_scales(int64_t r, const float* scale, const float* low, int64_t groups) const {
+    float peak = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) peak = std::max(peak, std::fabs(scale[g]));
+    const float unit = units_out[r] = row_unit(peak);
+    int16_t* sl = steps_lows_out + r * groups * 2;
+    for (int64_t g = 0; g < groups; ++g) {
+      sl[2 * g] = step_of(scale[g], unit);
+      sl[2 * g + 1] = static_cast<int16_t>(c10::Half(low[g]).x);
+    }
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> tensors() const { return {nibbles, steps_lows, units}; }
+};
+
+// A float32 row w (cols, a multiple of simd::kWidth) quantized to int8 with one scale, as// A float32 row w (cols, a multiple of simd::kWidth) quantized to int8 with one scale, as
 // quant_linear.py's `quantize_int8`: scale = max(amax / 127, 1e-12), q = clamp(round-half-even(w /
 // scale), -127, 127) into q_out; w is overwritten; returns the scale
 float int8_row(float* w, int64_t cols, int8_t* __restrict q_out) {
@@ -156,48 +189,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blo
 }
 
 // Q4_K weights (each (rows_i, cols / 256 * 144) uint8) stacked by rows -> `pack_int4_rows` of their
-// `q4_k_groups`, in one pass over the blocks and straight into the stacked outputs: nibbles
-// (rows, cols / 2) uint8, steps_lows (rows, cols / 32, 2) int16 and units (rows) float32. A row's
-// unit is its largest scale magnitude / 32767 (quant_linear.py's MAX_STEP; 1 for a row of zero
-// scales), each step its scale in units rounded half to even, each low its float16 bits.
+// `q4_k_groups`, in one pass over the blocks and straight into the stacked outputs (`Int4RowsOut`).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols) {
-  const std::vector<const uint8_t*> row_blocks = stacked_rows(weights, cols, kSuperBlock, kQ4KBytes, "q4_k_int4_rows", "Q4_K");
+  const std::vector<const uint8_t*> row_blocks =
+      stacked_rows(weights, cols, kSuperBlock, kQ4KBytes, "q4_k_int4_rows", "Q4_K");
   const int64_t groups = cols / kGroup, rows = static_cast<int64_t>(row_blocks.size());
-  const at::TensorOptions bytes = weights[0].options();
-  at::Tensor nibbles = at::empty({rows, cols / 2}, bytes);
-  at::Tensor steps_lows = at::empty({rows, groups, 2}, bytes.dtype(at::kShort));
-  at::Tensor units = at::empty({rows}, bytes.dtype(at::kFloat));
-  uint8_t* nibbles_out = nibbles.data_ptr<uint8_t>();
-  int16_t* steps_lows_out = steps_lows.data_ptr<int16_t>();
-  float* units_out = units.data_ptr<float>();
+  const Int4RowsOut out(rows, cols, weights[0].options());
   at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
     std::vector<float> scale(groups), low(groups);
     for (int64_t r = first; r < end; ++r) {
-      float peak = 0.0f;
       for (int64_t n = 0; n < cols / kSuperBlock; ++n) {
         const uint8_t* b = row_blocks[r] + n * kQ4KBytes;
         for (int j = 0; j < 8; ++j) {
           q4_k_scale_low(b, j, scale[n * 8 + j], low[n * 8 + j]);
-          peak = std::max(peak, std::fabs(scale[n * 8 + j]));
           // sub-blocks 2i and 2i + 1: the low and high nibbles of bytes 32i..32i+31; a group's byte
           // i takes its elements i and 16 + i
           const uint8_t* __restrict qs = b + 16 + (j / 2) * 32;
-          uint8_t* __restrict out = nibbles_out + r * cols / 2 + (n * 8 + j) * kGroup / 2;
+          uint8_t* __restrict nibbles = out.nibbles_out + r * cols / 2 + (n * 8 + j) * kGroup / 2;
           if (j % 2)
-            for (int i = 0; i < kGroup / 2; ++i) out[i] = (qs[i] >> 4) | (qs[16 + i] & 0xF0);
+            for (int i = 0; i < kGroup / 2; ++i) nibbles[i] = (qs[i] >> 4) | (qs[16 + i] & 0xF0);
           else
-            for (int i = 0; i < kGroup / 2; ++i) out[i] = (qs[i] & 0x0F) | (qs[16 + i] << 4);
+            for (int i = 0; i < kGroup / 2; ++i) nibbles[i] = (qs[i] & 0x0F) | (qs[16 + i] << 4);
         }
       }
-      const float unit = units_out[r] = row_unit(peak);
-      int16_t* sl = steps_lows_out + r * groups * 2;
-      for (int64_t g = 0; g < groups; ++g) {
-        sl[2 * g] = step_of(scale[g], unit);
-        sl[2 * g + 1] = static_cast<int16_t>(c10::Half(low[g]).x);
-      }
+      out.set_scales(r, scale.data(), low.data(), groups);
     }
   });
-  return {nibbles, steps_lows, units};
+  return out.tensors();
 }
 
 // Q4_0 weights (blocks of 32 values in 18 bytes: d, then 16 bytes whose byte j holds element j in
@@ -211,40 +229,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_int4_rows(const std::vector<at
   const std::vector<const uint8_t*> row_blocks =
       stacked_rows(weights, cols, kGroup, block_bytes, "q4_int4_rows", with_min ? "Q4_1" : "Q4_0");
   const int64_t groups = cols / kGroup, rows = static_cast<int64_t>(row_blocks.size());
-  const at::TensorOptions bytes = weights[0].options();
-  at::Tensor nibbles = at::empty({rows, cols / 2}, bytes);
-  at::Tensor steps_lows = at::empty({rows, groups, 2}, bytes.dtype(at::kShort));
-  at::Tensor units = at::empty({rows}, bytes.dtype(at::kFloat));
-  uint8_t* nibbles_out = nibbles.data_ptr<uint8_t>();
-  int16_t* steps_lows_out = steps_lows.data_ptr<int16_t>();
-  float* units_out = units.data_ptr<float>();
+  const Int4RowsOut out(rows, cols, weights[0].options());
   at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
+    std::vector<float> scale(groups), low(groups);
     for (int64_t r = first; r < end; ++r) {
-      const uint8_t* row = row_blocks[r];
-      float peak = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* b = row + g * block_bytes;
-        peak = std::max(peak, std::fabs(half_at(b)));
-        std::memcpy(nibbles_out + (r * groups + g) * kGroup / 2, b + header, kGroup / 2);
+        const uint8_t* b = row_blocks[r] + g * block_bytes;
+        scale[g] = half_at(b);
+        low[g] = with_min ? half_at(b + 2) : -8.0f * scale[g];
+        std::memcpy(out.nibbles_out + (r * groups + g) * kGroup / 2, b + header, kGroup / 2);
       }
-      const float unit = units_out[r] = row_unit(peak);
-      int16_t* sl = steps_lows_out + r * groups * 2;
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* b = row + g * block_bytes;
-        const float d = half_at(b), low = with_min ? half_at(b + 2) : -8.0f * d;
-        sl[2 * g] = step_of(d, unit);
-        sl[2 * g + 1] = static_cast<int16_t>(c10::Half(low).x);
-      }
+      out.set_scales(r, scale.data(), low.data(), groups);
     }
   });
-  return {nibbles, steps_lows, units};
+  return out.tensors();
 }
 
 // Q6_K weights (each (rows_i, cols / 256 * 210) uint8) stacked by rows -> the int6 row layout of
 // `int6_rows_linear`: nibbles (rows, cols / 2) uint8, highs (rows, cols / 4) uint8, steps
 // (rows, cols / 16) int16 and units (rows) float32, w = step x unit x (q - 32). A row's unit is
 // its largest 16-value scale (d x scale, as `q6_k_values`) in magnitude / 32767 (1 for a row of
-// zero scales), each step its scale in units rounded half to even, as `q4_k_int4_rows`'.
+// zero scales), each step its scale in units rounded half to even, as `Int4RowsOut`'s.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6_k_int6_rows(const std::vector<at::Tensor>& weights,
                                                                          int64_t cols) {
   const std::vector<const uint8_t*> row_blocks = stacked_rows(weights, cols, kSuperBlock, kQ6KBytes, "q6_k_int6_rows", "Q6_K");
