@@ -138,7 +138,7 @@ struct Int4RowsOut {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> tensors() const { return {nibbles, steps_lows, units}; }
 };
 
-// A float32 row w (cols, a multiple of simd::kWidth) quantized to int8 with one scale, as// A float32 row w (cols, a multiple of simd::kWidth) quantized to int8 with one scale, as
+// A float32 row w (cols, a multiple of simd::kWidth) quantized to int8 with one scale, as
 // quant_linear.py's `quantize_int8`: scale = max(amax / 127, 1e-12), q = clamp(round-half-even(w /
 // scale), -127, 127) into q_out; w is overwritten; returns the scale
 float int8_row(float* w, int64_t cols, int8_t* __restrict q_out) {
@@ -154,6 +154,25 @@ float int8_row(float* w, int64_t cols, int8_t* __restrict q_out) {
   const float* __restrict rounded = w;
   for (int64_t i = 0; i < cols; ++i) q_out[i] = static_cast<int8_t>(static_cast<int>(rounded[i]));
   return s;
+}
+
+// rows x cols weights as int8 rows with one scale each (`int8_row`): q (rows, cols) int8 and scale
+// (rows) float32; values(r, w) writes row r's float32 values into w
+template <typename Values>
+std::tuple<at::Tensor, at::Tensor> int8_rows_of(int64_t rows, int64_t cols, const at::TensorOptions& bytes,
+                                                const Values& values) {
+  at::Tensor q = at::empty({rows, cols}, bytes.dtype(at::kChar));
+  at::Tensor scale = at::empty({rows}, bytes.dtype(at::kFloat));
+  int8_t* q_out = q.data_ptr<int8_t>();
+  float* scale_out = scale.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
+    std::vector<float> w(cols);
+    for (int64_t r = first; r < end; ++r) {
+      values(r, w.data());
+      scale_out[r] = int8_row(w.data(), cols, q_out + r * cols);
+    }
+  });
+  return {q, scale};
 }
 
 }  // namespace
@@ -252,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_int4_rows(const std::vector<at
 // zero scales), each step its scale in units rounded half to even, as `Int4RowsOut`'s.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6_k_int6_rows(const std::vector<at::Tensor>& weights,
                                                                          int64_t cols) {
-  const std::vector<const uint8_t*> row_blocks = stacked_rows(weights, cols, kSuperBlock, kQ6KBytes, "q6_k_int6_rows", "Q6_K");
+  const std::vector<const uint8_t*> row_blocks =
+      stacked_rows(weights, cols, kSuperBlock, kQ6KBytes, "q6_k_int6_rows", "Q6_K");
   const int64_t blocks = cols / kSuperBlock, rows = static_cast<int64_t>(row_blocks.size());
   const at::TensorOptions bytes = weights[0].options();
   at::Tensor nibbles = at::empty({rows, cols / 2}, bytes), highs = at::empty({rows, cols / 4}, bytes);
@@ -316,21 +336,12 @@ std::tuple<at::Tensor, at::Tensor> q6_k_int8_rows(const at::Tensor& blocks, int6
               "q6_k_int8_rows: blocks must be contiguous uint8");
   TORCH_CHECK(cols % kSuperBlock == 0 && blocks.numel() == rows * cols / kSuperBlock * kQ6KBytes,
               "q6_k_int8_rows: ", blocks.numel(), " bytes are not Q6_K blocks of ", rows, " x ", cols);
-  at::Tensor q = at::empty({rows, cols}, blocks.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({rows}, blocks.options().dtype(at::kFloat));
   const uint8_t* in = blocks.data_ptr<uint8_t>();
-  int8_t* q_out = q.data_ptr<int8_t>();
-  float* scale_out = scale.data_ptr<float>();
   const int64_t row_bytes = cols / kSuperBlock * kQ6KBytes;
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
-    std::vector<float> w(cols);
-    for (int64_t r = first; r < end; ++r) {
-      for (int64_t k = 0; k < cols / kSuperBlock; ++k)
-        q6_k_values(in + r * row_bytes + k * kQ6KBytes, w.data() + k * kSuperBlock);
-      scale_out[r] = int8_row(w.data(), cols, q_out + r * cols);
-    }
+  return int8_rows_of(rows, cols, blocks.options(), [&](int64_t r, float* w) {
+    for (int64_t k = 0; k < cols / kSuperBlock; ++k)
+      q6_k_values(in + r * row_bytes + k * kQ6KBytes, w + k * kSuperBlock);
   });
-  return {q, scale};
 }
 
 // Q8_0 blocks (rows, cols / 32 * 34) uint8 (d, then 32 int8 q; w = d q, exact in float32) -> each
@@ -342,25 +353,16 @@ std::tuple<at::Tensor, at::Tensor> q8_0_int8_rows(const at::Tensor& blocks, int6
               "q8_0_int8_rows: blocks must be contiguous uint8");
   TORCH_CHECK(cols % kGroup == 0 && blocks.numel() == rows * cols / kGroup * kQ8_0Bytes, "q8_0_int8_rows: ",
               blocks.numel(), " bytes are not Q8_0 blocks of ", rows, " x ", cols);
-  at::Tensor q = at::empty({rows, cols}, blocks.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({rows}, blocks.options().dtype(at::kFloat));
   const uint8_t* in = blocks.data_ptr<uint8_t>();
-  int8_t* q_out = q.data_ptr<int8_t>();
-  float* scale_out = scale.data_ptr<float>();
   const int64_t groups = cols / kGroup;
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t end) {
-    std::vector<float> w(cols);
-    for (int64_t r = first; r < end; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* b = in + (r * groups + g) * kQ8_0Bytes;
-        const float d = half_at(b);
-        const int8_t* values = reinterpret_cast<const int8_t*>(b + 2);
-        for (int64_t e = 0; e < kGroup; ++e) w[g * kGroup + e] = d * static_cast<float>(values[e]);
-      }
-      scale_out[r] = int8_row(w.data(), cols, q_out + r * cols);
+  return int8_rows_of(rows, cols, blocks.options(), [&](int64_t r, float* w) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* b = in + (r * groups + g) * kQ8_0Bytes;
+      const float d = half_at(b);
+      const int8_t* values = reinterpret_cast<const int8_t*>(b + 2);
+      for (int64_t e = 0; e < kGroup; ++e) w[g * kGroup + e] = d * static_cast<float>(values[e]);
     }
   });
-  return {q, scale};
 }
 
 // `pack_tiles`' tile bytes of q (rows, cols): 4 bits (uint8 in 0..15; the two halves of each group
