@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sysconfig
 import threading
 import time
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from torch.utils import cpp_extension
 
 from tests.model.test_gguf import random_blocks
 from tests.paged_cache import block_tables, filled_cache
@@ -1060,6 +1063,22 @@ def test_translation_units_hold_every_source_once_and_share_the_build_evenly(
     assert sorted(name for share in shares for name in share) == sorted(own)
     seconds = [sum(own[name] for name in share) for share in shares]
     assert max(seconds) <= 1.1 * max(sum(seconds) / len(units), max(own.values()))
+
+
+def test_every_source_compiles_in_one_translation_unit(monkeypatch, tmp_path) -> None:
+    # a unit includes several sources, and with one core all of them: the names each source keeps
+    # to itself (anonymous namespaces) must not collide with another's, in any grouping
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    (unit,) = kernels._translation_units(tmp_path)
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    result = subprocess.run(
+        [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", *kernels.CFLAGS]
+        + ["-DTORCH_EXTENSION_NAME=tokenmill_kernels", *(f"-isystem{path}" for path in includes)]
+        + [str(unit)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,10 @@
 // tanh-GELU runs at scalar speed. Both activations are x * sigmoid(a): a = x for SiLU,
 // a = 2 sqrt(2/pi) (x + 0.044715 x^3) for tanh-GELU, computed in fp32 with one rounding of the
 // result. Compiled graphs fuse this themselves.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <string_view>
@@ -72,7 +73,3 @@ at::Tensor gated_activation(const at::Tensor& gate_up, std::string_view kind) {
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) { m.def("gated_activation(Tensor gate_up, str kind) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("gated_activation", &tokenmill::gated_activation); }

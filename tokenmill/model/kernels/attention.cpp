@@ -12,9 +12,10 @@
 // tokens do not depend on how the step is packed whatever the cache holds. A model with attention
 // sinks (gpt-oss) gives each query head a logit that joins its softmax denominator, added where a
 // head's chunks are merged.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <bit>
@@ -335,10 +336,3 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale, "
-        "float? softcap, Tensor? sinks=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_attention", &tokenmill::decode_attention); }

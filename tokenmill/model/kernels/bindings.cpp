@@ -1,11 +1,14 @@
 // The kernels' entry points (ops.h) bound with pybind11, for eager calls from Python
-// (`tokenmill.model.kernels.ops`); compiled graphs call the same functions as torch.ops.tokenmill.*.
+// (`tokenmill.model.kernels.ops`), and registered with the dispatcher as torch.ops.tokenmill.*, which
+// compiled graphs call (their schemas, `TORCH_LIBRARY` at the end).
 // Each call releases the GIL while it runs, as a call through the dispatcher does: the server's
 // event loop and the background graph builds run Python meanwhile.
 //
 // `bind_*` take a product's arguments after x, and the layer's bias, and give a BoundLinear: the
 // layers of `decoder_layer` multiply through them.
+#include <ATen/ops/linear.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include "ops.h"
 
@@ -115,4 +118,48 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("down"), py::arg("heads"), py::arg("scale"), py::arg("softcap"), py::arg("sinks"),
            py::arg("activation"));
   m.def("decoder_layer", &tokenmill::decoder_layer, unlocked);
+}
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def("tiles_built() -> bool", &tokenmill::tiles_built);
+  m.def("amx_usable() -> bool", &tokenmill::amx_usable);
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, Tensor? dense, "
+        "int max_packed_rows) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows, int chunk_rows) "
+        "-> Tensor");
+  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor steps_lows, Tensor units, Tensor? fifth_bits, "
+        "Tensor? dense, int max_gemv_rows) -> Tensor");
+  m.def("int6_rows_linear(Tensor x, Tensor nibbles, Tensor highs, Tensor steps, Tensor units, Tensor? dense, "
+        "int max_gemv_rows) -> Tensor");
+  m.def("quant_tiles_linear(Tensor x, Tensor tiles, Tensor tile_scales, Tensor? fifth_masks, int bits, Tensor? dense, "
+        "int max_tile_rows, int x_block=8, int max_coarse_rows=-1, int amx_min_rows=-1) -> Tensor");
+  m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def(
+      "rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+      "int heads) -> Tensor");
+  m.def("gated_activation(Tensor gate_up, str kind) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale, "
+        "float? softcap, Tensor? sinks=None) -> Tensor");
+  m.def("greedy_ids(Tensor logits) -> Tensor");
+  m.def("sample_ids(Tensor logits, Tensor inverse_temperature, Tensor uniforms) -> Tensor");
+  m.def("ban_disallowed_(Tensor(a!) logits, Tensor rows, Tensor bits) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("int8_linear", &tokenmill::int8_linear);
+  m.impl("int4_linear", &tokenmill::int4_linear);
+  m.impl("int4_rows_linear", &tokenmill::int4_rows_linear);
+  m.impl("int6_rows_linear", &tokenmill::int6_rows_linear);
+  m.impl("quant_tiles_linear", &tokenmill::quant_tiles_linear);
+  m.impl("dense_linear", &tokenmill::dense_linear);
+  m.impl("rms_norm", &tokenmill::rms_norm);
+  m.impl("rotary", &tokenmill::rotary);
+  m.impl("rotary_write_kv", &tokenmill::rotary_write_kv);
+  m.impl("gated_activation", &tokenmill::gated_activation);
+  m.impl("decode_attention", &tokenmill::decode_attention);
+  m.impl("greedy_ids", &tokenmill::greedy_ids);
+  m.impl("sample_ids", &tokenmill::sample_ids);
+  m.impl("ban_disallowed_", &tokenmill::ban_disallowed_);
 }

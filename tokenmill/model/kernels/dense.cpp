@@ -14,9 +14,9 @@
 // column blocks of about kColumnBlockBytes of W per K slice (read from memory once, then from L2
 // by every row tile), and K goes in slices of kKSlice, so that a row tile's slice of x stays in L1
 // while the block's columns pass. Threads split the columns, never K.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -166,7 +166,3 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const std
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) { m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("dense_linear", &tokenmill::dense_linear); }

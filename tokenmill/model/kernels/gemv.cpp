@@ -10,9 +10,13 @@
 // vector; with many rows (prefill) they keep up with a dense fp32 matmul (on bf16, the ops hand
 // over to a layer's dense copy where that wins). With AVX-512 the int4 GEMV multiplies 4 groups per
 // instruction and the int8 one 2 blocks, with VNNI's dpbusd where the CPU has it.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -1458,10 +1462,6 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
 #endif
 }
 
-}  // namespace tokenmill
-
-namespace {
-
 // Whether this build has the tile kernel (AVX-512 with byte instructions and VNNI)
 bool tiles_built() {
 #ifdef TILES_BUILT
@@ -1480,27 +1480,4 @@ bool amx_usable() {
 #endif
 }
 
-}  // namespace
-
-TORCH_LIBRARY(tokenmill, m) {
-  m.def("tiles_built() -> bool", &tiles_built);
-  m.def("amx_usable() -> bool", &amx_usable);
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, Tensor? dense, "
-        "int max_packed_rows) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? dense, int max_gemv_rows, int chunk_rows) "
-        "-> Tensor");
-  m.def("int4_rows_linear(Tensor x, Tensor nibbles, Tensor steps_lows, Tensor units, Tensor? fifth_bits, "
-        "Tensor? dense, int max_gemv_rows) -> Tensor");
-  m.def("int6_rows_linear(Tensor x, Tensor nibbles, Tensor highs, Tensor steps, Tensor units, Tensor? dense, "
-        "int max_gemv_rows) -> Tensor");
-  m.def("quant_tiles_linear(Tensor x, Tensor tiles, Tensor tile_scales, Tensor? fifth_masks, int bits, Tensor? dense, "
-        "int max_tile_rows, int x_block=8, int max_coarse_rows=-1, int amx_min_rows=-1) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("int8_linear", &tokenmill::int8_linear);
-  m.impl("int4_linear", &tokenmill::int4_linear);
-  m.impl("int4_rows_linear", &tokenmill::int4_rows_linear);
-  m.impl("int6_rows_linear", &tokenmill::int6_rows_linear);
-  m.impl("quant_tiles_linear", &tokenmill::quant_tiles_linear);
-}
+}  // namespace tokenmill

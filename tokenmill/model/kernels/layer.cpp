@@ -7,7 +7,7 @@
 // checks, attribute lookups and a binding's argument conversion: over the ten or so ops of each
 // layer of a small model's decode step, a large share of the step (tuning log: `decoder_layer`).
 // Compiled graphs trace the Python forward instead.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "ops.h"
 
@@ -15,7 +15,7 @@ namespace tokenmill {
 
 at::Tensor BoundLinear::operator()(const at::Tensor& x) const {
   const at::Tensor y = product(x);
-  return bias ? y + *bias : y;
+  return bias ? y.add(*bias) : y;
 }
 
 at::Tensor decoder_layer(const at::Tensor& h, const DecoderLayerWeights& layer, const at::Tensor& cos,
@@ -38,11 +38,11 @@ at::Tensor decoder_layer(const at::Tensor& h, const DecoderLayerWeights& layer, 
       decode_attention(q, k_cache, v_cache, context_slots, mask, layer.scale, layer.softcap, layer.sinks);
   at::Tensor a = layer.o(attended.reshape({h.size(0), -1}));
   if (layer.attn_post_norm) a = rms_norm(a, *layer.attn_post_norm, layer.eps);
-  const at::Tensor mid = h + a;
+  const at::Tensor mid = h.add(a);
   const at::Tensor gate_up = layer.gate_up(rms_norm(mid, layer.ffn_norm, layer.eps));
   at::Tensor m = layer.down(gated_activation(gate_up, layer.activation));
   if (layer.ffn_post_norm) m = rms_norm(m, *layer.ffn_post_norm, layer.eps);
-  return mid + m;
+  return mid.add(m);
 }
 
 }  // namespace tokenmill

@@ -3,7 +3,9 @@
 // computes (quant_linear.py's `exact_groups`, `quantize_int8` of quant.py's dequantized rows,
 // `pack_tiles`' tile bytes, `compact_tile_scales`) with the same float32 operations in the same
 // order, so a model (finite weights) loads to the same bits with or without these kernels.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -22,7 +24,7 @@ namespace {
 
 constexpr int64_t kSuperBlock = 256;  // the K-quants' elements per block
 constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210;
-constexpr int64_t kGroup = 32, kTileRows = 16;
+constexpr int64_t kGroup = 32, kWeightTileRows = 16;
 
 float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -374,10 +376,11 @@ at::Tensor tile_bytes(const at::Tensor& q, int64_t bits) {
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "tile_bytes: q must be contiguous 2-D, int8 for 8 bits, uint8 for 4");
   const int64_t rows = q.size(0), cols = q.size(1);
-  TORCH_CHECK(rows % kTileRows == 0 && cols % kGroup == 0, "tile_bytes: rows must be a multiple of 16, cols of 32");
-  const int64_t groups = cols / kGroup, tiles = rows / kTileRows, halves = bits == 8 ? 2 : 1;
+  TORCH_CHECK(rows % kWeightTileRows == 0 && cols % kGroup == 0,
+              "tile_bytes: rows must be a multiple of 16, cols of 32");
+  const int64_t groups = cols / kGroup, tiles = rows / kWeightTileRows, halves = bits == 8 ? 2 : 1;
   // [tile, group, j, half, c, e]
-  at::Tensor out = at::empty({tiles * groups * 4 * halves * kTileRows * 4}, q.options().dtype(at::kByte));
+  at::Tensor out = at::empty({tiles * groups * 4 * halves * kWeightTileRows * 4}, q.options().dtype(at::kByte));
   const uint8_t* in = reinterpret_cast<const uint8_t*>(q.data_ptr());
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t end) {
@@ -385,9 +388,10 @@ at::Tensor tile_bytes(const at::Tensor& q, int64_t bits) {
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t j = 0; j < 4; ++j)
           for (int64_t h = 0; h < halves; ++h) {
-            uint32_t* v = reinterpret_cast<uint32_t*>(o + (((t * groups + g) * 4 + j) * halves + h) * kTileRows * 4);
-            for (int64_t c = 0; c < kTileRows; ++c) {
-              const uint8_t* row = in + (t * kTileRows + c) * cols + g * kGroup + 4 * j;
+            uint32_t* v =
+                reinterpret_cast<uint32_t*>(o + (((t * groups + g) * 4 + j) * halves + h) * kWeightTileRows * 4);
+            for (int64_t c = 0; c < kWeightTileRows; ++c) {
+              const uint8_t* row = in + (t * kWeightTileRows + c) * cols + g * kGroup + 4 * j;
               uint32_t first_half, second_half;
               std::memcpy(&first_half, row + 16 * h, 4);
               if (bits == 8) {
@@ -413,9 +417,9 @@ std::optional<at::Tensor> compact_scales(const at::Tensor& scale, const at::Tens
               "compact_scales: scale and low must be contiguous float32 of one shape (rows, groups)");
   const int64_t rows = scale.size(0), groups = scale.size(1);
   constexpr int64_t kBlockGroups = 8, kBlockBytes = kBlockGroups * 32 + 128;
-  TORCH_CHECK(rows % kTileRows == 0 && groups % kBlockGroups == 0,
+  TORCH_CHECK(rows % kWeightTileRows == 0 && groups % kBlockGroups == 0,
               "compact_scales: rows must be a multiple of 16, groups of 8");
-  const int64_t tiles = rows / kTileRows, blocks = groups / kBlockGroups;
+  const int64_t tiles = rows / kWeightTileRows, blocks = groups / kBlockGroups;
   at::Tensor out = at::empty({tiles, blocks, kBlockBytes}, scale.options().dtype(at::kByte));
   const float* values[2] = {scale.data_ptr<float>(), low.data_ptr<float>()};
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -426,18 +430,18 @@ std::optional<at::Tensor> compact_scales(const at::Tensor& scale, const at::Tens
         uint8_t* block = o + (t * blocks + b) * kBlockBytes;
         float* units = reinterpret_cast<float*>(block + kBlockGroups * 32);  // [scale/low, c]
         for (int sl = 0; sl < 2; ++sl)
-          for (int64_t c = 0; c < kTileRows; ++c) {
-            const float* v = values[sl] + (t * kTileRows + c) * groups + b * kBlockGroups;
+          for (int64_t c = 0; c < kWeightTileRows; ++c) {
+            const float* v = values[sl] + (t * kWeightTileRows + c) * groups + b * kBlockGroups;
             int64_t peak = 0;
             for (int64_t g = 1; g < kBlockGroups; ++g)
               if (std::fabs(v[g]) > std::fabs(v[peak])) peak = g;
             const float unit = v[peak] / 63.0f;
-            std::memcpy(units + sl * kTileRows + c, &unit, 4);
+            std::memcpy(units + sl * kWeightTileRows + c, &unit, 4);
             for (int64_t g = 0; g < kBlockGroups; ++g) {
               const float multiple = unit == 0.0f ? 0.0f : std::nearbyint(v[g] / unit);
               const bool whole = multiple * unit == v[g] && multiple >= 0.0f && multiple <= 255.0f;
               if (!whole) fits.store(false, std::memory_order_relaxed);
-              block[(g * 2 + sl) * kTileRows + c] = whole ? static_cast<uint8_t>(multiple) : 0;
+              block[(g * 2 + sl) * kWeightTileRows + c] = whole ? static_cast<uint8_t>(multiple) : 0;
             }
           }
       }

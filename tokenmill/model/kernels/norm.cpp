@@ -3,9 +3,9 @@
 // pass sums the squares and one writes the scaled rows, in float32 as the model's RMSNorm computes
 // (float32 or bfloat16 weights, widened).
 // Compiled graphs fuse this themselves.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 
@@ -67,7 +67,3 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("rms_norm", &tokenmill::rms_norm); }

@@ -1,10 +1,13 @@
-// The kernels' entry points: each source registers its own as torch.ops.tokenmill.* (for compiled
-// graphs, which trace through the dispatcher), and bindings.cpp binds them all for eager calls from
-// Python: a call through pybind11 skips the dispatcher's argument parsing, which costs several times
-// as long and adds up over the few hundred small ops of an eager decode step (tuning log: `ops`).
+// The kernels' entry points. bindings.cpp exposes them twice: registered as torch.ops.tokenmill.*
+// (for compiled graphs, which trace through the dispatcher) and bound with pybind11 for eager calls
+// from Python: a call through pybind11 skips the dispatcher's argument parsing, which costs several
+// times as long and adds up over the few hundred small ops of an eager decode step (tuning log:
+// `ops`). The kernel sources include only ATen's tensor and the ATen ops they call; the heavier
+// headers of pybind11 and of the dispatcher's registration are bindings.cpp's alone, so only its
+// translation unit parses them (tuning log: `SOURCE_COMPILE_SECONDS`).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <functional>
 #include <optional>
@@ -16,6 +19,8 @@
 namespace tokenmill {
 
 // gemv.cpp
+bool tiles_built();  // whether this build has the tile kernel (AVX-512 with byte instructions and VNNI)
+bool amx_usable();   // whether the tile kernel can hand bf16 rows to AMX here
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& dense, int64_t max_gemv_rows, int64_t chunk_rows);
 at::Tensor int4_rows_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& steps_lows,

@@ -8,10 +8,10 @@
 // slots. Separately that is ten ops (a split, three reshapes, two rotations, two conversions, two
 // index copies), whose dispatch costs a decode step of a small model more than their arithmetic.
 // Eager steps only: a compiled graph fuses those ops itself.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <type_traits>
 #include <vector>
@@ -141,15 +141,3 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  m.def(
-      "rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-      "int heads) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("rotary", &tokenmill::rotary);
-  m.impl("rotary_write_kv", &tokenmill::rotary_write_kv);
-}

@@ -5,9 +5,9 @@
 // large vocabulary; here a vectorized pass finds the maximum and one its first position. Sampling
 // with tensor ops (divide, softmax, cumsum) allocates a fresh tensor of the batch's logits for
 // each; here three passes over each row allocate nothing.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -194,15 +194,3 @@ void ban_disallowed_(at::Tensor& logits, const at::Tensor& rows, const at::Tenso
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("greedy_ids(Tensor logits) -> Tensor");
-  m.def("sample_ids(Tensor logits, Tensor inverse_temperature, Tensor uniforms) -> Tensor");
-  m.def("ban_disallowed_(Tensor(a!) logits, Tensor rows, Tensor bits) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("greedy_ids", &tokenmill::greedy_ids);
-  m.impl("sample_ids", &tokenmill::sample_ids);
-  m.impl("ban_disallowed_", &tokenmill::ban_disallowed_);
-}
