@@ -28,7 +28,8 @@ from torch.utils import cpp_extension
 from tokenmill.model import kernels
 
 KERNELS = Path(kernels.__file__).parent
-SOURCES = ("ops.h", "simd.h", "gemv.cpp")  # in the order they include each other
+# the headers first: gemv.cpp includes them
+SOURCES = [*(header.name for header in kernels.HEADERS), "gemv.cpp"]
 # per op: (rows N, columns K) of layers of Gemma 3 270M, SmolLM2-135M and Qwen2.5-Coder-1.5B
 SHAPES = {
     "int4": [(2048, 640), (640, 2048), (1536, 576), (8960, 1536)],
@@ -57,14 +58,12 @@ def version_text(read: Callable[[str], str], namespace: str) -> tuple[set[str], 
 
 
 def extension_source(base: str) -> str:
+    root = repo_root()
+
     def at_base(name: str) -> str:
-        path = (KERNELS / name).relative_to(repo_root())
+        path = (KERNELS / name).relative_to(root)
         return subprocess.run(
-            ["git", "show", f"{base}:{path}"],
-            check=True,
-            capture_output=True,
-            text=True,
-            cwd=repo_root(),
+            ["git", "show", f"{base}:{path}"], check=True, capture_output=True, text=True, cwd=root
         ).stdout
 
     base_includes, base_body = version_text(at_base, "base")
