@@ -1,7 +1,8 @@
 """A first start of `tokenmill serve` on a machine with empty caches, next to llama-server's start.
 
-tokenmill builds its C++ kernels for the CPU on the first start and its decode graphs in the
-background after it; both are cached (~/.cache/tokenmill, inductor's cache) for later starts.
+On the first start tokenmill builds its C++ kernels for the CPU while it serves on PyTorch's, then
+reloads the model onto them, and builds its decode graphs in the background after that; both are
+cached (~/.cache/tokenmill, inductor's cache) for later starts.
 This script starts `tokenmill serve MODEL` with those caches in new, empty directories
 (`XDG_CACHE_HOME` and `TORCHINDUCTOR_CACHE_DIR`; the model file itself is passed by path), sends a
 16-token completion as soon as `/health` answers, then one after another until `/health` says the

@@ -244,6 +244,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "--no-compile stays eager. Off with --tensor-parallel-size above 1, whose steps run "
         "eagerly",
     )
+    p.add_argument(
+        "--wait-for-kernels",
+        action="store_true",
+        help="on a first start, wait for tokenmill's CPU kernels to build (~30-90 s, once per "
+        "machine) before loading the model. By default the server answers at once on PyTorch's "
+        "kernels meanwhile and reloads the model onto tokenmill's between two steps: answers "
+        "before that swap can differ from later ones and do not keep batch invariance",
+    )
     add_engine_args(p)
     add_data_parallel_args(p)
     p.set_defaults(run=run)
@@ -363,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         compile=args.compile,
         defer_compile=True,  # started by ListeningServer once the socket is open
+        serve_while_building=not args.wait_for_kernels,
         embedding_pooling=args.embedding_pooling,
         **engine_options(args),
     )

@@ -230,9 +230,11 @@ class AsyncLLMEngine(EngineClient):
         try:
             while not self._stop.is_set():
                 self._run_commands(block=not warming and not self.engine.has_unfinished_requests())
-                if warming and not self.engine.has_unfinished_requests():
-                    warming = self.engine.warm_kv_cache()
-                elif self.engine.has_unfinished_requests():
+                if not self.engine.has_unfinished_requests():
+                    self.engine.adopt_reloaded_model()  # else the next step does
+                    if warming:
+                        warming = self.engine.warm_kv_cache()
+                else:
                     warming = True  # steps take blocks: more of the pool may want warming when idle
                     outputs = self.engine.step()
                     self._deliver((out.request_id, out) for out in outputs)

@@ -55,6 +55,9 @@ class EmbeddingEngine:
     def warm_kv_cache(self) -> bool:
         return False
 
+    def adopt_reloaded_model(self) -> bool:
+        return False  # an encoder loads once
+
     # ------------------------------------------------------------------ embedding
 
     def prepare(self, inputs: list[EmbeddingInput], truncate: int | None = None) -> list[list[int]]:

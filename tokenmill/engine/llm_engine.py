@@ -8,6 +8,7 @@ are done -> free what finished -> one `RequestOutput` per request the step touch
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -41,6 +42,7 @@ from tokenmill.engine.step_batch import StepBatch
 from tokenmill.engine.structured_output import allows_only
 from tokenmill.engine.tp_executor import TPExecutor, check_backend
 from tokenmill.errors import InvalidRequestError, QueueFullError
+from tokenmill.model import kernels
 from tokenmill.model.encoder import pool
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.model.sharding import Shard
@@ -80,6 +82,11 @@ class EngineConfig:
     # the engine has been busy COMPILE_AFTER_BUSY_S
     compile: bool | None = None
     defer_compile: bool = False  # ... from `runner.start_compile()` on, when the caller is ready
+    # where tokenmill's CPU kernels are not built yet (a first start), serve at once on PyTorch's
+    # kernels while they build, then reload the model onto them between two steps; off: wait for
+    # the build before loading. Outputs before the swap can differ from those after it and are not
+    # batch invariant. Without tensor parallelism or a draft model only (those wait).
+    serve_while_building: bool = False
     # speculative decoding (see engine/speculative.py): vLLM's --speculative-config, as JSON text,
     # a dict or a SpeculativeConfig; None: off
     speculative_config: str | dict | SpeculativeConfig | None = None
@@ -143,10 +150,16 @@ def _load(
     progress: bool,
     shard: Shard | None = None,
     head_rows: list[int] | None = None,
+    while_kernels_build: bool = False,
 ) -> LoadedModel:
     path = _resolve(model, cfg, progress)
     return load_model(
-        path, progress=progress, shard=shard, head_rows=head_rows, **_load_options(cfg)
+        path,
+        progress=progress,
+        shard=shard,
+        head_rows=head_rows,
+        while_kernels_build=while_kernels_build,
+        **_load_options(cfg),
     )
 
 
@@ -242,8 +255,14 @@ class LLMEngine:
     def _build_runner(self, model: str | Path | LoadedModel | None, progress: bool) -> None:
         """Load the model (this rank's shard under tensor parallelism) and build its runner."""
         cfg, executor = self.config, self.executor
+        reload = None
         if isinstance(model, LoadedModel):
             self.loaded = model
+        elif self._loads_while_building():
+            self.loaded = _load(model, cfg, progress, while_kernels_build=True)
+            reload = functools.partial(
+                load_model, self.loaded.path, progress=False, **_load_options(cfg)
+            )
         else:
             shard = None if executor is None else Shard(0, executor.size)
             self.loaded = _load(model, cfg, progress, shard)
@@ -261,9 +280,29 @@ class LLMEngine:
             defer_compile=cfg.defer_compile,
             kv_cache_dtype=cfg.kv_cache_dtype,
             on_step=None if executor is None else executor.send_step,
+            reload=reload,
         )
         if executor is not None:
             executor.connect(num_blocks, self.loaded.model.device)
+
+    def _loads_while_building(self) -> bool:
+        """Whether to load the model on PyTorch's layouts now, the kernels building meanwhile
+        (`EngineConfig.serve_while_building`; starts their build)."""
+        return (
+            self.config.serve_while_building
+            and self.executor is None
+            and (self.speculative is None or self.speculative.model is None)
+            and kernels.build_in_background() is not None
+        )
+
+    def adopt_reloaded_model(self) -> bool:
+        """Between steps: swap in the model reloaded onto the kernels if it is ready (see
+        `EngineConfig.serve_while_building`); whether it did."""
+        reloaded = self.runner.adopt_reloaded_model()
+        if reloaded is None:
+            return False
+        self.loaded = reloaded
+        return True
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the decode graphs' build and the tensor-parallel workers, if any (idempotent).
@@ -380,6 +419,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the output of every request it touched (a new token, prompt
         logprobs, finished or failed) and of every request aborted since the last step."""
+        self.adopt_reloaded_model()
         touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted.clear()
         sched = self.scheduler.schedule()

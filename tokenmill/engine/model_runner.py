@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -107,23 +106,6 @@ class _ShortGilSlices:
 
 _short_gil_slices = _ShortGilSlices()
 
-# The nice value of the thread that builds the decode graphs, and so of the compilers it starts
-# (they inherit it): the lowest priority, so that the eager steps serving meanwhile come first for
-# the cores and a busy server's answers slow less while the graphs build, which then take longer
-# (see the tuning log).
-COMPILE_NICE = 19
-
-
-def _lower_thread_priority() -> None:
-    """Give the calling thread `COMPILE_NICE`, where the OS sets it per thread (Linux); elsewhere
-    the thread keeps the process's priority."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-        except OSError as exc:  # a container that forbids it: compile at the usual priority
-            log.debug("could not lower the compile thread's priority: %r", exc)
-
-
 # One lock per set of decode graphs (named by their cache entry): a runner that wants graphs another
 # runner of this process is building waits for them and loads them, rather than tracing them again
 # beside it (two engines of one model, a model loaded again while its first instance compiles).
@@ -164,12 +146,15 @@ class ModelRunner:
         defer_compile: bool = False,
         kv_cache_dtype: str = "auto",
         on_step: Callable[[list[list[int]], list[int], list[list[int]]], None] | None = None,
+        reload: Callable[[], LoadedModel] | None = None,
     ) -> None:
         """compile: build (or load) the compiled decode graphs on a background thread, from now on
         or, with defer_compile, from `start_compile`. kv_cache_dtype: see
         `attention.resolve_kv_cache_dtype`. on_step: called with each step's token ids, context
         lengths and block tables before its forward pass (tensor parallelism's driver sends them
-        to the other ranks there; see engine/tp_executor.py, which runs without compile)."""
+        to the other ranks there; see engine/tp_executor.py, which runs without compile).
+        reload: for a model loaded while the kernels build (`kernels.deferred`), loads it again
+        once they are built, on a background thread; `adopt_reloaded_model` then swaps it in."""
         self.on_step = on_step
         # as configured on the thread that builds the runner
         self.max_threads = torch.get_num_threads()
@@ -210,8 +195,52 @@ class ModelRunner:
         self._kernel_build = (
             kernels.build_in_background() if self.cache.k[0].device.type == "cpu" else None
         )
+        # the model as `reload` loads it onto the kernels, until `adopt_reloaded_model` takes it
+        self._reloaded: LoadedModel | None = None
+        # set once the model is the one the runner keeps: graphs are traced from that one
+        self._model_final = threading.Event()
+        if reload is not None and self._kernel_build is not None:
+            threading.Thread(
+                target=self._reload_when_built, args=(reload,), name="tokenmill-reload", daemon=True
+            ).start()
+        else:
+            self._model_final.set()
         if compile and not defer_compile:
             self.start_compile()
+
+    @property
+    def reload_pending(self) -> bool:
+        """Whether the model still runs on PyTorch's layouts, to be reloaded onto the kernels."""
+        return not self._model_final.is_set()
+
+    def adopt_reloaded_model(self) -> LoadedModel | None:
+        """Swap in the model reloaded onto the kernels, if it is ready (else None); the caller
+        runs no step meanwhile and drops its references to the old model."""
+        reloaded = self._reloaded
+        if reloaded is None:
+            return None
+        self._reloaded = None
+        self.loaded, self.model = reloaded, reloaded.model
+        self._model_final.set()
+        log.info("the model now runs on tokenmill's kernels")
+        return reloaded
+
+    def _reload_when_built(self, reload: Callable[[], LoadedModel]) -> None:
+        """Wait for the kernels' build, then load the model again onto them. Where the build or
+        the load fails, the model loaded first serves on. At the lowest priority, as the build:
+        the steps serving meanwhile come first."""
+        kernels.lower_thread_priority()
+        self._kernel_build.join()
+        if kernels.loaded():
+            start = time.perf_counter()
+            try:
+                self._reloaded = reload()
+                seconds = time.perf_counter() - start
+                log.info("reloaded the model onto the kernels in %.1f s", seconds)
+                return
+            except Exception:  # noqa: BLE001 - the model loaded first keeps serving
+                log.exception("reloading the model onto the kernels failed; it stays as it is")
+        self._model_final.set()
 
     def compile_in_background(self) -> None:
         """Request the compiled decode graphs and start building (or loading) them now."""
@@ -358,7 +387,11 @@ class ModelRunner:
             kernel_prompts=kernel_prompts,
         )
         flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
-        self._set_threads(self.max_threads)
+        # while the kernels build for the reload, half the cores serve and the build (at the
+        # lowest priority) has the rest: with every core, the build would wait for the steps
+        self._set_threads(
+            max(1, self.max_threads // 2) if self.reload_pending else self.max_threads
+        )
         return flat, batch
 
     def _forward(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -439,9 +472,9 @@ class ModelRunner:
         whole, keyed by everything that shapes them: the sources they are traced from, torch,
         the CPU, the threads, the model's structure and the KV cache's size. Their guards are
         checked on the warm-up step after loading as after compiling. The thread runs at the
-        lowest priority (`COMPILE_NICE`).
+        lowest priority (`kernels.COMPILE_NICE`).
         """
-        _lower_thread_priority()
+        kernels.lower_thread_priority()
         with _short_gil_slices:
             self._build_or_load_graphs()
 
@@ -452,10 +485,13 @@ class ModelRunner:
         # deadlock.
         import torch._dynamo  # noqa: F401
 
-        # graphs traced before the kernels load would not use them
+        # graphs traced before the kernels load would not use them, nor would a model's graphs
+        # serve the model reloaded onto the kernels
         if self._kernel_build is not None:
             while self._kernel_build.is_alive():
                 self._kernel_build.join(WAIT_SLICE_S)
+        while not self._model_final.wait(WAIT_SLICE_S):
+            pass
         # inductor builds its kernels for the current thread count
         self._set_threads(self.max_threads)
         paths = self._graph_paths()

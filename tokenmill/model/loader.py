@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.errors import ModelFileError
-from tokenmill.model import families, mla, moe
+from tokenmill.model import families, kernels, mla, moe
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.dense_linear import DenseLinear, invariant_kernel_builds
 from tokenmill.model.gguf_file import GGUFFile
@@ -113,6 +114,7 @@ def load_model(
     batch_invariant: bool = True,
     head_rows: Sequence[int] | None = None,
     shard: Shard | None = None,
+    while_kernels_build: bool = False,
 ) -> LoadedModel:
     """Load a model and its tokenizer from a GGUF file or an HF directory.
 
@@ -133,6 +135,9 @@ def load_model(
     draft model's reduced vocabulary, see `SpeculativeConfig.draft_vocab_size`).
     shard: load only this tensor-parallel rank's share of the weights (see model/sharding.py); the
     returned config then holds the rank's own head and intermediate counts.
+    while_kernels_build: load without waiting for tokenmill's kernels to build, in PyTorch's
+    layouts throughout (`kernels.deferred`): a stop-gap, which the caller loads again once they
+    are built.
     """
     if batch_invariant and dense_min_tokens:
         raise ValueError(
@@ -170,7 +175,8 @@ def load_model(
         head_rows,
         shard,
     )
-    model = builder.build(weights, progress)
+    with kernels.deferred() if while_kernels_build else contextlib.nullcontext():
+        model = builder.build(weights, progress)
     return LoadedModel(
         model=model,
         config=model.config,

@@ -20,9 +20,10 @@ one translation unit per core, each including several sources (balanced by
 `SOURCE_COMPILE_SECONDS`): torch's headers are parsed once per unit, and only bindings.cpp's unit
 parses pybind11's and the dispatcher's (the kernel sources include ATen's tensor and the ops they
 call).
-`build_in_background` runs the build on a daemon thread while PyTorch's kernels serve. The library
-is cached under ~/.cache/tokenmill/kernels, keyed by its sources, the torch version and the CPU's
-features, so later starts load it without compiling.
+`build_in_background` runs the build on a daemon thread, at the lowest priority, while PyTorch's
+kernels serve; a model loaded inside `deferred()` meanwhile takes the layouts of PyTorch's kernels
+rather than waiting for it. The library is cached under ~/.cache/tokenmill/kernels, keyed by its
+sources, the torch version and the CPU's features, so later starts load it without compiling.
 Where it cannot be built (no compiler, an x86 CPU without AVX2 and FMA, another architecture),
 everything keeps using PyTorch's kernels. simd.h holds their vector operations for AVX-512 and for
 AVX2.
@@ -36,7 +37,10 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -79,10 +83,17 @@ SOURCES = [Path(__file__).with_name(name) for name in SOURCE_COMPILE_SECONDS]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 FAILED_MARKER = "build-failed.txt"  # a failed build is not retried on every start
+# The nice value of the threads that compile in the background (this library's build where a model
+# serves meanwhile, the decode graphs), and so of the compilers they start (they inherit it): the
+# lowest priority, so that the steps serving meanwhile come first for the cores and a busy server's
+# answers slow less, while the build takes longer (see the tuning log).
+COMPILE_NICE = 19
 _lock = threading.Lock()
+_thread_lock = threading.Lock()
 _loaded = False
 _thread: threading.Thread | None = None
 _bindings: ModuleType | None = None  # the library's pybind11 module, once loaded
+_deferring = threading.local()  # .active: this thread loads a model without the kernels
 
 
 def ops() -> Any:
@@ -127,9 +138,12 @@ def load(build: bool = True) -> bool:
     """Register the kernels, compiling them first if they are not cached and `build` is set.
 
     Returns whether they are registered; a failed build is logged, remembered in the cache
-    directory (delete it to retry) and leaves PyTorch's kernels in use.
+    directory (delete it to retry) and leaves PyTorch's kernels in use. Inside `deferred()` it
+    returns False at once, whatever the build has got to.
     """
     global _loaded, _bindings
+    if getattr(_deferring, "active", False):
+        return False
     with _lock:
         if _loaded:
             return True
@@ -171,13 +185,42 @@ def build_in_background() -> threading.Thread | None:
     """Load the kernels now if cached, else build them on a daemon thread (returned; None if
     there is nothing to wait for). Only the CPU has these kernels."""
     global _thread
-    if load(build=False):
-        return None
-    with _lock:
+    with _thread_lock:  # not `_lock`, which the build holds throughout
         if _thread is None:
-            _thread = threading.Thread(target=load, name="tokenmill-kernels", daemon=True)
+            if load(build=False):
+                return None
+            _thread = threading.Thread(
+                target=_build_at_low_priority, name="tokenmill-kernels", daemon=True
+            )
             _thread.start()
-        return _thread
+        return _thread if _thread.is_alive() else None
+
+
+def _build_at_low_priority() -> None:
+    lower_thread_priority()
+    load()
+
+
+def lower_thread_priority() -> None:
+    """Give the calling thread `COMPILE_NICE`, where the OS sets it per thread (Linux); elsewhere
+    the thread keeps the process's priority."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        except OSError as exc:  # a container that forbids it: compile at the usual priority
+            log.debug("could not lower the compile thread's priority: %r", exc)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """On this thread, `load` answers False without waiting for a build: a model loaded meanwhile
+    takes PyTorch's layouts throughout, even where the build ends halfway through its load. Its
+    layers still call the kernels, once loaded, wherever their layouts allow."""
+    _deferring.active = True
+    try:
+        yield
+    finally:
+        _deferring.active = False
 
 
 def _compile(directory: Path) -> None:
