@@ -30,10 +30,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _row_layers(engine: LLMEngine) -> int:
-    """How many of the model's quantized layers are in the kernels' row layout."""
+def _kernel_layers(engine: LLMEngine) -> int:
+    """How many of the model's quantized layers are in a layout of tokenmill's kernels: the
+    tile layout (AVX-512 with VNNI) or the row layouts (AVX2, and where tiles do not fit)."""
     return sum(
-        1 for m in engine.runner.model.modules() if isinstance(m, QuantLinear) and m.row_layout
+        1
+        for m in engine.runner.model.modules()
+        if isinstance(m, QuantLinear) and (m.tiles or m.row_layout)
     )
 
 
@@ -60,7 +63,7 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
 def test_the_model_serves_on_pytorchs_layouts_then_on_the_kernels(smollm2_gguf, build_in_progress):
     engine = _engine(smollm2_gguf, serve_while_building=True)
     assert engine.runner.reload_pending
-    assert _row_layers(engine) == 0  # loaded without waiting for the build
+    assert _kernel_layers(engine) == 0  # loaded without waiting for the build
     assert all(len(ids) == 8 for ids in _greedy(engine))
     assert not engine.adopt_reloaded_model()  # nothing to adopt while the build runs
 
@@ -71,7 +74,7 @@ def test_the_model_serves_on_pytorchs_layouts_then_on_the_kernels(smollm2_gguf, 
         time.sleep(0.05)
     assert not engine.runner.reload_pending
     assert engine.loaded.model is engine.runner.model
-    assert _row_layers(engine) > 0
+    assert _kernel_layers(engine) > 0
     # after the swap, the answers of an engine that waited for the kernels
     assert _greedy(engine) == _greedy(_engine(smollm2_gguf))
 
@@ -81,7 +84,7 @@ def test_without_serve_while_building_the_load_waits_for_the_kernels(
 ):
     engine = _engine(smollm2_gguf)
     assert not engine.runner.reload_pending
-    assert _row_layers(engine) > 0
+    assert _kernel_layers(engine) > 0
 
 
 def test_an_idle_async_engine_adopts_the_reloaded_model(smollm2_gguf, build_in_progress):
@@ -93,7 +96,7 @@ def test_an_idle_async_engine_adopts_the_reloaded_model(smollm2_gguf, build_in_p
         while engine.engine.runner.reload_pending:  # no request: the idle loop adopts it
             assert time.monotonic() < deadline, "the idle engine did not adopt the reloaded model"
             time.sleep(0.05)
-        assert _row_layers(engine.engine) > 0
+        assert _kernel_layers(engine.engine) > 0
     finally:
         engine.shutdown()
 
@@ -106,4 +109,4 @@ def test_deferred_loads_take_pytorchs_layouts_even_with_the_kernels_loaded(smoll
         loaded = load_model(smollm2_gguf, progress=False)
     assert kernels.load()
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
-    assert layers and not any(m.row_layout for m in layers)
+    assert layers and not any(m.tiles or m.row_layout for m in layers)
