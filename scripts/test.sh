@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The project's full test command: the pinned torch, the package with its test extras, Debian's
-# Chromium for the browser test (tests/server/test_web_ui.py), ruff, then pytest. Extra arguments
-# go to pytest.
+# Chromium for the browser test (tests/server/test_web_ui.py), ruff, then pytest in two worker
+# processes (pytest-xdist; one test file per worker at a time, so a file's fixtures load once).
+# Each worker's torch keeps every core, so the threaded kernels run as they do in use; most tests
+# are single-threaded Python, which the two workers overlap. Extra arguments go to pytest.
 #   scripts/test.sh                      # everything
 #   scripts/test.sh tests/server -x      # a subset
+#   scripts/test.sh -n 0                 # in one process
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,4 +24,4 @@ fi
 python -m ruff check .
 python -m ruff format --check .
 
-python -m pytest -q --durations=20 "$@"
+python -m pytest -q -n 2 --dist loadfile --durations=20 "$@"
