@@ -378,6 +378,36 @@ def test_a_runner_loads_the_graphs_another_runner_is_building_rather_than_tracin
     assert second._compiled_decode == {1: "graph for 1", 2: "graph for 2+"}
 
 
+def test_runners_of_other_graphs_never_trace_at_the_same_time(
+    tiny_loaded, monkeypatch, tmp_path
+) -> None:
+    # torch.fx's tracers share one process-wide patcher of `nn.Module.__call__`: two graphs traced
+    # at once (here other KV pools, so other cache entries) would undo each other's patches
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    traced: list[ModelRunner] = []
+    release = threading.Event()
+
+    def trace(self, start: float) -> dict[int, str]:
+        traced.append(self)
+        assert release.wait(30)
+        return {1: "graph for 1", 2: "graph for 2+"}
+
+    monkeypatch.setattr(ModelRunner, "_trace_graphs", trace)
+    monkeypatch.setattr(ModelRunner, "_load_graphs", lambda self, paths: None)
+    monkeypatch.setattr(model_runner, "_save_graph", lambda graph, path: None)
+    first = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    deadline = time.monotonic() + 30
+    while not traced and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = ModelRunner(tiny_loaded, num_blocks=16, block_size=16, compile=True)
+    assert second._graph_paths() != first._graph_paths()
+    time.sleep(0.3)
+    assert traced == [first] and second.decode_mode == "compiling"
+    release.set()
+    assert first.wait_compiled(timeout=30) and second.wait_compiled(timeout=30)
+    assert traced == [first, second]
+
+
 @pytest.mark.parametrize("cached", [True, False])
 def test_engine_left_to_itself_compiles_at_once_only_where_graphs_are_cached(
     tiny_loaded, monkeypatch, cached: bool

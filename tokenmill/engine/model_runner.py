@@ -106,16 +106,13 @@ class _ShortGilSlices:
 
 _short_gil_slices = _ShortGilSlices()
 
-# One lock per set of decode graphs (named by their cache entry): a runner that wants graphs another
-# runner of this process is building waits for them and loads them, rather than tracing them again
-# beside it (two engines of one model, a model loaded again while its first instance compiles).
-_graph_locks: dict[Path, threading.Lock] = {}
-_graph_locks_guard = threading.Lock()
-
-
-def _graph_lock(entry: Path) -> threading.Lock:
-    with _graph_locks_guard:
-        return _graph_locks.setdefault(entry, threading.Lock())
+# One build or load of decode graphs at a time in a process. torch.fx's tracers (which inductor
+# runs while it lowers a graph) patch `torch.nn.Module.__call__` through one process-wide patcher,
+# so two threads tracing at once undo each other's patches: dynamo then traces the model through the
+# other thread's patched `__call__`, or fails ("CURRENT_PATCHER is None"). A runner that wants
+# graphs another runner is building (two engines of one model, a model loaded again while its
+# first instance compiles, a stopped build still in a compiler call) waits, then loads them.
+_graph_build_lock = threading.Lock()
 
 
 # The compile thread waits for a lock or another thread in slices of this many seconds: a wait
@@ -497,7 +494,7 @@ class ModelRunner:
         paths = self._graph_paths()
         folder = paths[1].parent
         try:
-            with _holding(_graph_lock(paths[1])):
+            with _holding(_graph_build_lock):
                 graphs = self._load_graphs(paths)
                 if graphs is None:
                     graphs = self._trace_graphs(start)
