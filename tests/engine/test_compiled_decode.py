@@ -344,61 +344,67 @@ def test_graphs_build_at_the_lowest_priority_and_the_serving_threads_keep_theirs
     assert os.getpriority(os.PRIO_PROCESS, 0) == before  # this thread (the engine's) as it was
 
 
-def test_a_runner_loads_the_graphs_another_runner_is_building_rather_than_tracing_them(
-    tiny_loaded, monkeypatch, tmp_path
-) -> None:
+HELD_GRAPHS = {1: "graph for 1", 2: "graph for 2+"}
+
+
+@pytest.fixture
+def held_traces(monkeypatch, tmp_path) -> tuple[list[ModelRunner], threading.Event]:
+    """Graph traces that record their runner and end, returning `HELD_GRAPHS`, once the returned
+    event is set; the graph cache in tmp_path."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     traced: list[ModelRunner] = []
     release = threading.Event()
-    saved: dict[object, str] = {}
 
     def trace(self, start: float) -> dict[int, str]:
         traced.append(self)
         assert release.wait(30)
-        return {1: "graph for 1", 2: "graph for 2+"}
+        return dict(HELD_GRAPHS)
+
+    monkeypatch.setattr(ModelRunner, "_trace_graphs", trace)
+    return traced, release
+
+
+def _runner_tracing(model, traced: list[ModelRunner], num_blocks: int) -> ModelRunner:
+    """A compiling runner, once its trace has begun."""
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=16, compile=True)
+    deadline = time.monotonic() + 30
+    while runner not in traced and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return runner
+
+
+def test_a_runner_loads_the_graphs_another_runner_is_building_rather_than_tracing_them(
+    tiny_loaded, monkeypatch, held_traces
+) -> None:
+    traced, release = held_traces
+    saved: dict[object, str] = {}
 
     def load(self, paths) -> dict[int, str] | None:
         return {size: saved[path] for size, path in paths.items()} if saved else None
 
-    monkeypatch.setattr(ModelRunner, "_trace_graphs", trace)
     monkeypatch.setattr(ModelRunner, "_load_graphs", load)
     monkeypatch.setattr(
         model_runner, "_save_graph", lambda graph, path: saved.update({path: graph})
     )
-    first = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
-    deadline = time.monotonic() + 30
-    while not traced and time.monotonic() < deadline:
-        time.sleep(0.01)
+    first = _runner_tracing(tiny_loaded, traced, num_blocks=8)
     second = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
     time.sleep(0.3)
     assert traced == [first] and second.decode_mode == "compiling"
     release.set()
     assert first.wait_compiled(timeout=30) and second.wait_compiled(timeout=30)
     assert traced == [first]
-    assert second._compiled_decode == {1: "graph for 1", 2: "graph for 2+"}
+    assert second._compiled_decode == HELD_GRAPHS
 
 
 def test_runners_of_other_graphs_never_trace_at_the_same_time(
-    tiny_loaded, monkeypatch, tmp_path
+    tiny_loaded, monkeypatch, held_traces
 ) -> None:
     # torch.fx's tracers share one process-wide patcher of `nn.Module.__call__`: two graphs traced
     # at once (here other KV pools, so other cache entries) would undo each other's patches
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    traced: list[ModelRunner] = []
-    release = threading.Event()
-
-    def trace(self, start: float) -> dict[int, str]:
-        traced.append(self)
-        assert release.wait(30)
-        return {1: "graph for 1", 2: "graph for 2+"}
-
-    monkeypatch.setattr(ModelRunner, "_trace_graphs", trace)
+    traced, release = held_traces
     monkeypatch.setattr(ModelRunner, "_load_graphs", lambda self, paths: None)
     monkeypatch.setattr(model_runner, "_save_graph", lambda graph, path: None)
-    first = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
-    deadline = time.monotonic() + 30
-    while not traced and time.monotonic() < deadline:
-        time.sleep(0.01)
+    first = _runner_tracing(tiny_loaded, traced, num_blocks=8)
     second = ModelRunner(tiny_loaded, num_blocks=16, block_size=16, compile=True)
     assert second._graph_paths() != first._graph_paths()
     time.sleep(0.3)
