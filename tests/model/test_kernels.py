@@ -31,6 +31,7 @@ from tokenmill.model.quant_linear import (
     Int4Rows,
     Int6Rows,
     QuantLinear,
+    QuantTiles,
     dense_crossover,
     dense_packed_form,
     gguf_packed,
@@ -40,6 +41,7 @@ from tokenmill.model.quant_linear import (
     pack_int4_rows,
     pack_tiles,
     packed_form,
+    q6_tiles,
     tiles_layout,
     unpack_int4_rows,
     unpack_int6_rows,
@@ -63,12 +65,16 @@ def _int8_layer(
     )
 
 
-def int8_activations(x: torch.Tensor, per: int = 8) -> torch.Tensor:
+def int8_activations(x: torch.Tensor, per: int = 8, consecutive: bool = False) -> torch.Tensor:
     """x as the kernels multiply it: rounded to int8 with one scale (the largest magnitude / 127)
     per `per` values, 8 for the GEMVs (sub-block j of each block of 32 holding its elements 4j..4j+3
-    and 16+4j..16+4j+3) or 32 for the tiles."""
+    and 16+4j..16+4j+3; consecutive: elements 8j..8j+7, as for the 6-bit tiles) or 32 for the
+    tiles."""
     blocks = x.float().view(x.shape[0], -1, 2, 4, 4)  # (row, block, half, j, 4 elements)
-    largest = blocks.abs().amax(dim=(2, 4) if per == 8 else (2, 3, 4), keepdim=True)
+    dims = (2, 4) if per == 8 else (2, 3, 4)
+    if consecutive and per == 8:  # (row, block, 4 x 8 elements)
+        blocks, dims = x.float().view(x.shape[0], -1, 4, 8), (3,)
+    largest = blocks.abs().amax(dim=dims, keepdim=True)
     # a division, as the kernel's (`127 / tensor` would multiply by a rounded reciprocal)
     inverse = torch.where(
         largest > 0, torch.full_like(largest, 127).div(largest), torch.zeros_like(largest)
@@ -362,7 +368,7 @@ def test_q6_k_weights_stack_into_the_int6_row_layout() -> None:
     torch.testing.assert_close(layer(x) / scale, reference / scale, atol=1e-5, rtol=0)
     # a dtype the kernel does not take: the unpacked weight, unrounded activations
     torch.testing.assert_close(layer(x.double()), x.double() @ weight.double().t())
-    with pytest.raises(ValueError, match="row layout only"):
+    with pytest.raises(ValueError, match="Int6Rows take tiles=False"):
         QuantLinear(64, 512, torch.float32, int6=stacked, tiles=True)
     q4_k = GGMLWeight(
         torch.from_numpy(random_blocks(Q.Q4_K, (16, 512), np.random.default_rng(9))),
@@ -370,7 +376,26 @@ def test_q6_k_weights_stack_into_the_int6_row_layout() -> None:
         (16, 512),
     )
     assert gguf_packed([parts[0], q4_k], tiles=False)[0] == "int8"
-    assert gguf_packed(parts, tiles=True)[0] == "int8"
+    assert gguf_packed([parts[0], q4_k], tiles=True)[0] == "int8"
+    # in tiles: 6-bit tiles, or int8 rows for a layer that multiplies on AMX
+    kind, tiles = gguf_packed(parts, tiles=True)
+    assert kind == "int6" and isinstance(tiles, QuantTiles) and tiles.bits == 6
+    assert gguf_packed(parts, tiles=True, six_bit_tiles=False)[0] == "int8"
+
+
+def test_q6_k_weights_keep_their_values_in_6bit_tiles() -> None:
+    """The 6-bit tiles hold Q6_K's values exactly, in 6.625 bits a weight, and the rows of stacked
+    weights as each laid out alone."""
+    assert kernels.load()
+    parts = [_q6_k_layer(rows, 768, seed) for seed, rows in enumerate((48, 16))]
+    parts[0].data.view(-1, 210)[:3, 208:210] = 0  # row 0: d 0
+    stacked = q6_tiles(parts)
+    exact = torch.cat([part.dequantize().float() for part in parts])
+    assert torch.equal(unpack_tiles(stacked), exact)
+    assert (stacked.tiles.numel() + stacked.tile_scales.numel()) * 8 == 64 * 768 * 6.625
+    alone = [q6_tiles([part]) for part in parts]
+    for field in ("tiles", "tile_scales"):
+        assert torch.equal(getattr(stacked, field), torch.cat([getattr(a, field) for a in alone]))
 
 
 def test_int6_rows_linear_rejects_what_it_cannot_multiply() -> None:
@@ -596,6 +621,67 @@ def test_quant_tiles_linear_keeps_float32_rows_off_amx() -> None:
 
 
 @needs_avx512
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 6, 7, 9, 15])  # every block of 1-8 rows
+@pytest.mark.parametrize("cols", [256, 768])
+@pytest.mark.parametrize("x_block", [8, 32])
+def test_quant_tiles_linear_multiplies_6bit_tiles(
+    tokens: int, dtype: torch.dtype, cols: int, x_block: int
+) -> None:
+    """Q6_K's values times the activations rounded per x_block, each row to the bit as alone."""
+    rows = 16 * 37  # tiles not a multiple of the threads' share nor of a chunk
+    packed = q6_tiles([_q6_k_layer(rows, cols, tokens + cols)])
+    weight = unpack_tiles(packed)
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, cols).to(dtype)
+    x[0, 32:64] = 0  # an all-zero block has no scale to divide by
+    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, x_block)
+    assert out.dtype == dtype and out.shape == (tokens, rows)
+    reference = int8_activations(x, per=x_block, consecutive=True) @ weight.t()
+    tolerance = (
+        dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    )
+    scale = reference.abs().amax()
+    torch.testing.assert_close(out.float() / scale, reference / scale, **tolerance)
+    alone = [
+        torch.ops.tokenmill.quant_tiles_linear(x[i : i + 1], *packed, None, 1 << 30, x_block)
+        for i in range(tokens)
+    ]
+    assert torch.equal(torch.cat(alone), out)
+
+
+@needs_avx512
+def test_quant_linear_takes_6bit_tiles_for_q6_k_weights() -> None:
+    parts = [_q6_k_layer(32, 512, 3)]
+    kind, packed = gguf_packed(parts, tiles=True)
+    layer = QuantLinear(32, 512, torch.bfloat16, **{kind: packed})
+    assert layer.tiles and layer.kind == "int6" and not layer.row_layout and "tiles" in repr(layer)
+    assert layer.amx_min_tokens == -1  # AMX reads no 6-bit tiles, in any mode
+    switching = QuantLinear(32, 512, torch.bfloat16, **{kind: packed}, batch_invariant=False)
+    assert switching.amx_min_tokens == -1
+    x = torch.randn(5, 512, dtype=torch.bfloat16)
+    weight = parts[0].dequantize().float()
+    reference = int8_activations(x, consecutive=True) @ weight.t()
+    torch.testing.assert_close(layer(x).float(), reference, atol=2e-2, rtol=2e-2)
+    # a dtype the kernel does not take: the unpacked weight, unrounded activations
+    torch.testing.assert_close(layer(x.double()), x.double() @ weight.double().t())
+
+
+@needs_avx512
+def test_quant_tiles_linear_rejects_6bit_tiles_it_cannot_multiply() -> None:
+    packed = q6_tiles([_q6_k_layer(16, 512, 0)])
+    linear = torch.ops.tokenmill.quant_tiles_linear
+    with pytest.raises(RuntimeError, match="x's width K"):
+        linear(torch.randn(1, 256), *packed, None, 4)
+    with pytest.raises(RuntimeError, match="uint8 tile_scales"):
+        linear(torch.randn(1, 512), packed.tiles, packed.tile_scales.float(), None, 6, None, 4)
+    with pytest.raises(RuntimeError, match="of the weight's size"):
+        linear(torch.randn(1, 512), packed.tiles[:-1], packed.tile_scales, None, 6, None, 4)
+    with pytest.raises(RuntimeError, match="without fifth_masks"):
+        linear(torch.randn(1, 512), packed.tiles, packed.tile_scales, packed.tiles, 6, None, 4)
+
+
+@needs_avx512
 def test_quant_tiles_linear_rejects_what_it_cannot_multiply() -> None:
     _, _, _, packed = _random_tiles(16, 64, 4, 0)
     linear = torch.ops.tokenmill.quant_tiles_linear
@@ -603,8 +689,8 @@ def test_quant_tiles_linear_rejects_what_it_cannot_multiply() -> None:
         linear(torch.randn(1, 64).half(), *packed, None, 4)
     with pytest.raises(RuntimeError, match="x's width"):
         linear(torch.randn(1, 96), *packed, None, 4)
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
-        linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, None, 6, None, 4)
+    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
+        linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, None, 5, None, 4)
     with pytest.raises(RuntimeError, match="of the weight's size"):
         linear(torch.randn(1, 64), packed.tiles, packed.tile_scales, None, 8, None, 4)
     with pytest.raises(RuntimeError, match="tile_scales must be"):

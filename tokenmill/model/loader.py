@@ -24,6 +24,7 @@ from tokenmill.model.quant_linear import (
     FINE_X_BLOCK,
     QuantEmbedding,
     QuantLinear,
+    amx_tiles,
     dense_crossover,
     dense_packed_form,
     gguf_packed,
@@ -507,7 +508,8 @@ class _Builder:
             return layer
         tiles = takes_tiles(rows, num_cols)
         if q == "gguf":
-            kind, data = gguf_packed(weights, tiles)
+            # a switching layer multiplies large batches on AMX, which reads no 6-bit tiles
+            kind, data = gguf_packed(weights, tiles, self.batch_invariant or not amx_tiles())
         else:
             kind, data = merge_packed(
                 [dense_packed_form(_dense(w, torch.float32), q) for w in weights]

@@ -14,7 +14,8 @@ GGUF formats map onto the int4 kernels' form (group of 32, w = scale * q + low, 
 ggml writes them) without loss for Q4_0, Q4_1 and Q4_K, and where tokenmill's int4 row kernel
 serves, Q5_0, Q5_1 and Q5_K onto its 5-bit form (q in 0..31: the nibbles plus a plane of
 fifth bits; 0.75 bytes per weight against 1 for int8). There, layers of Q6_K weights take a 6-bit
-row layout of their own (`Int6Rows`: Q6_K's 16-value scales as integer steps). Other formats are
+row layout of their own (`Int6Rows`: Q6_K's 16-value scales as integer steps); where the tile
+layout serves, 6-bit tiles (`q6_tiles`: Q6_K's values exactly, 6.6 bits a weight). Other formats are
 re-quantized to int8 with one scale per output row, which costs a little accuracy (reported by
 `tokenmill perplexity`).
 """
@@ -260,19 +261,54 @@ COMPACT_PEAK_MULTIPLE = 63
 
 class QuantTiles(NamedTuple):
     """int4, 5-bit or int8 weights in the tile layout of `quant_tiles_linear`:
-    w = scale x q + low."""
+    w = scale x q + low; or 6-bit ones (`q6_tiles`), w = d x step x (q - 32)."""
 
-    # uint8: per tile of 16 rows, group of 32 and sub-block j, the q of 16 rows x 8 elements
+    # uint8: per tile of 16 rows, group of 32 and sub-block j, the q of 16 rows x 8 elements (6-bit:
+    # the 4-bit tiles' nibbles, then per pair of sub-blocks a vector of their q's top 2 bits)
     tiles: torch.Tensor
     # each group's (or row's) scale and low. Compact, (rows / 16, cols / 256, COMPACT_BLOCK_BYTES)
     # uint8, where every block of 8 groups of a row has its scales and lows as whole multiples
     # (0-63) of a float32 unit each (the K-quants: 4.75 bits a 4-bit weight); else
     # (rows / 16, cols / 32 or 1, 2, 16), float16 where that holds every group's exactly (Q4_0,
-    # Q4_1, Q5_0: 5 bits), else float32 (6 bits)
+    # Q4_1, Q5_0: 5 bits), else float32 (6 bits). 6-bit: (rows / 16, cols / 256, Q6_BLOCK_BYTES)
+    # uint8, per block of 256 the int8 steps [group, half, row c] and the rows' d as float32
     tile_scales: torch.Tensor
     # 5-bit: (rows / 16, cols / 32, 64) uint8, the fifth bits as byte masks
     fifth_masks: torch.Tensor | None
-    bits: int  # 4 (5 with fifth_masks) or 8
+    bits: int  # 4 (5 with fifth_masks), 6 or 8
+
+
+# Bytes of a 6-bit tile's scales per block of 256 columns: 16 rows x 16 int8 steps, 16 float32 d
+Q6_BLOCK_BYTES = COMPACT_GROUPS * 32 + 64
+
+
+def q6_tiles(weights: list[GGMLWeight]) -> QuantTiles:
+    """Q6_K weights (their rows stacked) in the 6-bit tile layout (`QuantTiles`, `q6_k_tiles` in
+    layout.cpp): the same values, 6.6 bits a weight where int8 rows take 8."""
+    data = [w.data.contiguous() for w in weights]
+    tiles, scales = kernels.ops().q6_k_tiles(data, weights[0].shape[1])
+    return QuantTiles(tiles, scales, None, 6)
+
+
+def _unpack_q6_tiles(tiles: QuantTiles) -> torch.Tensor:
+    """The float32 weight of `q6_tiles`' output."""
+    count, blocks, _ = tiles.tile_scales.shape
+    groups = blocks * COMPACT_GROUPS
+    b = tiles.tiles.view(count, groups, 384)
+    nibbles = b[:, :, :256].view(count, groups, 4, 1, TILE_ROWS, 4)
+    tops = b[:, :, 256:].view(count, groups, 2, 1, 1, TILE_ROWS, 4)
+    # [tile, group, pair, odd, half, c, e]: bits 4 odd + 2 half of the pair's byte
+    odd, half = torch.arange(2).view(2, 1, 1, 1), torch.arange(2).view(2, 1, 1)
+    shifts = (4 * odd + 2 * half).to(torch.uint8)
+    top = ((tops >> shifts) & 3).view(count, groups, 4, 2, TILE_ROWS, 4)
+    q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=3) | (top << 4)  # [tile, group, j, half, c, e]
+    q = q.permute(0, 4, 1, 3, 2, 5).reshape(count * TILE_ROWS, groups * INT4_GROUP).float() - 32
+    scales = tiles.tile_scales[:, :, : COMPACT_GROUPS * 32].contiguous().view(torch.int8)
+    steps = scales.view(count, blocks, COMPACT_GROUPS * 2, TILE_ROWS).permute(0, 3, 1, 2)
+    d = tiles.tile_scales[:, :, COMPACT_GROUPS * 32 :].contiguous().view(torch.float32)
+    d = d.view(count, blocks, TILE_ROWS).permute(0, 2, 1)  # [tile, c, block]
+    step = (steps.float() * d[..., None]).reshape(count * TILE_ROWS, -1, 1)  # per 16 values
+    return (q.view(count * TILE_ROWS, -1, 16) * step).view(count * TILE_ROWS, -1)
 
 
 def _unit_multiples(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -404,7 +440,9 @@ def pack_tiles(
 
 
 def unpack_tiles(tiles: QuantTiles) -> torch.Tensor:
-    """The float32 weight of `pack_tiles`' output."""
+    """The float32 weight of `pack_tiles`' (or `q6_tiles`') output."""
+    if tiles.bits == 6:
+        return _unpack_q6_tiles(tiles)
     count = tiles.tile_scales.shape[0]
     tile_scales = (
         _expand_compact(tiles.tile_scales)
@@ -512,7 +550,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-# ("int4" | "int5", (q, scale, low) or Int4Rows), ("int6", Int6Rows) or ("int8", (q8, scale))
+# ("int4" | "int5", (q, scale, low) or Int4Rows), ("int6", Int6Rows or 6-bit QuantTiles) or
+# ("int8", (q8, scale))
 Packed = tuple[str, tuple[torch.Tensor, ...]]
 
 
@@ -592,17 +631,22 @@ def merge_packed(parts: list[Packed]) -> Packed:
     return merge_packed(as_int8)
 
 
-def gguf_packed(weights: list[GGMLWeight], tiles: bool) -> Packed:
+def gguf_packed(weights: list[GGMLWeight], tiles: bool, six_bit_tiles: bool = True) -> Packed:
     """`merge_packed` of the weights' `packed_form`s, for a layer that takes the tile layout or
-    (`tiles` False) not. Where the layer takes the row layout and every weight is Q4_K, its rows
-    come laid out already (`Int4Rows`: `pack_int4_rows` of the merged groups) from one pass over
-    the blocks (layout.cpp), where the groups' q, a byte a weight, would take three more passes;
-    the same where every weight is Q4_0, or every one Q4_1. Where every weight is Q6_K, they take
-    the int6 row layout (`Int6Rows`, exact but for the scales' steps) rather than int8 re-rounded
-    per row, which `int6_rows_linear` multiplies faster."""
+    (`tiles` False) not. Where the layer takes tiles, six_bit_tiles holds and every weight is Q6_K,
+    they take the 6-bit tiles (`q6_tiles`, exact) rather than int8 re-rounded per row: fewer bytes
+    for the same values (six_bit_tiles is False for a layer that multiplies on AMX, which reads
+    only 4-, 5- and 8-bit tiles). Where the layer takes the row layout and every weight is Q4_K,
+    its rows come laid out already (`Int4Rows`: `pack_int4_rows` of the merged groups) from one
+    pass over the blocks (layout.cpp), where the groups' q, a byte a weight, would take three more
+    passes; the same where every weight is Q4_0, or every one Q4_1. Where every weight is Q6_K,
+    they take the int6 row layout (`Int6Rows`, exact but for the scales' steps) rather than int8
+    re-rounded per row, which `int6_rows_linear` multiplies faster."""
+    qtypes = {w.qtype for w in weights}
+    if tiles and six_bit_tiles and qtypes == {Q.Q6_K}:
+        return "int6", q6_tiles(weights)
     if not tiles and int4_rows_layout():
         data, cols = [w.data.contiguous() for w in weights], weights[0].shape[1]
-        qtypes = {w.qtype for w in weights}
         if qtypes == {Q.Q4_K}:
             return "int4", Int4Rows(*kernels.ops().q4_k_int4_rows(data, cols))
         if qtypes in ({Q.Q4_0}, {Q.Q4_1}):
@@ -630,7 +674,7 @@ class QuantLinear(nn.Module):
         int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int4Rows | None = None,
         int8: tuple[torch.Tensor, torch.Tensor] | None = None,
         int5: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        int6: Int6Rows | None = None,
+        int6: Int6Rows | QuantTiles | None = None,
         bias: torch.Tensor | None = None,
         dense: torch.Tensor | None = None,
         dense_min_tokens: int = 1 << 30,
@@ -643,7 +687,7 @@ class QuantLinear(nn.Module):
         it serves, `tiles_layout()`, and the shape fits); else int4_rows: the layout of int4 weights
         (default: `int4_rows_layout()`); 5-bit weights (int5: q in 0..31) have only those two.
         int4 may come in the row layout already (`Int4Rows`, from `gguf_packed`); int6 comes in
-        its row layout (`Int6Rows`) and takes no tiles. x_block:
+        its row layout (`Int6Rows`, no tiles) or in 6-bit tiles (`q6_tiles`, tiles). x_block:
         activations per int8 scale in the tile kernel, 8 or 32 (`FINE_X_BLOCK`, `COARSE_X_BLOCK`).
         batch_invariant: every row is computed alike whatever the batch (one kernel, one
         activation rounding, no AMX or dense-copy switch by row count); off, the kernel and
@@ -659,20 +703,27 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         kinds = {"int4": int4, "int5": int5, "int6": int6}
         self.kind = next((kind for kind, data in kinds.items() if data is not None), "int8")
+        six_bit_tiles = isinstance(int6, QuantTiles)
         if tiles is None:
-            tiles = int6 is None and takes_tiles(out_features, in_features)
-        if tiles and int6 is not None:
-            raise ValueError("6-bit weights (Int6Rows) have the row layout only; give tiles=False")
+            tiles = six_bit_tiles or (int6 is None and takes_tiles(out_features, in_features))
+        if int6 is not None and tiles != six_bit_tiles:
+            raise ValueError(
+                "6-bit weights come laid out: Int6Rows take tiles=False, 6-bit QuantTiles "
+                "tiles=True"
+            )
         self.tiles = tiles
         self.x_block = x_block
         self.batch_invariant = batch_invariant
         if int4 is not None and int4_rows is None:
             int4_rows = int4_rows_layout()
         self.int4_rows = not tiles and (int5 is not None or (int4 is not None and int4_rows))
-        self.row_layout = self.int4_rows or int6 is not None  # the row kernels' layouts
+        # the row kernels' layouts
+        self.row_layout = self.int4_rows or (int6 is not None and not tiles)
         if isinstance(int4, Int4Rows) and not self.int4_rows:
             raise ValueError("int4 weights in the row layout (Int4Rows) need int4_rows, no tiles")
-        if tiles:
+        if six_bit_tiles:
+            packed = int6
+        elif tiles:
             if int8 is not None:
                 q8, scale = int8
                 q, low, bits = q8, -128 * scale.float()[:, None], 8  # stored as q8 + 128
@@ -681,6 +732,7 @@ class QuantLinear(nn.Module):
                 (q, scale, low), bits = int4 or int5, 4 if int5 is None else 5
             # AMX (which only switching layers take) reads float scales only
             packed = pack_tiles(q, scale, low, bits, compact=batch_invariant or not amx_tiles())
+        if tiles:
             self.register_buffer("tile_q", packed.tiles)
             self.register_buffer("tile_scales", packed.tile_scales)
             self.register_buffer("fifth_masks", packed.fifth_masks)
@@ -690,7 +742,7 @@ class QuantLinear(nn.Module):
             for name, tensor in rows._asdict().items():
                 self.register_buffer(name, tensor)
             self.register_buffer("fifth_bits", None if int5 is None else pack_fifth_bits(int5[0]))
-        elif int6 is not None:
+        elif isinstance(int6, Int6Rows):
             for name, tensor in int6._asdict().items():
                 self.register_buffer(name, tensor)
         elif int4 is not None:
@@ -720,7 +772,9 @@ class QuantLinear(nn.Module):
         # the tile kernel's; -1: no limit
         self.max_coarse_tokens = HEAD_COARSE_MAX_TOKENS if large and switches else -1
         # the tile kernel's; -1: never
-        self.amx_min_tokens = AMX_MIN_TOKENS if tiles and switches and amx_tiles() else -1
+        self.amx_min_tokens = (
+            AMX_MIN_TOKENS if tiles and not six_bit_tiles and switches and amx_tiles() else -1
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native_fits(x):

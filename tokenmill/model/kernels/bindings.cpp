@@ -90,6 +90,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_k_int4_rows", &tokenmill::q4_k_int4_rows, unlocked);
   m.def("q4_int4_rows", &tokenmill::q4_int4_rows, unlocked);
   m.def("q6_k_int6_rows", &tokenmill::q6_k_int6_rows, unlocked);
+  m.def("q6_k_tiles", &tokenmill::q6_k_tiles, unlocked);
   m.def("q6_k_int8_rows", &tokenmill::q6_k_int8_rows, unlocked);
   m.def("q8_0_int8_rows", &tokenmill::q8_0_int8_rows, unlocked);
   m.def("tile_bytes", &tokenmill::tile_bytes, unlocked);

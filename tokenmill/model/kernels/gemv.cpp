@@ -101,8 +101,9 @@ inline void half_offsets(int64_t b, int64_t n, int64_t& first, int64_t& second) 
 // path: an outlier spoils fewer neighbours. With `sums`, the sum of scale x q over each block,
 // (M, K / 32): the int4 GEMV's low terms then see the same x as its scaled ones, so the rounding
 // errors stay centred, as the weights are. With `coarse`, a block's four scales are one, its largest
-// magnitude's (for the tiles). The buffers are left unzeroed (std::vector would zero them: a pass
-// more over them), as the quantization fills them whole.
+// magnitude's (for the tiles); with `consecutive`, scale j is that of values 8j..8j+7 (the 6-bit
+// tiles'). The buffers are left unzeroed (std::vector would zero them: a pass more over them), as
+// the quantization fills them whole.
 struct QuantizedRows {
   std::unique_ptr<int8_t[]> q;
   std::unique_ptr<float[]> scales, sums;
@@ -117,7 +118,8 @@ struct QuantizedRows {
 // registers than the loop has and spill.
 // kPairs has each pair of blocks in the order in which the int6 GEMV multiplies them
 // (`int6_rows`): the first halves (`simd::int6_halves`) of both blocks, then their second halves, and
-// per 16 values the sum (`sums`, (M, K / 16), times -32: Q6_K's offset).
+// per 16 values the sum (`sums`, (M, K / 16), times -32: Q6_K's offset). With `half_sums`, the
+// kRowBlocks layout has those sums per 16 too (for the 6-bit tiles), in each block's place.
 enum class Layout { kRows, kHalves, kRowBlocks, kPairs };
 
 // The place of block b of row `row` (of M rows of row_blocks blocks) in the kRowBlocks layout
@@ -136,37 +138,53 @@ inline __m256 load8(const c10::BFloat16* p) {
 // Rows [first, first + count) of x (M, K), read from x_first (row first), into out
 template <typename T>
 void quantize_blocks(const T* x_first, int64_t first, int64_t count, int64_t M, int64_t K, QuantizedRows& out,
-                     Layout layout, bool coarse) {
+                     Layout layout, bool coarse, bool half_sums, bool consecutive) {
   const int64_t row_blocks = K / 32;
   const __m256 sign_bit = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(127.0f);
   for (int64_t g = 0; g < count * row_blocks; ++g) {
     __m256 v[4];
     for (int j = 0; j < 4; ++j) v[j] = load8(x_first + g * 32 + 8 * j);
     // v[0] and v[2] hold sub-blocks 0 (lanes 0-3) and 1 (lanes 4-7), v[1] and v[3] sub-blocks 2 and 3
-    __m256 largest[2], inverse[2];
+    __m256 inverse[4];  // for v[j]
     float d[4];
-    for (int h = 0; h < 2; ++h) {
-      __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign_bit, v[h]), _mm256_andnot_ps(sign_bit, v[h + 2]));
-      m = _mm256_max_ps(m, _mm256_permute_ps(m, _MM_SHUFFLE(2, 3, 0, 1)));
-      largest[h] = _mm256_max_ps(m, _mm256_permute_ps(m, _MM_SHUFFLE(1, 0, 3, 2)));  // each lane: its 4's
-    }
-    if (coarse) {
-      const __m256 m = _mm256_max_ps(largest[0], largest[1]);
-      largest[0] = largest[1] = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-    }
-    for (int h = 0; h < (coarse ? 1 : 2); ++h) {  // divisions: coarse, the halves share theirs
-      inverse[h] = _mm256_and_ps(_mm256_div_ps(top, largest[h]), _mm256_cmp_ps(largest[h], zero, _CMP_GT_OQ));
-      const __m256 scale = _mm256_div_ps(largest[h], top);
-      d[2 * h] = _mm256_cvtss_f32(scale);
-      d[2 * h + 1] = _mm256_cvtss_f32(_mm256_permute2f128_ps(scale, scale, 1));
-    }
-    if (coarse) {
-      inverse[1] = inverse[0];
-      d[2] = d[0], d[3] = d[1];
+    const auto invert = [&](__m256 largest) {
+      return _mm256_and_ps(_mm256_div_ps(top, largest), _mm256_cmp_ps(largest, zero, _CMP_GT_OQ));
+    };
+    if (consecutive) {  // scale j for v[j]: values 8j..8j+7
+      for (int j = 0; j < 4; ++j) {
+        __m256 m = _mm256_andnot_ps(sign_bit, v[j]);
+        m = _mm256_max_ps(m, _mm256_permute_ps(m, _MM_SHUFFLE(2, 3, 0, 1)));
+        m = _mm256_max_ps(m, _mm256_permute_ps(m, _MM_SHUFFLE(1, 0, 3, 2)));
+        m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));  // every lane: the 8's largest
+        inverse[j] = invert(m);
+        d[j] = _mm256_cvtss_f32(_mm256_div_ps(m, top));
+      }
+    } else {
+      __m256 largest[2];
+      for (int h = 0; h < 2; ++h) {
+        __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign_bit, v[h]), _mm256_andnot_ps(sign_bit, v[h + 2]));
+        m = _mm256_max_ps(m, _mm256_permute_ps(m, _MM_SHUFFLE(2, 3, 0, 1)));
+        largest[h] = _mm256_max_ps(m, _mm256_permute_ps(m, _MM_SHUFFLE(1, 0, 3, 2)));  // each lane: its 4's
+      }
+      if (coarse) {
+        const __m256 m = _mm256_max_ps(largest[0], largest[1]);
+        largest[0] = largest[1] = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+      }
+      for (int h = 0; h < (coarse ? 1 : 2); ++h) {  // divisions: coarse, the halves share theirs
+        inverse[h] = invert(largest[h]);
+        const __m256 scale = _mm256_div_ps(largest[h], top);
+        d[2 * h] = _mm256_cvtss_f32(scale);
+        d[2 * h + 1] = _mm256_cvtss_f32(_mm256_permute2f128_ps(scale, scale, 1));
+      }
+      if (coarse) {
+        inverse[1] = inverse[0];
+        d[2] = d[0], d[3] = d[1];
+      }
+      inverse[2] = inverse[0], inverse[3] = inverse[1];
     }
     __m256i words[4];
     for (int j = 0; j < 4; ++j)  // nearest, ties even
-      words[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse[j % 2]));
+      words[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse[j]));
     // the packs work within 128-bit lanes; the permutation puts the 32 bytes back in order
     const __m256i bytes = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(words[0], words[1]), _mm256_packs_epi32(words[2], words[3])),
@@ -192,8 +210,11 @@ void quantize_blocks(const T* x_first, int64_t first, int64_t count, int64_t M, 
     block_scales[0] = d[0], block_scales[1] = d[1], block_scales[2] = d[2], block_scales[3] = d[3];
     if (out.sums != nullptr) {
       const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-      const __m256 terms = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), lane_scales(block_scales));
-      if (layout == Layout::kPairs) {  // lanes 0-3 hold elements 0-15, lanes 4-7 elements 16-31
+      // lane l holds values 4l..4l+3: scale l / 2 (consecutive) or l % 4
+      const __m256 lane_d = consecutive ? _mm256_setr_ps(d[0], d[0], d[1], d[1], d[2], d[2], d[3], d[3])
+                                        : lane_scales(block_scales);
+      const __m256 terms = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), lane_d);
+      if (half_sums) {  // lanes 0-3 hold elements 0-15, lanes 4-7 elements 16-31
         out.sums[at * 2] = -32.0f * simd::sum4(_mm256_castps256_ps128(terms));
         out.sums[at * 2 + 1] = -32.0f * simd::sum4(_mm256_extractf128_ps(terms, 1));
       } else {
@@ -358,15 +379,17 @@ void int8_rows(const int8_t* xq, const float* scales, int64_t K, const int8_t* w
 constexpr int64_t kQuantizeElementsPerTask = 8 * 1024;
 
 template <typename T>
-QuantizedRows quantize_rows(const at::Tensor& x, bool with_sums, Layout layout, bool coarse = false) {
+QuantizedRows quantize_rows(const at::Tensor& x, bool with_sums, Layout layout, bool coarse = false,
+                            bool half_sums = false, bool consecutive = false) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
   const at::Tensor xc = x.contiguous();
   const T* xs = xc.data_ptr<T>();
-  const int64_t sums_per_block = layout == Layout::kPairs ? 2 : 1;
+  half_sums = half_sums || layout == Layout::kPairs;
+  const int64_t sums_per_block = half_sums ? 2 : 1;
   QuantizedRows rows{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * blocks * 4]),
                      with_sums ? std::unique_ptr<float[]>(new float[M * blocks * sums_per_block]) : nullptr};
   at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeElementsPerTask / K), [&](int64_t begin, int64_t end) {
-    quantize_blocks(xs + begin * K, begin, end - begin, M, K, rows, layout, coarse);
+    quantize_blocks(xs + begin * K, begin, end - begin, M, K, rows, layout, coarse, half_sums, consecutive);
   });
   return rows;
 }
@@ -890,8 +913,8 @@ inline __m512i dot4_broadcast(__m512i acc, __m512i unsigned_q, const int8_t* x) 
   return acc;
 }
 
-// Bytes of one tile's q per group (Bits 4 or 8), and of its fifth-bit masks (5-bit)
-constexpr int64_t tile_group_bytes(int bits) { return bits == 8 ? 512 : 256; }
+// Bytes of one tile's q per group (Bits 4, 6 or 8), and of its fifth-bit masks (5-bit)
+constexpr int64_t tile_group_bytes(int bits) { return bits == 8 ? 512 : bits == 6 ? 384 : 256; }
 constexpr int64_t kTileFifthGroupBytes = 64;
 // Groups ahead of the products that a thread asks the memory for (16: 4 KB of 4-bit tiles, the
 // L2 streamer's reach ends at each 4 KB page). The hardware prefetchers do not keep up with the
@@ -1063,6 +1086,136 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
             xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4, xq.sums.get() + m0 * groups,
             totals.empty() ? nullptr : totals.data() + m0, K, q, fifth, ts, out ? out + m0 * N : nullptr,
             out_bf16 ? out_bf16 + m0 * N : nullptr, N, t0, t1, m0 == 0);
+      },
+      kTilesPerTask, kTilesPerChunk);
+  return y;
+}
+
+// 6-bit tiles (GGUF's Q6_K, exact): w = d x step x (q - 32), q in 0..63, an int8 step per 16
+// values and a float d per 256 of a row. A group's q come as the 4-bit tiles' nibbles plus a
+// vector of top bits per pair of quarters (`tile_group_bytes(6)`: 384 bytes). The group's first and
+// second halves (the quarters' first and second vectors) have scales of their own, so their sums
+// are kept apart, each starting from the activations' sum over its 16 values times -32
+// (quantize_rows' `half_sums`) for the offset. With x_block 8 the activations take one scale per 8
+// consecutive values (`consecutive`) rather than per quarter: a pair of quarters' first vectors
+// (values 8p..8p+7) then share one, as do their second ones, so each pair's sums are converted
+// and scaled once per half, where the quarters' scales would span both halves and take twice the
+// conversions. The scales, per tile and block of 8 groups (kQ6BlockBytes): the int8 steps [group,
+// half, row], then the rows' d (float32). 6.6 bits a weight where int8 re-rounded per row takes 8.
+constexpr int64_t kQ6BlockBytes = kCompactGroups * 32 + 64;
+
+// M activation rows of a kRowBlocks block of `stride` rows (xq, scales and half_sums at its first).
+// With x_block 8 a block of more than kQ6Rows rows goes through in parts, so that the parts'
+// accumulators (two per row for the halves, and the row's sum) stay in the vector registers; with
+// 32 the halves' float sums live only past each group's products, and a block goes through whole
+// (unpacking each group's q once for its 8 rows).
+constexpr int kQ6Rows = 4;
+
+template <int M, bool Fine>
+void q6_tiles(const int8_t* xq, const float* scales, const float* half_sums, int64_t stride, int64_t K,
+              const uint8_t* tiles, const uint8_t* tile_scales, float* y, at::BFloat16* y_bf16, int64_t N,
+              int64_t tile0, int64_t tile1, bool prefetch) {
+  const int64_t groups = K / 32;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  // (a & nibble) | b: the low 4 bits of a, then b's top bits (already in bits 4-5, the rest zero)
+  const auto join = [&](__m512i a, __m512i b) { return _mm512_ternarylogic_epi32(a, b, nibble, 0xEC); };
+  for (int64_t t = tile0; t < tile1; ++t) {
+    const uint8_t* q = tiles + t * groups * tile_group_bytes(6);
+    const uint8_t* ts = tile_scales + t * (groups / kCompactGroups) * kQ6BlockBytes;
+    __m512 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* group = q + g * tile_group_bytes(6);
+      if (prefetch) {  // as quant_tiles
+        const char* bytes = reinterpret_cast<const char*>(group + kTilePrefetchGroups * tile_group_bytes(6));
+        for (int64_t line = 0; line < tile_group_bytes(6); line += 64) _mm_prefetch(bytes + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ts + (g + kTilePrefetchGroups) * kQ6BlockBytes / kCompactGroups),
+                     _MM_HINT_T0);
+      }
+      const int8_t* xg = xq + g * stride * 32;  // row i's values at xg + 32 i
+      const float *sg = scales + g * stride * 4, *hg = half_sums + g * stride * 2;
+      __m512i whole[2][M];  // per half, each row's integer sums under one activation scale
+      __m512 part[2][M];    // per half, -32 x the activations' sum plus the sums scaled by their scales
+      for (int i = 0; i < M; ++i)
+        for (int h = 0; h < 2; ++h) {
+          part[h][i] = _mm512_set1_ps(hg[i * 2 + h]);
+          whole[h][i] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; ++p) {
+        const __m512i tops = _mm512_loadu_si512(group + 256 + p * 64);
+        const __m512i even = _mm512_loadu_si512(group + 2 * p * 64), odd = _mm512_loadu_si512(group + 2 * p * 64 + 64);
+        // quarter 2p's first and second vectors (top bits from bits 0-1 and 2-3), then 2p + 1's (4-5, 6-7)
+        const __m512i first[2] = {join(even, _mm512_and_si512(_mm512_slli_epi16(tops, 4), top)),
+                                  join(odd, _mm512_and_si512(tops, top))};
+        const __m512i second[2] = {
+            join(_mm512_srli_epi16(even, 4), _mm512_and_si512(_mm512_slli_epi16(tops, 2), top)),
+            join(_mm512_srli_epi16(odd, 4), _mm512_and_si512(_mm512_srli_epi16(tops, 2), top))};
+        for (int i = 0; i < M; ++i) {
+          const int8_t* x = xg + i * 32 + 8 * p;  // values 8p.. (first) and 16 + 8p.. (second)
+          __m512i sums[2];
+          sums[0] = dot4_broadcast(dot4_broadcast(Fine ? _mm512_setzero_si512() : whole[0][i], first[0], x), first[1],
+                                   x + 4);
+          sums[1] = dot4_broadcast(
+              dot4_broadcast(Fine ? _mm512_setzero_si512() : whole[1][i], second[0], x + 16), second[1], x + 20);
+          for (int h = 0; h < 2; ++h) {
+            if constexpr (Fine)  // the consecutive 8 values' scale, 8p.. in half h: scale 2h + p
+              part[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h]),
+                                           _mm512_set1_ps(sg[i * 4 + 2 * h + p]), part[h][i]);
+            else
+              whole[h][i] = sums[h];
+          }
+        }
+      }
+      if constexpr (!Fine)
+        for (int i = 0; i < M; ++i)
+          for (int h = 0; h < 2; ++h)
+            part[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole[h][i]), _mm512_set1_ps(sg[i * 4]), part[h][i]);
+      const uint8_t* block = ts + (g / kCompactGroups) * kQ6BlockBytes;
+      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(block + kCompactGroups * 32));
+      const int8_t* steps = reinterpret_cast<const int8_t*>(block + (g % kCompactGroups) * 32);
+      __m512 half_scale[2];
+      for (int h = 0; h < 2; ++h)
+        half_scale[h] = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(steps + 16 * h)))),
+            d);
+      for (int i = 0; i < M; ++i) {
+        acc[i] = _mm512_fmadd_ps(part[0][i], half_scale[0], acc[i]);
+        acc[i] = _mm512_fmadd_ps(part[1][i], half_scale[1], acc[i]);
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      y_bf16 != nullptr ? simd::store(y_bf16 + i * N + t * 16, acc[i]) : simd::store(y + i * N + t * 16, acc[i]);
+  }
+}
+
+template <bool Fine, typename T>
+at::Tensor q6_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantizedRows xq = quantize_rows<T>(x, true, Layout::kRowBlocks, !Fine, true, Fine);
+  const uint8_t* q = tiles.data_ptr<uint8_t>();
+  const uint8_t* ts = tile_scales.data_ptr<uint8_t>();
+  float* out = std::is_same_v<T, float> ? y.data_ptr<float>() : nullptr;
+  at::BFloat16* out_bf16 = std::is_same_v<T, float> ? nullptr : y.data_ptr<at::BFloat16>();
+  over_row_blocks(
+      M, N / 16,
+      [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
+        constexpr int kRows = decltype(rows)::value;
+        const auto part = [&](auto count, int64_t first) {  // rows first.. of the block
+          const int64_t row = m0 + first;
+          q6_tiles<decltype(count)::value, Fine>(
+              xq.q.get() + m0 * K + first * 32, xq.scales.get() + m0 * groups * 4 + first * 4,
+              xq.sums.get() + m0 * groups * 2 + first * 2, kRows, K, q, ts, out ? out + row * N : nullptr,
+              out_bf16 ? out_bf16 + row * N : nullptr, N, t0, t1, row == 0);
+        };
+        if constexpr (Fine && kRows > kQ6Rows) {
+          part(std::integral_constant<int, kQ6Rows>{}, 0);
+          part(std::integral_constant<int, kRows - kQ6Rows>{}, kQ6Rows);
+        } else {
+          part(rows, 0);
+        }
       },
       kTilesPerTask, kTilesPerChunk);
   return y;
@@ -1383,12 +1536,13 @@ at::Tensor amx_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint
 
 namespace tokenmill {
 
-// y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5) or 8; beyond max_tile_rows rows,
-// with the layer's dense copy where it has one. bf16 x of amx_min_rows rows or more (never if
-// negative) goes to AMX where this build and the process have it; else x activations share an
-// int8 scale per x_block (8 or 32), except that x_block 32 serves only up to max_coarse_rows rows
-// (all if negative) and 8 beyond them. Every row is rounded and summed alike whatever the row
-// count, so a row's result depends on its batch only through these two thresholds.
+// y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5), 6 (Q6_K's, q6_tiles) or 8; beyond
+// max_tile_rows rows, with the layer's dense copy where it has one. bf16 x of amx_min_rows rows or
+// more (never if negative, nor for 6-bit tiles) goes to AMX where this build and the process have
+// it; else x activations share an int8 scale per x_block (8 or 32), except that x_block 32 serves
+// only up to max_coarse_rows rows (all if negative) and 8 beyond them. Every row is rounded and
+// summed alike whatever the row count, so a row's result depends on its batch only through these
+// two thresholds.
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
                               const std::optional<at::Tensor>& fifth_masks, int64_t bits,
                               const std::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
@@ -1399,7 +1553,24 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "quant_tiles_linear: x must be a 2-D bfloat16 or float32 tensor");
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_tiles_linear: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "quant_tiles_linear: bits must be 4, 6 or 8");
+  TORCH_CHECK(x_block == 8 || x_block == 32, "quant_tiles_linear: x_block must be 8 or 32");
+  if (bits == 6) {
+    const int64_t groups = x.size(1) / 32;
+    TORCH_CHECK(tile_scales.scalar_type() == at::kByte && tile_scales.is_contiguous() && tile_scales.dim() == 3 &&
+                    tile_scales.size(2) == kQ6BlockBytes && x.size(1) % 256 == 0 &&
+                    tile_scales.size(1) * kCompactGroups == groups,
+                "quant_tiles_linear: 6-bit tiles take uint8 tile_scales (N / 16, K / 256, 320), x's width K");
+    TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                    tiles.numel() == tile_scales.size(0) * groups * tile_group_bytes(6) && !fifth_masks.has_value(),
+                "quant_tiles_linear: 6-bit tiles must be contiguous uint8 of the weight's size, without fifth_masks");
+    const auto products = [&](auto fine) {
+      constexpr bool kFine = decltype(fine)::value;
+      return dtype == at::kFloat ? q6_tiles_as<kFine, float>(x, tiles, tile_scales)
+                                 : q6_tiles_as<kFine, at::BFloat16>(x, tiles, tile_scales);
+    };
+    return x_block == 8 ? products(std::true_type{}) : products(std::false_type{});
+  }
   const bool half_scales = tile_scales.scalar_type() == at::kHalf;
   const bool compact_scales = tile_scales.scalar_type() == at::kByte;
   TORCH_CHECK(tile_scales.is_contiguous() &&
@@ -1423,7 +1594,6 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
                 "quant_tiles_linear: fifth_masks must be contiguous uint8 (N / 16, K / 32, 64), with 4-bit tiles");
     fifth = fifth_masks->data_ptr<uint8_t>();
   }
-  TORCH_CHECK(x_block == 8 || x_block == 32, "quant_tiles_linear: x_block must be 8 or 32");
   // run(kind, scale) with kind 4, 5 (4-bit q with fifth bits) or 8 as an integral_constant and scale
   // a value of the tile scales' type (uint8_t: compact, which only the integer kernel takes where
   // Compact is true): the template arguments of either kernel

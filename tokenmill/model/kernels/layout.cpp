@@ -406,6 +406,62 @@ at::Tensor tile_bytes(const at::Tensor& q, int64_t bits) {
   return out;
 }
 
+// Q6_K's q (0..63) of value v (0..255) of the block at b: its low 4 bits from ql, its high 2 from qh
+// (the layout `q6_k_quarter` reads)
+inline int q6_k_q(const uint8_t* b, int v) {
+  const int half = v / 128, k = v % 128 / 32, l = v % 32;
+  const int low = (b[64 * half + l + 32 * (k & 1)] >> (4 * (k >> 1))) & 0x0F;
+  return low | (((b[128 + 32 * half + l] >> (2 * k)) & 3) << 4);
+}
+
+// Q6_K weights (each (rows_i, cols / 256 * 210) uint8, their rows stacked) in the 6-bit tile layout
+// (quant_linear.py's `Q6Tiles`): per tile of 16 rows and group of 32, 384 bytes: per quarter j,
+// 64 bytes whose byte 4c + e holds row c's q at element 4j + e of the group in its low nibble
+// and at 16 + 4j + e in its high one (the 4-bit tiles' bytes), then per pair p of quarters 64
+// bytes whose byte 4c + e holds the top 2 bits of those q of quarter 2p (bits 0-1, 2-3) and
+// 2p + 1 (bits 4-5, 6-7). The scales, per tile and block of 256 (a Q6_K block): each 16 values'
+// int8 scale [group, half, c], then each row's d as float32 [c]; w = d x scale x (q - 32) exactly.
+std::tuple<at::Tensor, at::Tensor> q6_k_tiles(const std::vector<at::Tensor>& weights, int64_t cols) {
+  const std::vector<const uint8_t*> row_blocks =
+      stacked_rows(weights, cols, kSuperBlock, kQ6KBytes, "q6_k_tiles", "Q6_K");
+  const int64_t rows = static_cast<int64_t>(row_blocks.size());
+  TORCH_CHECK(rows % kWeightTileRows == 0, "q6_k_tiles: rows must be a multiple of 16");
+  constexpr int64_t kGroupBytes = 384, kBlockScaleBytes = 320, kBlockGroups = kSuperBlock / kGroup;
+  const int64_t tiles = rows / kWeightTileRows, blocks = cols / kSuperBlock, groups = cols / kGroup;
+  const at::TensorOptions bytes = weights[0].options();
+  at::Tensor q_out = at::empty({tiles * groups * kGroupBytes}, bytes);
+  at::Tensor scales_out = at::empty({tiles, blocks, kBlockScaleBytes}, bytes);
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t end) {
+    uint8_t q[kWeightTileRows][kSuperBlock];
+    for (int64_t t = first; t < end; ++t)
+      for (int64_t n = 0; n < blocks; ++n) {
+        uint8_t* scales = scales_out.data_ptr<uint8_t>() + (t * blocks + n) * kBlockScaleBytes;
+        for (int64_t c = 0; c < kWeightTileRows; ++c) {
+          const uint8_t* b = row_blocks[t * kWeightTileRows + c] + n * kQ6KBytes;
+          for (int v = 0; v < kSuperBlock; ++v) q[c][v] = static_cast<uint8_t>(q6_k_q(b, v));
+          for (int s = 0; s < 16; ++s) scales[s * kWeightTileRows + c] = b[192 + s];  // s = 2 group + half
+          const float d = half_at(b + 208);
+          std::memcpy(scales + 256 + 4 * c, &d, 4);
+        }
+        for (int64_t gb = 0; gb < kBlockGroups; ++gb) {
+          uint8_t* out = q_out.data_ptr<uint8_t>() + (t * groups + n * kBlockGroups + gb) * kGroupBytes;
+          for (int64_t c = 0; c < kWeightTileRows; ++c) {
+            const uint8_t* v = q[c] + gb * kGroup;
+            for (int j = 0; j < 4; ++j)
+              for (int e = 0; e < 4; ++e) {
+                const uint8_t a = v[4 * j + e], s = v[16 + 4 * j + e];
+                out[j * 64 + 4 * c + e] = (a & 0x0F) | ((s & 0x0F) << 4);
+                uint8_t& top = out[256 + (j / 2) * 64 + 4 * c + e];
+                const uint8_t bits = (a >> 4) | ((s >> 4) << 2);
+                top = j % 2 == 0 ? bits : static_cast<uint8_t>(top | (bits << 4));
+              }
+          }
+        }
+      }
+  });
+  return {q_out, scales_out};
+}
+
 // `compact_tile_scales`: per-group scale and low (rows, groups) float32 as compact tile scales
 // (rows / 16, groups / 8, 8 * 32 + 128) uint8, or nullopt where some value is no whole multiple
 // (0-63) of its block's unit. Per tile, block of 8 groups: the multiples [group, scale/low, row c],

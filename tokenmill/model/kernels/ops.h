@@ -59,6 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_int4_rows(const std::vector<at
                                                            bool with_min);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6_k_int6_rows(const std::vector<at::Tensor>& weights,
                                                                          int64_t cols);
+std::tuple<at::Tensor, at::Tensor> q6_k_tiles(const std::vector<at::Tensor>& weights, int64_t cols);
 std::tuple<at::Tensor, at::Tensor> q6_k_int8_rows(const at::Tensor& blocks, int64_t rows, int64_t cols);
 std::tuple<at::Tensor, at::Tensor> q8_0_int8_rows(const at::Tensor& blocks, int64_t rows, int64_t cols);
 at::Tensor tile_bytes(const at::Tensor& q, int64_t bits);
