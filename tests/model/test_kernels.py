@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1121,6 +1123,47 @@ def test_fp32_batches_take_the_gemv_below_the_dense_copy(kind: str) -> None:
     torch.testing.assert_close(
         without_copy(x), int8_activations(x) @ packed.t(), atol=1e-4, rtol=1e-4
     )
+
+
+def test_a_build_clears_the_lock_file_of_a_build_killed_midway(monkeypatch, tmp_path) -> None:
+    """torch's lock file, left by a process killed while it built (a server stopped during its
+    first start), would make every later build wait forever: under tokenmill's OS lock it goes."""
+    (tmp_path / kernels.TORCH_BUILD_LOCK).touch()
+    seen = []
+    monkeypatch.setattr(
+        cpp_extension,
+        "load",
+        lambda **kw: seen.append((Path(kw["build_directory"]) / kernels.TORCH_BUILD_LOCK).exists()),
+    )
+    kernels._compile(tmp_path)
+    assert seen == [False]
+
+
+def test_the_build_lock_goes_with_a_killed_holder_and_excludes_a_live_one(tmp_path) -> None:
+    holder = (
+        "import sys, time; from pathlib import Path; from tokenmill.model import kernels\n"
+        "with kernels.build_lock(Path(sys.argv[1])):\n"
+        "    print('held', flush=True); time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", holder, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        acquired = threading.Event()
+
+        def take() -> None:
+            with kernels.build_lock(tmp_path):
+                acquired.set()
+
+        waiter = threading.Thread(target=take, daemon=True)
+        waiter.start()
+        assert not acquired.wait(1.0)  # the live holder excludes it
+        proc.kill()  # no cleanup runs: the OS releases the lock
+        assert acquired.wait(30)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 16])

@@ -22,7 +22,8 @@ sources include ATen's tensor and the ops they call).
 `build_in_background` runs the build on a daemon thread, at the lowest priority, while PyTorch's
 kernels serve; a model loaded inside `deferred()` meanwhile takes the layouts of PyTorch's kernels
 rather than waiting for it. The library is cached under ~/.cache/tokenmill/kernels, keyed by its
-sources, the torch version and the CPU's features, so later starts load it without compiling.
+sources, the torch version and the CPU's features, so later starts load it without compiling; a
+build holds an OS lock on its directory (`build_lock`), so one killed midway stops no later one.
 Where it cannot be built (no compiler, an x86 CPU without AVX2 and FMA, another architecture),
 everything keeps using PyTorch's kernels. simd.h holds their vector operations for AVX-512 and for
 AVX2.
@@ -30,6 +31,7 @@ AVX2.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -232,15 +234,36 @@ def _compile(directory: Path) -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     directory.mkdir(parents=True, exist_ok=True)
     log.info("building the CPU kernels in %s (once per machine and version)", directory)
-    cpp_extension.load(
-        name="tokenmill_kernels",
-        sources=[str(unit) for unit in _translation_units(directory)],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
+    with build_lock(directory):
+        cpp_extension.load(
+            name="tokenmill_kernels",
+            sources=[str(unit) for unit in _translation_units(directory)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+# torch's lock file in a build directory (cpp_extension's FileBaton)
+TORCH_BUILD_LOCK = "lock"
+
+
+@contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold an OS lock on the build directory (`flock`) while building there. The OS releases it
+    when its process ends, however it ends, where torch's own lock file (`TORCH_BUILD_LOCK`) stays
+    behind a process killed mid-build (a server stopped during its first start) and makes every
+    later build wait for it forever. Under this lock no other process builds in the directory, so
+    such a file is a dead build's and goes."""
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / TORCH_BUILD_LOCK).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def source_compile_seconds() -> dict[str, float]:
