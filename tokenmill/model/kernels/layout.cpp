@@ -415,7 +415,7 @@ inline int q6_k_q(const uint8_t* b, int v) {
 }
 
 // Q6_K weights (each (rows_i, cols / 256 * 210) uint8, their rows stacked) in the 6-bit tile layout
-// (quant_linear.py's `Q6Tiles`): per tile of 16 rows and group of 32, 384 bytes: per quarter j,
+// (quant_linear.py's `q6_tiles`): per tile of 16 rows and group of 32, 384 bytes: per quarter j,
 // 64 bytes whose byte 4c + e holds row c's q at element 4j + e of the group in its low nibble
 // and at 16 + 4j + e in its high one (the 4-bit tiles' bytes), then per pair p of quarters 64
 // bytes whose byte 4c + e holds the top 2 bits of those q of quarter 2p (bits 0-1, 2-3) and
