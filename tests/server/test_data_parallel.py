@@ -310,7 +310,9 @@ def test_killed_replica_fails_its_requests_fast_and_comes_back(server, http, cli
     engine.router.policy = "round-robin"
     try:
         for _ in range(2):
-            resp = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3)
+            resp = client.completions.create(
+                model=MODEL_NAME, prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True}
+            )
             assert resp.choices[0].finish_reason == "length"
     finally:
         engine.router.policy = "prefix"
