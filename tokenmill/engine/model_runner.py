@@ -495,12 +495,16 @@ class ModelRunner:
         folder = paths[1].parent
         try:
             with _holding(_graph_build_lock):
-                graphs = self._load_graphs(paths)
-                if graphs is None:
-                    graphs = self._trace_graphs(start)
-                    for size, graph in graphs.items():
-                        _save_graph(graph, paths[size])
-                    prune_cache(folder, "*.bin", KEEP_GRAPHS)
+                try:
+                    graphs = self._load_graphs(paths)
+                    if graphs is None:
+                        graphs = self._trace_graphs(start)
+                        for size, graph in graphs.items():
+                            _save_graph(graph, paths[size])
+                        prune_cache(folder, "*.bin", KEEP_GRAPHS)
+                finally:
+                    if self._compile_thread is not None and self._compile_thread.stop_requested:
+                        _close_stopped_compilation()
         except Exception as exc:  # noqa: BLE001 - eager steps keep serving; say why once
             self._compiled_decode = None  # a graph built before the failure too
             if self._compile_thread is not None and self._compile_thread.stop_requested:
@@ -620,6 +624,20 @@ def _keep_module_calls_untraced() -> None:
     graph.output(graph.placeholder("x"))
     placeholder = torch.fx.GraphModule(torch.nn.Module(), graph)  # what tracing `identity` gives
     loop_body.InterpreterShim._dummy_gm = staticmethod(lambda: placeholder)
+
+
+def _close_stopped_compilation() -> None:
+    """Close what a compilation stopped midway may have left open for the whole process.
+
+    Inductor records the kernels of the graph it compiles in a class attribute, opened before a
+    `try` and closed in its `finally`: a stop landing between the two (or in the `finally`)
+    leaves it open, and the process's next compilation that misses inductor's cache fails an
+    assertion on entry."""
+    try:
+        from torch._inductor.triton_bundler import TritonBundler
+    except ImportError:  # a torch before the bundler keeps no such record
+        return
+    TritonBundler.end_compile()
 
 
 def _traced_sources() -> list[Path]:

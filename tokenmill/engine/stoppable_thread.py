@@ -17,6 +17,7 @@ import atexit
 import ctypes
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -26,6 +27,10 @@ log = logging.getLogger("tokenmill.engine")
 # exception lands at the thread's next bytecode; a thread inside one long C call (a compiler run
 # by a subprocess, one op) stops when that call returns.
 STOP_AT_EXIT_TIMEOUT_S = 60.0
+
+# How long `stop` waits for the thread to end before it raises the exception again. Unwinding
+# after the exception takes milliseconds; a raise sooner could cut short the cleanup it runs.
+RAISE_AGAIN_AFTER_S = 2.0
 
 _live: weakref.WeakSet[StoppableThread] = weakref.WeakSet()
 
@@ -67,16 +72,26 @@ class StoppableThread:
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop the thread at its next bytecode and wait up to timeout seconds for it to end;
-        True if it has ended (or never started)."""
+        True if it has ended (or never started). While it waits, it raises the exception again
+        every `RAISE_AGAIN_AFTER_S`: one that lands in a weakref callback or a `__del__` is
+        printed and dropped by CPython, and the thread runs on."""
         with self._lock:
-            if not self._stop_requested:
-                self._stop_requested = True
-                if self._running:
-                    _raise_in(self._thread, ThreadStopped)
+            self._stop_requested = True
         if self._thread.ident is None:
             return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._running:
+                    _raise_in(self._thread, ThreadStopped)
+            wait = RAISE_AGAIN_AFTER_S
+            if deadline is not None:
+                wait = min(wait, max(deadline - time.monotonic(), 0.0))
+            self._thread.join(wait)
+            if not self._thread.is_alive():
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def _run(self) -> None:
         try:
