@@ -453,24 +453,35 @@ def test_engine_told_to_compile_or_not_never_waits_for_a_job(tiny_loaded, monkey
     assert calls == [] and engine.runner.decode_mode == "eager"
 
 
-def test_a_build_stopped_while_it_traces_ends_and_leaves_eager_steps(
-    tiny_loaded, monkeypatch, tmp_path
-) -> None:
-    # An engine's shutdown stops its graphs' build wherever it is: dynamo and inductor have no
-    # way to cancel one, so the thread gets an exception raised inside it (again soon, if
-    # CPython drops it: see test_a_stop_dropped_on_the_way_is_raised_again)
-    monkeypatch.setattr(model_runner, "cache_root", lambda: tmp_path)  # no graphs cached
+def _building_runner(loaded, monkeypatch, tmp_path, trace) -> ModelRunner:
+    """A runner with no graphs cached whose build runs trace(runner, start) in place of
+    `_trace_graphs`, returned once trace has begun; a stop raises again within 0.2 s."""
+    monkeypatch.setattr(model_runner, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(stoppable_thread, "RAISE_AGAIN_AFTER_S", 0.2)
     tracing = threading.Event()
-    trace = ModelRunner._trace_graphs
 
     def traced(self, start: float) -> dict:
         tracing.set()
         return trace(self, start)
 
     monkeypatch.setattr(ModelRunner, "_trace_graphs", traced)
-    runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    runner = ModelRunner(loaded, num_blocks=8, block_size=16, compile=True)
     assert tracing.wait(120)
+    return runner
+
+
+def _trace_until_stopped(runner: ModelRunner, start: float) -> dict:
+    while True:
+        time.sleep(0.01)
+
+
+def test_a_build_stopped_while_it_traces_ends_and_leaves_eager_steps(
+    tiny_loaded, monkeypatch, tmp_path
+) -> None:
+    # An engine's shutdown stops its graphs' build wherever it is: dynamo and inductor have no
+    # way to cancel one, so the thread gets an exception raised inside it (again soon, if
+    # CPython drops it: see test_a_stop_dropped_on_the_way_is_raised_again)
+    runner = _building_runner(tiny_loaded, monkeypatch, tmp_path, ModelRunner._trace_graphs)
     time.sleep(1.0)  # well inside the first graph's trace, which takes seconds
     assert runner.decode_mode == "compiling" and runner._compiled_decode is None
     assert runner.stop_compile(timeout=60)
@@ -488,20 +499,13 @@ def test_a_stop_the_compilers_turn_into_an_error_is_no_failure(
 ) -> None:
     # dynamo sometimes meets the raised stop in its own cleanup and raises an AssertionError
     # instead: the build still counts as stopped, and nothing warns of a failed compilation
-    monkeypatch.setattr(model_runner, "cache_root", lambda: tmp_path)  # no graphs cached
-    tracing = threading.Event()
-
-    def traced(self, start: float) -> dict:
-        tracing.set()
+    def trace(runner: ModelRunner, start: float) -> dict:
         try:
-            while True:
-                time.sleep(0.01)
+            return _trace_until_stopped(runner, start)
         except ThreadStopped:
             raise AssertionError() from None
 
-    monkeypatch.setattr(ModelRunner, "_trace_graphs", traced)
-    runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
-    assert tracing.wait(120)
+    runner = _building_runner(tiny_loaded, monkeypatch, tmp_path, trace)
     with caplog.at_level(logging.INFO, logger="tokenmill.engine"):
         assert runner.stop_compile(timeout=60)
     assert runner.decode_mode == "eager" and runner.compile_error is None
@@ -512,24 +516,16 @@ def test_a_stop_the_compilers_turn_into_an_error_is_no_failure(
 def test_a_stop_dropped_on_the_way_is_raised_again(tiny_loaded, monkeypatch, tmp_path) -> None:
     # CPython prints and drops an exception that lands in a weakref callback or a __del__, and
     # the build runs on: the stop raises it again until the thread ends
-    monkeypatch.setattr(model_runner, "cache_root", lambda: tmp_path)  # no graphs cached
-    monkeypatch.setattr(stoppable_thread, "RAISE_AGAIN_AFTER_S", 0.2)
-    tracing = threading.Event()
     dropped = threading.Event()
 
-    def traced(self, start: float) -> dict:
-        tracing.set()
+    def trace(runner: ModelRunner, start: float) -> dict:
         try:
-            while True:
-                time.sleep(0.01)
+            _trace_until_stopped(runner, start)
         except ThreadStopped:
             dropped.set()
-        while True:
-            time.sleep(0.01)
+        return _trace_until_stopped(runner, start)
 
-    monkeypatch.setattr(ModelRunner, "_trace_graphs", traced)
-    runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
-    assert tracing.wait(120)
+    runner = _building_runner(tiny_loaded, monkeypatch, tmp_path, trace)
     assert runner.stop_compile(timeout=30)
     assert dropped.is_set() and runner.decode_mode == "eager" and runner.compile_error is None
 
@@ -539,19 +535,13 @@ def test_a_build_stopped_inside_inductor_leaves_later_compilations_working(
 ) -> None:
     # a stop landing between inductor's opening of its record of kernels and the `try` that
     # closes it would leave it open, and the next compilation that misses the cache would fail
-    monkeypatch.setattr(model_runner, "cache_root", lambda: tmp_path)  # no graphs cached
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing cached
-    tracing = threading.Event()
 
-    def traced(self, start: float) -> dict:
+    def trace(runner: ModelRunner, start: float) -> dict:
         TritonBundler.begin_compile()  # where a stop can land before the `try`
-        tracing.set()
-        while True:
-            time.sleep(0.01)
+        return _trace_until_stopped(runner, start)
 
-    monkeypatch.setattr(ModelRunner, "_trace_graphs", traced)
-    runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
-    assert tracing.wait(120)
+    runner = _building_runner(tiny_loaded, monkeypatch, tmp_path, trace)
     assert runner.stop_compile(timeout=60)
     compiled = torch.compile(lambda x: torch.sin(x) * 3 + 1, fullgraph=True)
     x = torch.randn(37)

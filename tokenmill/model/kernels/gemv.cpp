@@ -1062,12 +1062,26 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
 constexpr int64_t kTilesPerTask = 2;
 constexpr int64_t kTilesPerChunk = 4;
 
+// A tile kernel's (M, N) output in x's dtype T, which it writes as float or as bf16 values
+template <typename T>
+struct TileOutput {
+  at::Tensor y;
+  float* f32;          // y's values where T is float, else null
+  at::BFloat16* bf16;  // y's values where T is bf16, else null
+  TileOutput(const at::Tensor& x, int64_t N)
+      : y(at::empty({x.size(0), N}, x.options())),
+        f32(std::is_same_v<T, float> ? y.data_ptr<float>() : nullptr),
+        bf16(std::is_same_v<T, float> ? nullptr : y.data_ptr<at::BFloat16>()) {}
+  float* f32_at(int64_t offset) const { return f32 ? f32 + offset : nullptr; }
+  at::BFloat16* bf16_at(int64_t offset) const { return bf16 ? bf16 + offset : nullptr; }
+};
+
 template <int Bits, bool Fifth, bool Fine, typename T, typename S>
 at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint8_t* fifth,
                           const at::Tensor& tile_scales) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
+  const TileOutput<T> out(x, N);
+  if (M == 0) return out.y;
   const QuantizedRows xq = quantize_rows<T>(x, true, Layout::kRowBlocks, !Fine);
   std::vector<float> totals;  // per activation row, for weights with one scale per row (quant_tiles)
   if (!std::is_same_v<S, uint8_t> && tile_scales.size(1) == 1) {
@@ -1077,18 +1091,16 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
   }
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const S* ts = tile_scales.data_ptr<S>();
-  float* out = std::is_same_v<T, float> ? y.data_ptr<float>() : nullptr;
-  at::BFloat16* out_bf16 = std::is_same_v<T, float> ? nullptr : y.data_ptr<at::BFloat16>();
   over_row_blocks(
       M, N / 16,
       [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
         quant_tiles<decltype(rows)::value, Bits, Fifth, Fine, S>(
             xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4, xq.sums.get() + m0 * groups,
-            totals.empty() ? nullptr : totals.data() + m0, K, q, fifth, ts, out ? out + m0 * N : nullptr,
-            out_bf16 ? out_bf16 + m0 * N : nullptr, N, t0, t1, m0 == 0);
+            totals.empty() ? nullptr : totals.data() + m0, K, q, fifth, ts, out.f32_at(m0 * N),
+            out.bf16_at(m0 * N), N, t0, t1, m0 == 0);
       },
       kTilesPerTask, kTilesPerChunk);
-  return y;
+  return out.y;
 }
 
 // 6-bit tiles (GGUF's Q6_K, exact): w = d x step x (q - 32), q in 0..63, an int8 step per 16
@@ -1192,13 +1204,11 @@ void q6_tiles(const int8_t* xq, const float* scales, const float* half_sums, int
 template <bool Fine, typename T>
 at::Tensor q6_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
+  const TileOutput<T> out(x, N);
+  if (M == 0) return out.y;
   const QuantizedRows xq = quantize_rows<T>(x, true, Layout::kRowBlocks, !Fine, true, Fine);
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const uint8_t* ts = tile_scales.data_ptr<uint8_t>();
-  float* out = std::is_same_v<T, float> ? y.data_ptr<float>() : nullptr;
-  at::BFloat16* out_bf16 = std::is_same_v<T, float> ? nullptr : y.data_ptr<at::BFloat16>();
   over_row_blocks(
       M, N / 16,
       [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
@@ -1207,8 +1217,8 @@ at::Tensor q6_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const at::T
           const int64_t row = m0 + first;
           q6_tiles<decltype(count)::value, Fine>(
               xq.q.get() + m0 * K + first * 32, xq.scales.get() + m0 * groups * 4 + first * 4,
-              xq.sums.get() + m0 * groups * 2 + first * 2, kRows, K, q, ts, out ? out + row * N : nullptr,
-              out_bf16 ? out_bf16 + row * N : nullptr, N, t0, t1, row == 0);
+              xq.sums.get() + m0 * groups * 2 + first * 2, kRows, K, q, ts, out.f32_at(row * N),
+              out.bf16_at(row * N), N, t0, t1, row == 0);
         };
         if constexpr (Fine && kRows > kQ6Rows) {
           part(std::integral_constant<int, kQ6Rows>{}, 0);
@@ -1218,7 +1228,7 @@ at::Tensor q6_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const at::T
         }
       },
       kTilesPerTask, kTilesPerChunk);
-  return y;
+  return out.y;
 }
 
 // AMX: with many activation rows the tile kernel's integer products give way to the CPU's matrix
