@@ -232,19 +232,19 @@ def start_and_probe(
                     before.append(complete(http, url, args.max_tokens, args.timeout))
                     state = health(http, url) or state  # unanswered: ask after the next answer
                 result["decode"] = (state or {}).get("decode")
-                if result["decode"] == "compiling":
-                    log(f"{name}: graphs still building after {args.timeout:g} s")
+                if "decode" in (state or {}):  # tokenmill: its answers while the graphs built
                     result["answers_while_building"] = latencies(before)
-                elif "decode" in (state or {}):  # tokenmill: its fast path's start, its answers
-                    result["fast_path_s"] = result["first_answer_s"] if not before else since()
-                    after = [
-                        complete(http, url, args.max_tokens, args.timeout)
-                        for _ in range(ANSWERS_AFTER_FAST_PATH)
-                    ]
-                    result["answers_while_building"] = latencies(before)
-                    result["answers_after"] = latencies(after)
+                    if result["decode"] == "compiling":
+                        log(f"{name}: graphs still building after {args.timeout:g} s")
+                    else:  # its fast path's start, and answers on it
+                        result["fast_path_s"] = result["first_answer_s"] if not before else since()
+                        after = [
+                            complete(http, url, args.max_tokens, args.timeout)
+                            for _ in range(ANSWERS_AFTER_FAST_PATH)
+                        ]
+                        result["answers_after"] = latencies(after)
             probed.set()
-            if watcher.is_alive():
+            if cache is not None:
                 watcher.join()
             result["kernels_s"] = kernels_s
         finally:
