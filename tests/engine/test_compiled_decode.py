@@ -65,6 +65,13 @@ def runner(tiny_model_dir, tmp_path_factory):
     patch.undo()
 
 
+@pytest.fixture(autouse=True)
+def graphs_serve_without_trial(monkeypatch) -> None:
+    """The tests here check what a graph computes: their steps go to the graphs (the trial's
+    own tests set a trial up)."""
+    monkeypatch.setattr(model_runner, "GRAPH_TRIAL_STEPS", 0)
+
+
 def _serve_while_graphs_build(runner: ModelRunner) -> tuple[list[str], dict[int, tuple] | None]:
     """While runner's graphs build, call a module on this thread as an eager step would; the
     first time the batch-1 graph is ready alone, also run a decode step of 1 and of 3 sequences.
@@ -159,6 +166,69 @@ def test_argmax_only_steps_get_the_heads_products_as_they_are(runner) -> None:
     assert raw.data_ptr() != runner._logits.data_ptr()  # not copied into the float32 buffer
     assert raw.dtype == runner.loaded.dtype
     torch.testing.assert_close(raw.float(), logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("slower", ["graph", "eager"])
+def test_each_batch_size_class_keeps_the_faster_of_its_graph_and_eager_steps(
+    runner, monkeypatch, caplog, slower: str
+) -> None:
+    """The graph and the eager path take turns until each has GRAPH_TRIAL_STEPS timed steps of a
+    class; the faster then serves the class alone. One path is slowed by 20 ms a step here."""
+    trial_steps = 4
+    monkeypatch.setattr(model_runner, "GRAPH_TRIAL_STEPS", trial_steps)
+    paths: list[str] = []
+    run_compiled, forward = runner._run_compiled, runner._forward
+
+    def through_graph(*args):
+        paths.append("graph")
+        if slower == "graph":
+            time.sleep(0.02)
+        return run_compiled(*args)
+
+    def eagerly(*args):
+        paths.append("eager")
+        if slower == "eager":
+            time.sleep(0.02)
+        return forward(*args)
+
+    def eager_logits(token_ids, context_lens, tables) -> torch.Tensor:
+        inputs = runner._inputs(token_ids, [1] * len(token_ids), context_lens, tables)
+        return runner.model.logits(forward(*inputs))
+
+    caplog.set_level(logging.INFO, logger="tokenmill.engine")
+    for size in (1, 3):
+        prompts, tables = PROMPTS[:size], TABLES[:size]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(runner, "_trials", {})
+            runner.last_token_logits(prompts, [len(p) for p in prompts], tables)  # prefill: eager
+            # a first step through the graph checks its guards (a longer step, not timed)
+            runner.last_token_logits([[7]] * size, [len(p) + 1 for p in prompts], tables)
+            patch.setattr(runner, "_trials", {})
+            patch.setattr(runner, "_run_compiled", through_graph)
+            patch.setattr(runner, "_forward", eagerly)
+            paths.clear()
+            for i in range(2 * trial_steps + 3):
+                step = ([[7 + i]] * size, [len(p) + 1 + i for p in prompts], tables)
+                logits = runner.last_token_logits(*step).clone()
+                torch.testing.assert_close(logits, eager_logits(*step), rtol=1e-4, atol=1e-4)
+        faster = "eager" if slower == "graph" else "graph"
+        assert paths == ["graph", "eager"] * trial_steps + [faster] * 3, (size, paths)
+        serves = "through the compiled graph" if faster == "graph" else "eagerly"
+        label = "1 sequence" if size == 1 else "2-3 sequences"
+        assert f"decode steps of {label} run {serves}" in caplog.text
+
+
+def test_a_class_trial_counts_no_step_its_graph_did_not_serve(runner, monkeypatch) -> None:
+    # no graph for batches of 2+ yet: their steps run eagerly and leave the trial to the graph
+    monkeypatch.setattr(model_runner, "GRAPH_TRIAL_STEPS", 2)
+    monkeypatch.setattr(runner, "_trials", {})
+    monkeypatch.setattr(runner, "_compiled_decode", {1: runner._compiled_decode[1]})
+    prompts, tables = PROMPTS, TABLES
+    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
+    for i in range(5):
+        runner.last_token_logits([[7 + i]] * 3, [len(p) + 1 + i for p in prompts], tables)
+    trial = runner._trials[2]
+    assert trial.graph == trial.eager == [] and trial.graph_serves is None
 
 
 def test_pad_slot_is_clean_after_warmup(runner) -> None:

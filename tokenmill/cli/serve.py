@@ -240,9 +240,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         default=True,
         help="decode through compiled graphs, built on a background thread once the server "
         "listens while eager steps serve (minutes of every core the first time, seconds once "
-        "cached; outputs are the same either way; /health tells which runs). Default: on; "
-        "--no-compile stays eager. Off with --tensor-parallel-size above 1, whose steps run "
-        "eagerly",
+        "cached; outputs are the same either way; /health tells which runs), at each batch size "
+        "where they time faster than eager steps. Default: on; --no-compile stays eager. Off "
+        "with --tensor-parallel-size above 1, whose steps run eagerly",
     )
     p.add_argument(
         "--wait-for-kernels",

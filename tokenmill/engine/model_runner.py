@@ -1,12 +1,14 @@
 """Runs the model over one step's batch: index tensors, forward pass, and the hidden states or
 logits the caller asks for (`hidden_states`, `last_token_logits`, `all_logits`).
 
-Decode steps (one new token per sequence) can run a `torch.compile`d graph of the whole model:
-eager PyTorch spends more time dispatching a small model's hundreds of ops per step than
-computing them, while the compiled graph fuses the norms, rotary, attention and activations into
-a few C++ kernels and calls the quantized matmuls directly. Compilation takes minutes the first time
-(seconds once inductor's on-disk cache has the graphs), so it runs on a background thread while
-eager steps serve; the compiled graph takes over when it is ready.
+Decode steps (one new token per sequence) can run a `torch.compile`d graph of the whole model
+instead of the eager forward pass, which calls each layer as one C++ call where the kernels serve.
+Both call the same kernels and give the same bits; the graph spares the eager step's Python and
+dispatch, and costs a few C++ ops of its own between the kernels. Which of the two is faster
+depends on the CPU, the model and the batch size, so each batch-size class measures both on its
+first decode steps and keeps the faster (`GRAPH_TRIAL_STEPS`). Compilation takes minutes the
+first time (seconds once the graphs are saved), so it runs on a background thread while eager
+steps serve.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +58,41 @@ KEEP_GRAPHS = 16
 # The decode graphs by the batch sizes they serve: 1 (its size-1 dims specialized) and 2 for every
 # larger batch (see `QuantLinear._kernel`), built in this order.
 GRAPH_SIZES = (1, 2)
+# Decode steps of each batch-size class (1, 2-3, 4-7, 8-15, ... sequences) that its graph, once
+# ready, and the eager path take turns at before the faster of the two serves the class on: each
+# path's median seconds per sequence over this many steps decide. Taking turns step by step sets
+# both against the same load and the same drift of the machine's speed. On some CPUs the graphs
+# are the faster path at every batch size, on others the eager one is (tuning log). 0: no trial,
+# the graphs serve every batch they fit.
+GRAPH_TRIAL_STEPS = 16
+
+
+@dataclass
+class _PathTrial:
+    """One batch-size class's decode steps timed through its graph and eagerly (seconds per
+    sequence), until GRAPH_TRIAL_STEPS of each decide which path serves it (`graph_serves`)."""
+
+    graph: list[float] = field(default_factory=list)
+    eager: list[float] = field(default_factory=list)
+    graph_serves: bool | None = None
+
+    def graph_turn(self) -> bool:
+        """Whether the class's next decode step goes to its graph."""
+        if self.graph_serves is not None:
+            return self.graph_serves
+        return GRAPH_TRIAL_STEPS == 0 or len(self.graph) <= len(self.eager)
+
+    def record(self, graph: bool, seconds_per_sequence: float) -> bool:
+        """Add a step's time; True when this step's time decided the trial."""
+        if self.graph_serves is not None or GRAPH_TRIAL_STEPS == 0:
+            return False
+        (self.graph if graph else self.eager).append(seconds_per_sequence)
+        if min(len(self.graph), len(self.eager)) < GRAPH_TRIAL_STEPS:
+            return False
+        self.graph_serves = statistics.median(self.graph) < statistics.median(self.eager)
+        return True
+
+
 # Inductor's C++ wrapper checks every input's and op output's sizes, strides and alignment on each
 # call (hundreds of checks a step): the graphs' inputs are the model's own fixed tensors and the
 # batch tensors built for them, so the checks are left out, which cuts the graph's own time
@@ -178,6 +217,10 @@ class ModelRunner:
         self._compiled_decode: dict[int, AOTCompiledFunction] | None = None
         # keys of the graphs whose guards held on a real step
         self._checked_graphs: set[int] = set()
+        # by batch-size class (`num_seqs.bit_length()`): its graph against its eager steps; on a
+        # GPU, whose steps the host's clock does not time, the graphs serve without a trial
+        self._trials: dict[int, _PathTrial] = {}
+        self._trial_graphs = device.type == "cpu"
         self.compile_error: BaseException | None = None
         self.compile_seconds: float | None = None
         # a mixture of experts picks its experts' kernels by the step's routing, which one traced
@@ -309,13 +352,7 @@ class ModelRunner:
             return logits[torch.tensor(query_lens).cumsum(0) - 1]
         flat, batch = self._inputs(token_ids, query_lens, context_lens, block_tables)
         if self._compiled_decode is not None and self._is_decode(query_lens, context_lens):
-            products = self._run_compiled(flat, batch)
-            if products is not None:
-                return self.model.logits(
-                    products=products,
-                    out=self._logits_buffer(products.shape),
-                    argmax_only=argmax_only,
-                )
+            return self._decode_logits(flat, batch, argmax_only)
         hidden = self._forward(flat, batch)
         last = torch.tensor(query_lens).cumsum(0) - 1
         return self.model.logits(hidden[last])
@@ -390,6 +427,46 @@ class ModelRunner:
             max(1, self.max_threads // 2) if self.reload_pending else self.max_threads
         )
         return flat, batch
+
+    def _decode_logits(
+        self, flat: torch.Tensor, batch: AttentionBatch, argmax_only: bool
+    ) -> torch.Tensor:
+        """A decode step's logits (`last_token_logits`) through its batch's graph or eagerly, as
+        its batch-size class's trial has it (`GRAPH_TRIAL_STEPS`), timing the step for the trial
+        while it runs. A step whose graph is not ready, or checks its guards first, is not timed."""
+        num_seqs = batch.num_seqs
+        trial = self._trials.setdefault(
+            num_seqs.bit_length(), _PathTrial(graph_serves=None if self._trial_graphs else True)
+        )
+        start = time.perf_counter()
+        if trial.graph_turn():
+            checked = min(num_seqs, GRAPH_SIZES[-1]) in self._checked_graphs
+            products = self._run_compiled(flat, batch)
+            if products is None:  # no graph for this batch yet
+                return self.model.logits(self._forward(flat, batch))
+            logits = self.model.logits(
+                products=products, out=self._logits_buffer(products.shape), argmax_only=argmax_only
+            )
+            if checked:
+                self._record_trial(trial, True, (time.perf_counter() - start) / num_seqs, num_seqs)
+            return logits
+        logits = self.model.logits(self._forward(flat, batch))
+        self._record_trial(trial, False, (time.perf_counter() - start) / num_seqs, num_seqs)
+        return logits
+
+    @staticmethod
+    def _record_trial(trial: _PathTrial, graph: bool, seconds: float, num_seqs: int) -> None:
+        if trial.record(graph, seconds):
+            low = 1 << (num_seqs.bit_length() - 1)
+            log.info(
+                "decode steps of %s run %s: %.3f ms a sequence through the compiled graph, "
+                "%.3f ms eagerly (medians of %d steps each)",
+                "1 sequence" if low == 1 else f"{low}-{2 * low - 1} sequences",
+                "through the compiled graph" if trial.graph_serves else "eagerly",
+                statistics.median(trial.graph) * 1e3,
+                statistics.median(trial.eager) * 1e3,
+                GRAPH_TRIAL_STEPS,
+            )
 
     def _forward(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """The eager forward pass: final hidden states."""
