@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tokenmill.cli.main import main
@@ -32,9 +34,12 @@ PROMPTS = [t.format(s) for t in TEMPLATES for s in SUBJECTS]  # 64 prompts of di
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
-def real_llm(request, smollm2_gguf, gemma3_gguf) -> LLM:
-    # Default settings: batch invariance makes a greedy result independent of the batch
-    return LLM(str(smollm2_gguf if request.param == "smollm2" else gemma3_gguf))
+def real_llm(request, smollm2_gguf, gemma3_gguf) -> Iterator[LLM]:
+    # Default settings: batch invariance makes a greedy result independent of the batch. Shut
+    # down after the module: it may be loading (or building) its decode graphs on a background
+    # thread, which must not outlive the module
+    with LLM(str(smollm2_gguf if request.param == "smollm2" else gemma3_gguf)) as llm:
+        yield llm
 
 
 def test_generate_with_no_model_uses_smollm2_and_says_paris(smollm2_gguf, capsys) -> None:
