@@ -456,6 +456,7 @@ class ModelRunner:
 
     @staticmethod
     def _record_trial(trial: _PathTrial, graph: bool, seconds: float, num_seqs: int) -> None:
+        """Add a timed step of num_seqs sequences to its class's trial; log the decision."""
         if trial.record(graph, seconds):
             low = 1 << (num_seqs.bit_length() - 1)
             log.info(
