@@ -31,6 +31,7 @@ from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     MAX_STEP,
     Int4Rows,
+    Int4Tiles,
     Int6Rows,
     QuantLinear,
     QuantTiles,
@@ -1315,7 +1316,46 @@ def test_q4_k_weights_stack_into_the_row_layout_in_one_pass() -> None:
     assert torch.equal(laid_out(x), grouped(x))
     with pytest.raises(ValueError, match="row layout"):
         QuantLinear(80, 512, torch.float32, int4=rows, tiles=False, int4_rows=False)
-    # a layer in tiles, or with a weight of another type, takes the groups' path
-    assert gguf_packed(weights, tiles=True)[1][0].shape == (80, 512)
+    # a layer with a weight of another type takes the groups' path
     q6_k = GGMLWeight(torch.from_numpy(random_blocks(Q.Q6_K, (16, 512), rng)), Q.Q6_K, (16, 512))
     assert gguf_packed([weights[0], q6_k], tiles=False)[0] == "int8"
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_q4_k_weights_stack_into_tiles_in_one_pass(compact: bool, monkeypatch) -> None:
+    # a q/k/v or gate/up projection of Q4_K weights in tiles goes from the file's blocks to the
+    # tile bytes in one pass (`gguf_packed`: `q4_k_tiles`), to the bits of the groups' path (exact
+    # groups, merged, then `pack_tiles`), with the scales in the form the layer reads
+    assert kernels.load()
+    rng = np.random.default_rng(5)
+    weights = [
+        GGMLWeight(torch.from_numpy(random_blocks(Q.Q4_K, (rows, 768), rng)), Q.Q4_K, (rows, 768))
+        for rows in (48, 16, 32)
+    ]
+    if compact:  # as llama.cpp writes Q4_K: a block's largest 6-bit scale and min are 63, d and
+        for w in weights:  # dmin powers of two, so that the scales take the compact form
+            blocks = w.data.view(-1, 144)
+            blocks[:, 4] |= 63
+            blocks[:, 8] |= 63
+            powers = torch.from_numpy(2.0 ** -rng.integers(4, 12, (blocks.shape[0], 2)))
+            blocks[:, :4] = powers.half().view(torch.uint8).view(-1, 4)
+    kind, tiled = gguf_packed(weights, tiles=True)
+    assert kind == "int4" and isinstance(tiled, Int4Tiles)
+    groups = merge_packed([packed_form(w) for w in weights])[1]
+    assert torch.equal(tiled.scale, groups[1]) and torch.equal(tiled.low, groups[2])
+    assert torch.equal(tiled.tiles, pack_tiles(*groups, 4).tiles)
+    one_pass = QuantLinear(96, 768, torch.float32, int4=tiled)
+    grouped = QuantLinear(96, 768, torch.float32, int4=groups, tiles=True)
+    buffers = {name: b for name, b in grouped.named_buffers() if b is not None}
+    assert buffers.keys() == {name for name, b in one_pass.named_buffers() if b is not None}
+    for name, buffer in one_pass.named_buffers():
+        if buffer is not None:
+            assert buffer.dtype == buffers[name].dtype and torch.equal(buffer, buffers[name])
+    assert (one_pass.tile_scales.dtype == torch.uint8) == compact
+    x = torch.randn(5, 768)
+    assert torch.equal(one_pass(x), grouped(x))
+    with pytest.raises(ValueError, match="need tiles=True"):
+        QuantLinear(96, 768, torch.float32, int4=tiled, tiles=False)
+    # without the kernels (while they build) the groups' path serves
+    monkeypatch.setattr(kernels, "loaded", lambda: False)
+    assert not isinstance(gguf_packed(weights, tiles=True)[1], Int4Tiles)

@@ -11,14 +11,14 @@ batch (dense.cpp). `gated_activation` is the MLP's act(gate) * up in one pass, f
 `decode_attention` attends one query token per sequence over the paged KV cache (attention.cpp);
 `greedy_ids` is a vectorized argmax of each row of logits and `sample_ids` a draw from each row's
 softmax (sample.cpp); `decoder_layer` computes an eager step's pre-norm layer in one call of those
-ops (layer.cpp, bound for Python only); `q4_k_groups`, `q4_k_int4_rows`, `q4_int4_rows`,
-`q6_k_int6_rows`, `q6_k_tiles`, `q6_k_int8_rows`, `q8_0_int8_rows` and `tile_bytes` lay GGUF weights
-out for the others while a model loads (layout.cpp, bound for Python only). Python's eager code
-calls them through their pybind11 bindings (`ops`, bindings.cpp), compiled graphs through the
-dispatcher. They build (g++ through `torch.utils.cpp_extension`) as one translation unit per core,
-each including several sources (balanced by `SOURCE_COMPILE_SECONDS`): torch's headers are parsed
-once per unit, and only bindings.cpp's unit parses pybind11's and the dispatcher's (the kernel
-sources include ATen's tensor and the ops they call).
+ops (layer.cpp, bound for Python only); `q4_k_groups`, `q4_k_int4_rows`, `q4_k_tiles`,
+`q4_int4_rows`, `q6_k_int6_rows`, `q6_k_tiles`, `q6_k_int8_rows`, `q8_0_int8_rows` and `tile_bytes`
+lay GGUF weights out for the others while a model loads (layout.cpp, bound for Python only).
+Python's eager code calls them through their pybind11 bindings (`ops`, bindings.cpp), compiled
+graphs through the dispatcher. They build (g++ through `torch.utils.cpp_extension`) as one
+translation unit per core, each including several sources (balanced by `SOURCE_COMPILE_SECONDS`):
+torch's headers are parsed once per unit, and only bindings.cpp's unit parses pybind11's and the
+dispatcher's (the kernel sources include ATen's tensor and the ops they call).
 `build_in_background` runs the build on a daemon thread, at the lowest priority, while PyTorch's
 kernels serve; a model loaded inside `deferred()` meanwhile takes the layouts of PyTorch's kernels
 rather than waiting for it. The library is cached under ~/.cache/tokenmill/kernels, keyed by its

@@ -88,6 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ban_disallowed_", &tokenmill::ban_disallowed_, unlocked);
   m.def("q4_k_groups", &tokenmill::q4_k_groups, unlocked);
   m.def("q4_k_int4_rows", &tokenmill::q4_k_int4_rows, unlocked);
+  m.def("q4_k_tiles", &tokenmill::q4_k_tiles, unlocked);
   m.def("q4_int4_rows", &tokenmill::q4_int4_rows, unlocked);
   m.def("q6_k_int6_rows", &tokenmill::q6_k_int6_rows, unlocked);
   m.def("q6_k_tiles", &tokenmill::q6_k_tiles, unlocked);

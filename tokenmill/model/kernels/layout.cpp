@@ -239,6 +239,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<
   return out.tensors();
 }
 
+// Q4_K weights (each (rows_i, cols / 256 * 144) uint8) stacked by rows -> `tile_bytes` (4 bits) of
+// their `q4_k_groups`' q, and those groups' scale and low (rows, cols / 32) float32, in one pass over
+// the blocks: no q of a byte per weight in between, nor a copy of it per stacked weight.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_tiles(const std::vector<at::Tensor>& weights, int64_t cols) {
+  const std::vector<const uint8_t*> row_blocks =
+      stacked_rows(weights, cols, kSuperBlock, kQ4KBytes, "q4_k_tiles", "Q4_K");
+  const int64_t rows = static_cast<int64_t>(row_blocks.size());
+  TORCH_CHECK(rows % kWeightTileRows == 0, "q4_k_tiles: rows must be a multiple of 16");
+  const int64_t groups = cols / kGroup, tiles = rows / kWeightTileRows, blocks = cols / kSuperBlock;
+  const at::TensorOptions bytes = weights[0].options();
+  at::Tensor q_out = at::empty({tiles * groups * 4 * kWeightTileRows * 4}, bytes);  // [tile, group, j, c, e]
+  at::Tensor scale = at::empty({rows, groups}, bytes.dtype(at::kFloat));
+  at::Tensor low = at::empty_like(scale);
+  float *scale_out = scale.data_ptr<float>(), *low_out = low.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t end) {
+    for (int64_t t = first; t < end; ++t)
+      for (int64_t c = 0; c < kWeightTileRows; ++c) {
+        const int64_t row = t * kWeightTileRows + c;
+        for (int64_t n = 0; n < blocks; ++n) {
+          const uint8_t* b = row_blocks[row] + n * kQ4KBytes;
+          for (int jj = 0; jj < 8; ++jj) {  // the block's sub-blocks: groups 8n + jj of the row
+            const int64_t g = n * 8 + jj;
+            q4_k_scale_low(b, jj, scale_out[row * groups + g], low_out[row * groups + g]);
+            // sub-blocks 2i and 2i + 1: the low and high nibbles of bytes 32i..32i+31; four of a
+            // group's elements at once, one per byte of a 32-bit word
+            const uint8_t* qs = b + 16 + (jj / 2) * 32;
+            uint8_t* out = q_out.data_ptr<uint8_t>() + (t * groups + g) * 4 * kWeightTileRows * 4 + 4 * c;
+            for (int j = 0; j < 4; ++j) {
+              uint32_t first_half, second_half;  // the bytes of elements 4j.. and 16 + 4j..
+              std::memcpy(&first_half, qs + 4 * j, 4);
+              std::memcpy(&second_half, qs + 16 + 4 * j, 4);
+              const uint32_t v = jj % 2 ? ((first_half >> 4) & 0x0F0F0F0Fu) | (second_half & 0xF0F0F0F0u)
+                                        : (first_half & 0x0F0F0F0Fu) | ((second_half & 0x0F0F0F0Fu) << 4);
+              std::memcpy(out + j * kWeightTileRows * 4, &v, 4);
+            }
+          }
+        }
+      }
+  });
+  return {q_out, scale, low};
+}
+
 // Q4_0 weights (blocks of 32 values in 18 bytes: d, then 16 bytes whose byte j holds element j in
 // its low nibble and 16 + j in its high one; w = d q - 8 d) or Q4_1 ones (20 bytes: d, m, the same
 // 16; w = d q + m), each (rows_i, cols / 32 * block bytes) uint8, stacked by rows -> `pack_int4_rows`
@@ -406,12 +448,23 @@ at::Tensor tile_bytes(const at::Tensor& q, int64_t bits) {
   return out;
 }
 
-// Q6_K's q (0..63) of value v (0..255) of the block at b: its low 4 bits from ql, its high 2 from qh
-// (the layout `q6_k_quarter` reads)
-inline int q6_k_q(const uint8_t* b, int v) {
-  const int half = v / 128, k = v % 128 / 32, l = v % 32;
-  const int low = (b[64 * half + l + 32 * (k & 1)] >> (4 * (k >> 1))) & 0x0F;
-  return low | (((b[128 + 32 * half + l] >> (2 * k)) & 3) << 4);
+// Q6_K's q (0..63) of the 256 values of the block at b, into q: value 32k + l of half h takes its
+// low 4 bits from byte l (k even) or l + 32 (k odd) of the half's 64 (the low nibble for k < 2, the
+// high one after) and its high 2 from bits 2k, 2k + 1 of byte l of the half's 32 (the layout
+// `q6_k_quarter` reads). Written as four stores per byte pair so that the loop vectorizes.
+inline void q6_k_qs(const uint8_t* __restrict b, uint8_t* __restrict q) {
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    uint8_t* out = q + 128 * h;
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t even = ql[l], odd = ql[l + 32], top = qh[l];
+      out[l] = static_cast<uint8_t>((even & 0x0F) | ((top & 3) << 4));
+      out[32 + l] = static_cast<uint8_t>((odd & 0x0F) | (((top >> 2) & 3) << 4));
+      out[64 + l] = static_cast<uint8_t>((even >> 4) | (((top >> 4) & 3) << 4));
+      out[96 + l] = static_cast<uint8_t>((odd >> 4) | (((top >> 6) & 3) << 4));
+    }
+  }
 }
 
 // Q6_K weights (each (rows_i, cols / 256 * 210) uint8, their rows stacked) in the 6-bit tile layout
@@ -438,23 +491,28 @@ std::tuple<at::Tensor, at::Tensor> q6_k_tiles(const std::vector<at::Tensor>& wei
         uint8_t* scales = scales_out.data_ptr<uint8_t>() + (t * blocks + n) * kBlockScaleBytes;
         for (int64_t c = 0; c < kWeightTileRows; ++c) {
           const uint8_t* b = row_blocks[t * kWeightTileRows + c] + n * kQ6KBytes;
-          for (int v = 0; v < kSuperBlock; ++v) q[c][v] = static_cast<uint8_t>(q6_k_q(b, v));
+          q6_k_qs(b, q[c]);
           for (int s = 0; s < 16; ++s) scales[s * kWeightTileRows + c] = b[192 + s];  // s = 2 group + half
           const float d = half_at(b + 208);
           std::memcpy(scales + 256 + 4 * c, &d, 4);
         }
+        // four values of a row at once, one per byte of a 32-bit word (q < 64: no bit crosses a byte)
         for (int64_t gb = 0; gb < kBlockGroups; ++gb) {
           uint8_t* out = q_out.data_ptr<uint8_t>() + (t * groups + n * kBlockGroups + gb) * kGroupBytes;
           for (int64_t c = 0; c < kWeightTileRows; ++c) {
             const uint8_t* v = q[c] + gb * kGroup;
-            for (int j = 0; j < 4; ++j)
-              for (int e = 0; e < 4; ++e) {
-                const uint8_t a = v[4 * j + e], s = v[16 + 4 * j + e];
-                out[j * 64 + 4 * c + e] = (a & 0x0F) | ((s & 0x0F) << 4);
-                uint8_t& top = out[256 + (j / 2) * 64 + 4 * c + e];
-                const uint8_t bits = (a >> 4) | ((s >> 4) << 2);
-                top = j % 2 == 0 ? bits : static_cast<uint8_t>(top | (bits << 4));
-              }
+            uint32_t tops[2] = {0, 0};
+            for (int j = 0; j < 4; ++j) {
+              uint32_t first, second;  // elements 4j.. and 16 + 4j.. of the group
+              std::memcpy(&first, v + 4 * j, 4);
+              std::memcpy(&second, v + 16 + 4 * j, 4);
+              const uint32_t nibbles = (first & 0x0F0F0F0Fu) | ((second & 0x0F0F0F0Fu) << 4);
+              const uint32_t bits = ((first >> 4) & 0x03030303u) | (((second >> 4) & 0x03030303u) << 2);
+              std::memcpy(out + j * 64 + 4 * c, &nibbles, 4);
+              tops[j / 2] |= bits << (4 * (j % 2));
+            }
+            std::memcpy(out + 256 + 4 * c, &tops[0], 4);
+            std::memcpy(out + 256 + 64 + 4 * c, &tops[1], 4);
           }
         }
       }

@@ -55,6 +55,7 @@ void ban_disallowed_(at::Tensor& logits, const at::Tensor& rows, const at::Tenso
 // layout.cpp (loading)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_groups(const at::Tensor& blocks, int64_t rows, int64_t cols);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_tiles(const std::vector<at::Tensor>& weights, int64_t cols);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_int4_rows(const std::vector<at::Tensor>& weights, int64_t cols,
                                                            bool with_min);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6_k_int6_rows(const std::vector<at::Tensor>& weights,
