@@ -159,6 +159,17 @@ def test_merging_int4_with_int8_parts_brings_them_to_int8() -> None:
     torch.testing.assert_close(q8.float() * scales[:, None], torch.cat([a, b]), atol=0.35, rtol=0)
 
 
+def test_pytorch_int4_packing_in_chunks_of_rows_gives_the_whole_matrix_packing() -> None:
+    # PyTorch's int4 layout (no tiles, no row layout) packs a chunk of rows at a time; the chunks
+    # stack to what packing the whole matrix gives, also past a last partial chunk
+    torch.manual_seed(3)
+    rows = 2 * quant_linear.INT4PACK_CHUNK_ROWS + 48
+    kind, data = dense_packed_form(torch.randn(rows, 128), "int4")
+    layer = QuantLinear(rows, 128, torch.float32, **{kind: data}, int4_rows=False, tiles=False)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(data[0].to(torch.int32), 1)
+    assert torch.equal(layer.packed, whole)
+
+
 def _int4_dense(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     groups = q.float().view(q.shape[0], -1, 32)
     return (groups * scale[..., None] + low[..., None]).view(q.shape)

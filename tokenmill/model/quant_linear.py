@@ -259,6 +259,11 @@ HEAD_COARSE_MAX_TOKENS = 64
 # Weights packed into tiles at a time: larger chunks make fewer, larger copies (faster loading),
 # while the packing's temporaries stay the size of a chunk, not of the matrix
 PACK_CHUNK_WEIGHTS = 1 << 22
+# Weight rows that PyTorch's int4 packing (`_convert_weight_to_int4pack_for_cpu`, which takes q as
+# int32) converts at a time: the 4-byte copy of q stays the size of a chunk, not of the matrix. A
+# multiple of 64, the rows of the packing's blocks, so that the chunks' outputs stack to the
+# whole's.
+INT4PACK_CHUNK_ROWS = 256
 
 
 # Groups per block of compact tile scales (`compact_tile_scales`), and the bytes of a block per tile
@@ -771,9 +776,11 @@ class QuantLinear(nn.Module):
                 self.register_buffer(name, tensor)
         elif int4 is not None:
             q, scale, low = int4
-            self.register_buffer(
-                "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            )
+            pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+            chunks = [
+                q[r : r + INT4PACK_CHUNK_ROWS] for r in range(0, out_features, INT4PACK_CHUNK_ROWS)
+            ]
+            self.register_buffer("packed", torch.cat([pack(c.to(torch.int32), 1) for c in chunks]))
             # kernel layout: (groups, out_features, 2) holding (scale, zero),
             # w = scale * (q - 8) + zero
             zero = low + 8 * scale
