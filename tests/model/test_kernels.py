@@ -31,7 +31,6 @@ from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     MAX_STEP,
     Int4Rows,
-    Int4Tiles,
     Int6Rows,
     QuantLinear,
     QuantTiles,
@@ -383,7 +382,7 @@ def test_q6_k_weights_stack_into_the_int6_row_layout() -> None:
     # in tiles: 6-bit tiles, or int8 rows for a layer that multiplies on AMX
     kind, tiles = gguf_packed(parts, tiles=True)
     assert kind == "int6" and isinstance(tiles, QuantTiles) and tiles.bits == 6
-    assert gguf_packed(parts, tiles=True, six_bit_tiles=False)[0] == "int8"
+    assert gguf_packed(parts, tiles=True, integer_kernel=False)[0] == "int8"
 
 
 def test_q6_k_weights_keep_their_values_in_6bit_tiles() -> None:
@@ -1325,7 +1324,8 @@ def test_q4_k_weights_stack_into_the_row_layout_in_one_pass() -> None:
 def test_q4_k_weights_stack_into_tiles_in_one_pass(compact: bool, monkeypatch) -> None:
     # a q/k/v or gate/up projection of Q4_K weights in tiles goes from the file's blocks to the
     # tile bytes in one pass (`gguf_packed`: `q4_k_tiles`), to the bits of the groups' path (exact
-    # groups, merged, then `pack_tiles`), with the scales in the form the layer reads
+    # groups, merged, then `pack_tiles`), with compact scales where they fit, float ones for a
+    # layer that multiplies on AMX
     assert kernels.load()
     rng = np.random.default_rng(5)
     weights = [
@@ -1339,12 +1339,15 @@ def test_q4_k_weights_stack_into_tiles_in_one_pass(compact: bool, monkeypatch) -
             blocks[:, 8] |= 63
             powers = torch.from_numpy(2.0 ** -rng.integers(4, 12, (blocks.shape[0], 2)))
             blocks[:, :4] = powers.half().view(torch.uint8).view(-1, 4)
-    kind, tiled = gguf_packed(weights, tiles=True)
-    assert kind == "int4" and isinstance(tiled, Int4Tiles)
     groups = merge_packed([packed_form(w) for w in weights])[1]
-    assert torch.equal(tiled.scale, groups[1]) and torch.equal(tiled.low, groups[2])
-    assert torch.equal(tiled.tiles, pack_tiles(*groups, 4).tiles)
-    one_pass = QuantLinear(96, 768, torch.float32, int4=tiled)
+    for integer_kernel in (True, False):
+        kind, tiled = gguf_packed(weights, tiles=True, integer_kernel=integer_kernel)
+        assert kind == "int4" and isinstance(tiled, QuantTiles) and tiled.bits == 4
+        assert tiled.fifth_masks is None
+        packed = pack_tiles(*groups, 4, compact=integer_kernel)
+        for a, b in [(tiled.tiles, packed.tiles), (tiled.tile_scales, packed.tile_scales)]:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    one_pass = QuantLinear(96, 768, torch.float32, int4=gguf_packed(weights, tiles=True)[1])
     grouped = QuantLinear(96, 768, torch.float32, int4=groups, tiles=True)
     buffers = {name: b for name, b in grouped.named_buffers() if b is not None}
     assert buffers.keys() == {name for name, b in one_pass.named_buffers() if b is not None}
@@ -1358,4 +1361,4 @@ def test_q4_k_weights_stack_into_tiles_in_one_pass(compact: bool, monkeypatch) -
         QuantLinear(96, 768, torch.float32, int4=tiled, tiles=False)
     # without the kernels (while they build) the groups' path serves
     monkeypatch.setattr(kernels, "loaded", lambda: False)
-    assert not isinstance(gguf_packed(weights, tiles=True)[1], Int4Tiles)
+    assert not isinstance(gguf_packed(weights, tiles=True)[1], QuantTiles)

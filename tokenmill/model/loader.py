@@ -508,7 +508,8 @@ class _Builder:
             return layer
         tiles = takes_tiles(rows, num_cols)
         if q == "gguf":
-            # a switching layer multiplies large batches on AMX, which reads no 6-bit tiles
+            # a switching layer multiplies large batches on AMX, which reads no 6-bit tiles and
+            # no compact scales
             kind, data = gguf_packed(weights, tiles, self.batch_invariant or not amx_tiles())
         else:
             kind, data = merge_packed(

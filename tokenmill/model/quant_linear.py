@@ -136,16 +136,6 @@ class Int4Rows(NamedTuple):
         return self.steps_lows[..., 1].contiguous().view(torch.float16)
 
 
-class Int4Tiles(NamedTuple):
-    """Q4_K weights with their q in the 4-bit tile layout already (`QuantTiles.tiles`, from
-    `gguf_packed`) and their groups' scale and low still (rows, cols / 32) float32, which
-    `QuantLinear` puts in the form of tile scales that its kernel reads (compact or not)."""
-
-    tiles: torch.Tensor
-    scale: torch.Tensor
-    low: torch.Tensor
-
-
 MAX_STEP = 32767  # int16's: steps times the kernel's int16 pair sums (< 2^15) still fit int32
 
 
@@ -565,7 +555,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-# ("int4" | "int5", (q, scale, low), Int4Rows or Int4Tiles), ("int6", Int6Rows or 6-bit
+# ("int4" | "int5", (q, scale, low), Int4Rows or 4-bit QuantTiles), ("int6", Int6Rows or 6-bit
 # QuantTiles) or ("int8", (q8, scale))
 Packed = tuple[str, tuple[torch.Tensor, ...]]
 
@@ -646,24 +636,27 @@ def merge_packed(parts: list[Packed]) -> Packed:
     return merge_packed(as_int8)
 
 
-def gguf_packed(weights: list[GGMLWeight], tiles: bool, six_bit_tiles: bool = True) -> Packed:
+def gguf_packed(weights: list[GGMLWeight], tiles: bool, integer_kernel: bool = True) -> Packed:
     """`merge_packed` of the weights' `packed_form`s, for a layer that takes the tile layout or
-    (`tiles` False) not. Where the layer takes tiles, six_bit_tiles holds and every weight is Q6_K,
-    they take the 6-bit tiles (`q6_tiles`, exact) rather than int8 re-rounded per row: fewer bytes
-    for the same values (six_bit_tiles is False for a layer that multiplies on AMX, which reads
-    only 4-, 5- and 8-bit tiles). Where every weight is Q4_K, its rows come laid out already from
-    one pass over the blocks (layout.cpp): in tiles (`Int4Tiles`: the tile bytes of the merged
-    groups' q) or in the row layout (`Int4Rows`: `pack_int4_rows` of the merged groups), where the
-    groups' q, a byte a weight, would take three more passes; for the row layout the same where
-    every weight is Q4_0, or every one Q4_1. Where every weight is Q6_K, they take the int6 row
+    (`tiles` False) not; integer_kernel: the layer multiplies every batch in the integer tile
+    kernel (False for a layer that multiplies large batches on AMX, which reads only 4-, 5- and
+    8-bit tiles, with float scales). Where the layer takes tiles, integer_kernel holds and every
+    weight is Q6_K, they take the 6-bit tiles (`q6_tiles`, exact) rather than int8 re-rounded per
+    row: fewer bytes for the same values. Where every weight is Q4_K, its rows come laid out
+    already from one pass over the blocks (layout.cpp): in tiles (4-bit `QuantTiles`, the tile
+    bytes of the merged groups' q, their scales compact where integer_kernel holds and they fit)
+    or in the row layout (`Int4Rows`: `pack_int4_rows` of the merged groups), where the groups' q,
+    a byte a weight, would take three more passes; for the row layout the same where every weight
+    is Q4_0, or every one Q4_1. Where every weight is Q6_K, they take the int6 row
     layout (`Int6Rows`, exact but for the scales' steps) rather than int8 re-rounded per row,
     which `int6_rows_linear` multiplies faster."""
     qtypes = {w.qtype for w in weights}
-    if tiles and six_bit_tiles and qtypes == {Q.Q6_K}:
+    if tiles and integer_kernel and qtypes == {Q.Q6_K}:
         return "int6", q6_tiles(weights)
     if tiles and qtypes == {Q.Q4_K} and kernels.loaded():
         data, cols = [w.data.contiguous() for w in weights], weights[0].shape[1]
-        return "int4", Int4Tiles(*kernels.ops().q4_k_tiles(data, cols))
+        q, scale, low = kernels.ops().q4_k_tiles(data, cols)
+        return "int4", QuantTiles(q, _tile_scales(scale, low, integer_kernel), None, 4)
     if not tiles and int4_rows_layout():
         data, cols = [w.data.contiguous() for w in weights], weights[0].shape[1]
         if qtypes == {Q.Q4_K}:
@@ -690,7 +683,7 @@ class QuantLinear(nn.Module):
         out_features: int,
         in_features: int,
         dtype: torch.dtype,
-        int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int4Rows | Int4Tiles | None = None,
+        int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int4Rows | QuantTiles | None = None,
         int8: tuple[torch.Tensor, torch.Tensor] | None = None,
         int5: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         int6: Int6Rows | QuantTiles | None = None,
@@ -705,8 +698,9 @@ class QuantLinear(nn.Module):
         """tiles: whether the weights take the tile layout of `quant_tiles_linear` (default: where
         it serves, `tiles_layout()`, and the shape fits); else int4_rows: the layout of int4 weights
         (default: `int4_rows_layout()`); 5-bit weights (int5: q in 0..31) have only those two.
-        int4 may come laid out already (`Int4Rows`, `Int4Tiles`, from `gguf_packed`); int6 comes in
-        its row layout (`Int6Rows`, no tiles) or in 6-bit tiles (`q6_tiles`, tiles). x_block:
+        int4 may come laid out already (`Int4Rows`, no tiles, or 4-bit `QuantTiles`, tiles, from
+        `gguf_packed`); int6 comes in its row layout (`Int6Rows`, no tiles) or in 6-bit tiles
+        (`q6_tiles`, tiles). x_block:
         activations per int8 scale in the tile kernel, 8 or 32 (`FINE_X_BLOCK`, `COARSE_X_BLOCK`).
         batch_invariant: every row is computed alike whatever the batch (one kernel, one
         activation rounding, no AMX or dense-copy switch by row count); off, the kernel and
@@ -723,15 +717,13 @@ class QuantLinear(nn.Module):
         kinds = {"int4": int4, "int5": int5, "int6": int6}
         self.kind = next((kind for kind, data in kinds.items() if data is not None), "int8")
         six_bit_tiles = isinstance(int6, QuantTiles)
-        tiled_int4 = isinstance(int4, Int4Tiles)
+        laid_out_tiles = int6 if six_bit_tiles else int4 if isinstance(int4, QuantTiles) else None
         if tiles is None:
-            tiles = (
-                six_bit_tiles
-                or tiled_int4
-                or (int6 is None and takes_tiles(out_features, in_features))
+            tiles = laid_out_tiles is not None or (
+                int6 is None and takes_tiles(out_features, in_features)
             )
-        if tiled_int4 and not tiles:
-            raise ValueError("int4 weights in the tile layout (Int4Tiles) need tiles=True")
+        if laid_out_tiles is not None and not tiles:
+            raise ValueError("weights laid out in tiles (QuantTiles) need tiles=True")
         if int6 is not None and tiles != six_bit_tiles:
             raise ValueError(
                 "6-bit weights come laid out: Int6Rows take tiles=False, 6-bit QuantTiles "
@@ -747,12 +739,8 @@ class QuantLinear(nn.Module):
         self.row_layout = self.int4_rows or (int6 is not None and not tiles)
         if isinstance(int4, Int4Rows) and not self.int4_rows:
             raise ValueError("int4 weights in the row layout (Int4Rows) need int4_rows, no tiles")
-        # AMX (which only switching layers take) reads float scales only
-        compact = tiles and (batch_invariant or not amx_tiles())
-        if six_bit_tiles:
-            packed = int6
-        elif tiled_int4:
-            packed = QuantTiles(int4.tiles, _tile_scales(int4.scale, int4.low, compact), None, 4)
+        if laid_out_tiles is not None:
+            packed = laid_out_tiles
         elif tiles:
             if int8 is not None:
                 q8, scale = int8
@@ -760,7 +748,8 @@ class QuantLinear(nn.Module):
                 scale = scale.float()[:, None]
             else:
                 (q, scale, low), bits = int4 or int5, 4 if int5 is None else 5
-            packed = pack_tiles(q, scale, low, bits, compact=compact)
+            # AMX (which only switching layers take) reads float scales only
+            packed = pack_tiles(q, scale, low, bits, compact=batch_invariant or not amx_tiles())
         if tiles:
             self.register_buffer("tile_q", packed.tiles)
             self.register_buffer("tile_scales", packed.tile_scales)
