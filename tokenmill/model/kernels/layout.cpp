@@ -177,6 +177,17 @@ std::tuple<at::Tensor, at::Tensor> int8_rows_of(int64_t rows, int64_t cols, cons
   return {q, scale};
 }
 
+// Group jj's (0-7) 16 bytes of the Q4_K block at b, byte i holding the group's element i in its
+// low nibble and 16 + i in its high one (the int4 row layout's bytes; a tile's sub-block j takes
+// bytes 4j..4j+3). Sub-blocks 2i and 2i + 1 are the low and high nibbles of bytes 32i..32i+31.
+inline void q4_k_group_nibbles(const uint8_t* __restrict b, int jj, uint8_t* __restrict out) {
+  const uint8_t* qs = b + 16 + (jj / 2) * 32;
+  if (jj % 2)
+    for (int i = 0; i < kGroup / 2; ++i) out[i] = (qs[i] >> 4) | (qs[16 + i] & 0xF0);
+  else
+    for (int i = 0; i < kGroup / 2; ++i) out[i] = (qs[i] & 0x0F) | (qs[16 + i] << 4);
+}
+
 }  // namespace
 
 namespace tokenmill {
@@ -223,14 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_int4_rows(const std::vector<
         const uint8_t* b = row_blocks[r] + n * kQ4KBytes;
         for (int j = 0; j < 8; ++j) {
           q4_k_scale_low(b, j, scale[n * 8 + j], low[n * 8 + j]);
-          // sub-blocks 2i and 2i + 1: the low and high nibbles of bytes 32i..32i+31; a group's byte
-          // i takes its elements i and 16 + i
-          const uint8_t* __restrict qs = b + 16 + (j / 2) * 32;
-          uint8_t* __restrict nibbles = out.nibbles_out + r * cols / 2 + (n * 8 + j) * kGroup / 2;
-          if (j % 2)
-            for (int i = 0; i < kGroup / 2; ++i) nibbles[i] = (qs[i] >> 4) | (qs[16 + i] & 0xF0);
-          else
-            for (int i = 0; i < kGroup / 2; ++i) nibbles[i] = (qs[i] & 0x0F) | (qs[16 + i] << 4);
+          q4_k_group_nibbles(b, j, out.nibbles_out + r * cols / 2 + (n * 8 + j) * kGroup / 2);
         }
       }
       out.set_scales(r, scale.data(), low.data(), groups);
@@ -262,18 +266,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_k_tiles(const std::vector<at::
           for (int jj = 0; jj < 8; ++jj) {  // the block's sub-blocks: groups 8n + jj of the row
             const int64_t g = n * 8 + jj;
             q4_k_scale_low(b, jj, scale_out[row * groups + g], low_out[row * groups + g]);
-            // sub-blocks 2i and 2i + 1: the low and high nibbles of bytes 32i..32i+31; four of a
-            // group's elements at once, one per byte of a 32-bit word
-            const uint8_t* qs = b + 16 + (jj / 2) * 32;
+            uint8_t nibbles[kGroup / 2];
+            q4_k_group_nibbles(b, jj, nibbles);
             uint8_t* out = q_out.data_ptr<uint8_t>() + (t * groups + g) * 4 * kWeightTileRows * 4 + 4 * c;
-            for (int j = 0; j < 4; ++j) {
-              uint32_t first_half, second_half;  // the bytes of elements 4j.. and 16 + 4j..
-              std::memcpy(&first_half, qs + 4 * j, 4);
-              std::memcpy(&second_half, qs + 16 + 4 * j, 4);
-              const uint32_t v = jj % 2 ? ((first_half >> 4) & 0x0F0F0F0Fu) | (second_half & 0xF0F0F0F0u)
-                                        : (first_half & 0x0F0F0F0Fu) | ((second_half & 0x0F0F0F0Fu) << 4);
-              std::memcpy(out + j * kWeightTileRows * 4, &v, 4);
-            }
+            for (int j = 0; j < 4; ++j) std::memcpy(out + j * kWeightTileRows * 4, nibbles + 4 * j, 4);
           }
         }
       }
