@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import subprocess
@@ -170,12 +171,16 @@ def test_argmax_only_steps_get_the_heads_products_as_they_are(runner) -> None:
 
 @pytest.mark.parametrize("slower", ["graph", "eager"])
 def test_each_batch_size_class_keeps_the_faster_of_its_graph_and_eager_steps(
-    runner, monkeypatch, caplog, slower: str
+    runner, monkeypatch, caplog, tmp_path, slower: str
 ) -> None:
     """The graph and the eager path take turns until each has GRAPH_TRIAL_STEPS timed steps of a
-    class; the faster then serves the class alone. One path is slowed by 20 ms a step here."""
+    class; the faster then serves the class alone, and the decision is saved. One path is slowed
+    by 20 ms a step here."""
     trial_steps = 4
     monkeypatch.setattr(model_runner, "GRAPH_TRIAL_STEPS", trial_steps)
+    record = tmp_path / "trials.json"
+    monkeypatch.setattr(runner, "_trial_record", record)
+    monkeypatch.setattr(runner, "_trial_decisions", {})
     paths: list[str] = []
     run_compiled, forward = runner._run_compiled, runner._forward
 
@@ -216,6 +221,25 @@ def test_each_batch_size_class_keeps_the_faster_of_its_graph_and_eager_steps(
         serves = "through the compiled graph" if faster == "graph" else "eagerly"
         label = "1 sequence" if size == 1 else "2-3 sequences"
         assert f"decode steps of {label} run {serves}" in caplog.text
+    assert json.loads(record.read_text()) == {"1": faster == "graph", "2": faster == "graph"}
+
+
+@pytest.mark.parametrize(
+    ("graph_ms", "graph_serves"), [(0.99, False), (0.975, False), (0.96, True), (0.5, True)]
+)
+def test_a_graph_serves_its_class_only_when_it_is_clearly_faster(
+    monkeypatch, graph_ms: float, graph_serves: bool
+) -> None:
+    # within GRAPH_MIN_GAIN of the eager steps the two paths are the same speed: eager serves
+    monkeypatch.setattr(model_runner, "GRAPH_TRIAL_STEPS", 3)
+    trial = model_runner._PathTrial()
+    decided = [
+        trial.record(graph, (graph_ms if graph else 1.0) + noise)
+        for noise in (0.0, 0.01, -0.01)
+        for graph in (True, False)
+    ]
+    assert decided == [False] * 5 + [True]
+    assert trial.graph_serves is graph_serves
 
 
 def test_a_class_trial_counts_no_step_its_graph_did_not_serve(runner, monkeypatch) -> None:
@@ -465,6 +489,58 @@ def test_a_runner_loads_the_graphs_another_runner_is_building_rather_than_tracin
     assert first.wait_compiled(timeout=30) and second.wait_compiled(timeout=30)
     assert traced == [first]
     assert second._compiled_decode == HELD_GRAPHS
+
+
+def _decide_trials(runner: ModelRunner, graph_ms: dict[int, float]) -> None:
+    """Decide runner's trials of these batch sizes, the graph's steps taking graph_ms and the
+    eager ones 1 ms."""
+    for num_seqs, ms in graph_ms.items():
+        trial = model_runner._PathTrial()
+        for _ in range(model_runner.GRAPH_TRIAL_STEPS):
+            runner._record_trial(trial, True, ms / 1e3, num_seqs)
+            runner._record_trial(trial, False, 1e-3, num_seqs)
+        assert trial.graph_serves is not None
+
+
+def test_graphs_that_won_no_trial_are_not_loaded_again(
+    tiny_loaded, monkeypatch, held_traces, caplog
+) -> None:
+    # a later start of the same model and KV pool finds the saved trials: the eager path kept
+    # every class from 1 sequence to 16 or more, so it decodes eagerly without the graphs
+    monkeypatch.setattr(model_runner, "GRAPH_TRIAL_STEPS", 2)
+    traced, release = held_traces
+    release.set()
+    first = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    assert first.wait_compiled(timeout=30) and traced == [first]
+    _decide_trials(first, {1: 0.99, 3: 0.98, 16: 1.0})
+    records = list((model_runner.cache_root() / "decode-graphs").glob("*-trials.json"))
+    assert [json.loads(r.read_text()) for r in records] == [{"1": False, "2": False, "5": False}]
+    caplog.set_level(logging.INFO, logger="tokenmill.engine")
+    second = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    assert not second.wait_compiled(timeout=30)
+    assert traced == [first] and second._compiled_decode is None
+    assert second.decode_mode == "eager" and second.compile_error is None
+    assert "delete it to try the graphs again" in caplog.text
+    # another KV pool is another graph key: no saved trials, so its graphs build
+    other = ModelRunner(tiny_loaded, num_blocks=9, block_size=16, compile=True)
+    assert other.wait_compiled(timeout=30) and traced == [first, other]
+
+
+@pytest.mark.parametrize(
+    "decisions", [{1: 0.99, 32: 0.99, 64: 0.5}, {3: 0.99, 32: 0.99}, {1: 0.99, 15: 0.99}]
+)
+def test_graphs_load_where_saved_trials_chose_them_or_span_too_few_batch_sizes(
+    tiny_loaded, monkeypatch, held_traces, decisions: dict[int, float]
+) -> None:
+    monkeypatch.setattr(model_runner, "GRAPH_TRIAL_STEPS", 2)
+    traced, release = held_traces
+    release.set()
+    first = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    assert first.wait_compiled(timeout=30)
+    _decide_trials(first, decisions)
+    second = ModelRunner(tiny_loaded, num_blocks=8, block_size=16, compile=True)
+    assert second.wait_compiled(timeout=30)
+    assert traced == [first, second]  # the graphs could not be saved: traced again
 
 
 def test_runners_of_other_graphs_never_trace_at_the_same_time(

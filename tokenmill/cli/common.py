@@ -80,7 +80,8 @@ def add_compile_arg(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="decode through compiled graphs, built or loaded on a background thread while eager "
         "steps run (outputs are the same either way), at each batch size where they time faster "
-        "than eager steps. Default: at once where an earlier run "
+        "than eager steps; not loaded again where an earlier run timed them no faster at any "
+        "batch size. Default: at once where an earlier run "
         f"(such as `serve`) cached them, else after {COMPILE_AFTER_BUSY_S:.0f} s of work; "
         "--compile builds them now, --no-compile stays eager. Off with "
         "--tensor-parallel-size above 1, whose steps run eagerly",

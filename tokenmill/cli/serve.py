@@ -241,7 +241,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         help="decode through compiled graphs, built on a background thread once the server "
         "listens while eager steps serve (minutes of every core the first time, seconds once "
         "cached; outputs are the same either way; /health tells which runs), at each batch size "
-        "where they time faster than eager steps. Default: on; --no-compile stays eager. Off "
+        "where they time faster than eager steps; not loaded again where an earlier run timed "
+        "them no faster at any batch size. Default: on; --no-compile stays eager. Off "
         "with --tensor-parallel-size above 1, whose steps run eagerly",
     )
     p.add_argument(

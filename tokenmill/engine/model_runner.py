@@ -8,13 +8,15 @@ dispatch, and costs a few C++ ops of its own between the kernels. Which of the t
 depends on the CPU, the model and the batch size, so each batch-size class measures both on its
 first decode steps and keeps the faster (`GRAPH_TRIAL_STEPS`). Compilation takes minutes the
 first time (seconds once the graphs are saved), so it runs on a background thread while eager
-steps serve.
+steps serve. The trials' decisions are saved beside the graphs: where the graphs won nowhere, a
+later start decodes eagerly without loading them (`GRAPH_MIN_GAIN`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import statistics
 import sys
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill import model as model_package
-from tokenmill.catalog import cache_root, mark_used, prune_cache
+from tokenmill.catalog import cache_root, mark_used, prune_cache, write_atomic
 from tokenmill.engine.stoppable_thread import StoppableThread
 from tokenmill.model import kernels
 from tokenmill.model.attention import (
@@ -50,9 +52,9 @@ COMPILED_CONTEXT_MAX = 4096
 # The most new tokens per sequence that `token_logits` runs as rows of the compiled decode graph
 # (a decode with its drafts); longer (prompt chunks) run eagerly
 COMPILED_ROWS_PER_SEQUENCE = 8
-# Saved decode graphs kept (two per model and KV pool size): a change of tokenmill's model code,
-# of torch or of the KV pool's size leaves the old ones unused; more keeps more configurations
-# ready to load, at the cost of disk space
+# Saved decode graphs kept (two per model and KV pool size), and saved trials (one each): a change
+# of tokenmill's model code, of torch or of the KV pool's size leaves the old ones unused; more
+# keeps more configurations ready to load, at the cost of disk space
 KEEP_GRAPHS = 16
 
 # The decode graphs by the batch sizes they serve: 1 (its size-1 dims specialized) and 2 for every
@@ -65,6 +67,16 @@ GRAPH_SIZES = (1, 2)
 # are the faster path at every batch size, on others the eager one is (tuning log). 0: no trial,
 # the graphs serve every batch they fit.
 GRAPH_TRIAL_STEPS = 16
+# How much faster (a fraction of the eager median) a class's graph must be to serve it. Within
+# this the two paths are the same speed as far as the trial's steps tell, and the eager one serves:
+# it holds no graph in memory, and where the graphs win no class, the saved trials spare later
+# starts loading them (`_graphs_lose`), which slows the steps served meanwhile (tuning log).
+GRAPH_MIN_GAIN = 0.03
+# Saved trials spare a later start the graphs (`_graphs_lose`) only where they cover both one
+# sequence and a batch of at least this many: where the graphs gain, they gain at one end or the
+# other (the Python around a batch-1 step; at 32 sequences but not at 1 on Zen 4, tuning log), so
+# trials of small batches alone say nothing of large ones.
+TRIALS_SPAN_BATCH = 16
 
 
 @dataclass
@@ -89,7 +101,8 @@ class _PathTrial:
         (self.graph if graph else self.eager).append(seconds_per_sequence)
         if min(len(self.graph), len(self.eager)) < GRAPH_TRIAL_STEPS:
             return False
-        self.graph_serves = statistics.median(self.graph) < statistics.median(self.eager)
+        gain = 1 - statistics.median(self.graph) / statistics.median(self.eager)
+        self.graph_serves = gain >= GRAPH_MIN_GAIN
         return True
 
 
@@ -221,6 +234,10 @@ class ModelRunner:
         # GPU, whose steps the host's clock does not time, the graphs serve without a trial
         self._trials: dict[int, _PathTrial] = {}
         self._trial_graphs = device.type == "cpu"
+        # the classes' decisions, this run's over an earlier run's, and where they are saved
+        # (beside the graphs, once the compile thread has their key)
+        self._trial_decisions: dict[int, bool] = {}
+        self._trial_record: Path | None = None
         self.compile_error: BaseException | None = None
         self.compile_seconds: float | None = None
         # a mixture of experts picks its experts' kernels by the step's routing, which one traced
@@ -454,10 +471,11 @@ class ModelRunner:
         self._record_trial(trial, False, (time.perf_counter() - start) / num_seqs, num_seqs)
         return logits
 
-    @staticmethod
-    def _record_trial(trial: _PathTrial, graph: bool, seconds: float, num_seqs: int) -> None:
-        """Add a timed step of num_seqs sequences to its class's trial; log the decision."""
+    def _record_trial(self, trial: _PathTrial, graph: bool, seconds: float, num_seqs: int) -> None:
+        """Add a timed step of num_seqs sequences to its class's trial; log and save the
+        decision."""
         if trial.record(graph, seconds):
+            self._save_trial(num_seqs.bit_length(), bool(trial.graph_serves))
             low = 1 << (num_seqs.bit_length() - 1)
             log.info(
                 "decode steps of %s run %s: %.3f ms a sequence through the compiled graph, "
@@ -468,6 +486,20 @@ class ModelRunner:
                 statistics.median(trial.eager) * 1e3,
                 GRAPH_TRIAL_STEPS,
             )
+
+    def _save_trial(self, size_class: int, graph_serves: bool) -> None:
+        """Add a class's decision to the saved trials; one that cannot be saved only costs a later
+        start the graphs' loading."""
+        self._trial_decisions[size_class] = graph_serves
+        if self._trial_record is None:
+            return
+        decisions = {str(c): serves for c, serves in sorted(self._trial_decisions.items())}
+        try:
+            write_atomic(self._trial_record, json.dumps(decisions))
+        except OSError as exc:
+            log.info("could not save the decode path trials at %s (%r)", self._trial_record, exc)
+            return
+        prune_cache(self._trial_record.parent, "*-trials.json", KEEP_GRAPHS)
 
     def _forward(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """The eager forward pass: final hidden states."""
@@ -540,7 +572,8 @@ class ModelRunner:
 
     def _compile_decode(self) -> None:
         """Compile the decode graphs (`GRAPH_SIZES`), or load them from the cache of an earlier
-        run; each serves its batches from when it is ready.
+        run; each serves its batches from when it is ready. Neither where an earlier run's trials
+        found them no faster (`_graphs_lose`).
 
         `aot_compile`d graphs run without dynamo's per-call guards (see `_run_compiled`), but
         inductor's caches do not serve them (their key holds a random name), so they are saved
@@ -555,11 +588,6 @@ class ModelRunner:
 
     def _build_or_load_graphs(self) -> None:
         start = time.perf_counter()
-        # Dynamo first, before any of inductor: a custom op's first call, in another thread,
-        # imports dynamo too, and two threads each importing a module the other's import needs
-        # deadlock.
-        import torch._dynamo  # noqa: F401
-
         # graphs traced before the kernels load would not use them, nor would a model's graphs
         # serve the model reloaded onto the kernels
         if self._kernel_build is not None:
@@ -569,8 +597,27 @@ class ModelRunner:
             pass
         # inductor builds its kernels for the current thread count
         self._set_threads(self.max_threads)
-        paths = self._graph_paths()
+        key = self._graph_key()
+        paths = self._graph_paths(key)
         folder = paths[1].parent
+        record = folder / f"{key}-trials.json"
+        self._trial_decisions = {**_read_trials(record), **self._trial_decisions}
+        self._trial_record = record
+        if _graphs_lose(self._trial_decisions):
+            mark_used(record)
+            log.info(
+                "decode steps run eagerly: an earlier run timed this model's compiled graphs no "
+                "faster than eager steps at any batch size it tried (%s: delete it to try the "
+                "graphs again)",
+                record,
+            )
+            return
+        # Dynamo first, before any of inductor: a custom op's first call, in another thread,
+        # imports dynamo too, and two threads each importing a module the other's import needs
+        # deadlock. Not before the saved trials are read: a start that skips the graphs spares
+        # the import's seconds and memory.
+        import torch._dynamo  # noqa: F401
+
         try:
             with _holding(_graph_build_lock):
                 try:
@@ -650,10 +697,12 @@ class ModelRunner:
             return None
         return graphs
 
-    def _graph_paths(self) -> dict[int, Path]:
-        """Where the decode graphs for batch 1 and for larger batches are cached."""
+    def _graph_paths(self, key: str | None = None) -> dict[int, Path]:
+        """Where the decode graphs for batch 1 and for larger batches are cached (key: the
+        runner's `_graph_key`, computed here if not given)."""
         folder = cache_root() / "decode-graphs"
-        return {size: folder / f"{self._graph_key()}-batch{size}.bin" for size in GRAPH_SIZES}
+        key = key or self._graph_key()
+        return {size: folder / f"{key}-batch{size}.bin" for size in GRAPH_SIZES}
 
     def _graph_key(self) -> str:
         key = hashlib.sha256()
@@ -686,6 +735,22 @@ class ModelRunner:
         batch.slot_mapping.fill_(pad)
         batch.context_slots.fill_(pad)
         return torch.zeros(batch_size, dtype=torch.int64), batch
+
+
+def _read_trials(path: Path) -> dict[int, bool]:
+    """The decisions that an earlier run's trials saved at path (`ModelRunner._save_trial`): by
+    batch-size class, whether its graph served it; empty where there is no readable record."""
+    try:
+        return {int(c): bool(serves) for c, serves in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _graphs_lose(decisions: dict[int, bool]) -> bool:
+    """Whether saved trials make the graphs not worth loading: they decided the class of one
+    sequence and one of `TRIALS_SPAN_BATCH` or more, and the eager path kept every class."""
+    spans = 1 in decisions and max(decisions) >= TRIALS_SPAN_BATCH.bit_length()
+    return spans and not any(decisions.values())
 
 
 def _keep_module_calls_untraced() -> None:
