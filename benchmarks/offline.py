@@ -133,10 +133,15 @@ class TokenmillRuns:
                 compile=True,
             )
             compiled = runner.wait_compiled()
+            if runner.compile_error is not None:
+                why = f" ({runner.compile_error!r})"
+            elif not compiled:  # `ModelRunner._graphs_lose`
+                why = " (an earlier run's trials kept the eager steps: LLM() skips the graphs too)"
+            else:
+                why = ""
             log(
                 f"tokenmill: decode graphs for the compiled tg, compiled={compiled} in "
-                f"{time.perf_counter() - t0:.1f} s"
-                + (f" ({runner.compile_error!r})" if runner.compile_error else "")
+                f"{time.perf_counter() - t0:.1f} s{why}"
             )
             self.compiled_runner = runner if compiled else None
             self.out["compiled_tg_graphs_s"] = runner.compile_seconds
