@@ -761,3 +761,19 @@ def test_compiled_fp32_decode_calls_the_dense_kernel_and_equals_eager(
     # the same bits: a decode token's logits must not depend on whether its step ran compiled or
     # eagerly beside a prompt (in fp32 nothing rounds away a difference, e.g. in the rope tables)
     assert torch.equal(compiled, eager)
+
+
+def test_inductors_warning_on_mixed_bf16_and_float16_stays_out_of_the_log() -> None:
+    # raised while a bf16 model's graphs build (its GGUF embedding's float16 scales): noise in a
+    # server's log; inductor's other warnings still show. In a process of its own, as a server is:
+    # pytest sets up each test's warning filters anew.
+    code = (
+        "import warnings\n"
+        "import tokenmill.engine.model_runner\n"
+        "for message in ('bf16 and fp16 are mixed in the scheduler node.', 'another'):\n"
+        "    warnings.warn_explicit(message, UserWarning, 'cpp.py', 1,\n"
+        "                           module='torch._inductor.codegen.cpp')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "UserWarning: another" in done.stderr and "mixed" not in done.stderr

@@ -22,6 +22,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,14 @@ GRAPH_OPTIONS = {
     "alignment_asserts": False,
     "scalar_asserts": False,
 }
+
+# Inductor warns, in the middle of a server's log, when one of its fused kernels mixes bf16 and
+# float16 values: a bf16 model's embedding rows dequantized from GGUF blocks, whose scales are
+# float16. The graphs round each value to its dtype where the eager step does
+# (`emulate_precision_casts`), so the warning tells a user nothing to act on.
+warnings.filterwarnings(
+    "ignore", message="bf16 and fp16 are mixed in the scheduler node", module="torch._inductor"
+)
 
 # The interpreter's GIL switch interval while decode graphs are built or loaded. The compile
 # thread then runs Python (dynamo's tracing, loading) for seconds, and every op an eager step
