@@ -75,7 +75,7 @@ GRAPH_TRIAL_STEPS = 16
 GRAPH_MIN_GAIN = 0.03
 # Saved trials spare a later start the graphs (`_graphs_lose`) only where they cover both one
 # sequence and a batch of at least this many: where the graphs gain, they gain at one end or the
-# other (the Python around a batch-1 step; at 32 sequences but not at 1 on Zen 4, tuning log), so
+# other (the Python around a batch-1 step; on some CPUs, at large batches only: tuning log), so
 # trials of small batches alone say nothing of large ones.
 TRIALS_SPAN_BATCH = 16
 
