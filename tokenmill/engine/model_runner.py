@@ -243,8 +243,8 @@ class ModelRunner:
         # GPU, whose steps the host's clock does not time, the graphs serve without a trial
         self._trials: dict[int, _PathTrial] = {}
         self._trial_graphs = device.type == "cpu"
-        # the classes' decisions, this run's over an earlier run's, and where they are saved
-        # (beside the graphs, once the compile thread has their key)
+        # the classes' decisions, an earlier run's and then this run's, and where they are saved
+        # (beside the graphs: the compile thread reads both before any graph serves)
         self._trial_decisions: dict[int, bool] = {}
         self._trial_record: Path | None = None
         self.compile_error: BaseException | None = None
@@ -507,8 +507,6 @@ class ModelRunner:
             write_atomic(self._trial_record, json.dumps(decisions))
         except OSError as exc:
             log.info("could not save the decode path trials at %s (%r)", self._trial_record, exc)
-            return
-        prune_cache(self._trial_record.parent, "*-trials.json", KEEP_GRAPHS)
 
     def _forward(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """The eager forward pass: final hidden states."""
@@ -610,10 +608,11 @@ class ModelRunner:
         paths = self._graph_paths(key)
         folder = paths[1].parent
         record = folder / f"{key}-trials.json"
-        self._trial_decisions = {**_read_trials(record), **self._trial_decisions}
+        self._trial_decisions = _read_trials(record)
         self._trial_record = record
+        mark_used(record)
+        prune_cache(folder, "*-trials.json", KEEP_GRAPHS)
         if _graphs_lose(self._trial_decisions):
-            mark_used(record)
             log.info(
                 "decode steps run eagerly: an earlier run timed this model's compiled graphs no "
                 "faster than eager steps at any batch size it tried (%s: delete it to try the "
