@@ -1036,6 +1036,34 @@ def test_decode_attention_matches_batched_matmuls(
     torch.testing.assert_close(_decode_attention(*args), out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_takes_any_admitted_keys_of_a_chunk(cache_dtype: torch.dtype) -> None:
+    """Masks with holes anywhere: whole 64-position chunks admitted entirely, in part (scattered
+    keys) or not at all, and a last chunk cut short. Each row's result is the matmuls' over its
+    admitted keys, and the same alone as beside the others."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, context = 6, 2, 32, 200
+    slots = torch.randperm(800)[: 3 * context].view(3, context)
+    k_cache = torch.randn(800, kv_heads, head_dim).to(cache_dtype)
+    v_cache = torch.randn(800, kv_heads, head_dim).to(cache_dtype)
+    mask = torch.rand(3, context) < 0.5
+    mask[0, :128] = True  # two whole chunks
+    mask[1, 64:128] = False  # a chunk with no admitted key between others
+    mask[2, :192] = False  # only the short last chunk
+    mask[2, 195] = True
+    q = torch.randn(3, heads, head_dim)
+    out = torch.ops.tokenmill.decode_attention(q, k_cache, v_cache, slots, mask, 0.3, None)
+    reference = _matmul_decode_attention(
+        q, k_cache.float(), v_cache.float(), slots, mask[:, None, None], 0.3, None
+    )
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    for row in range(3):  # each row as it is alone
+        alone = torch.ops.tokenmill.decode_attention(
+            q[row : row + 1], k_cache, v_cache, slots[row : row + 1], mask[row : row + 1], 0.3, None
+        )
+        assert torch.equal(alone, out[row : row + 1])
+
+
 @pytest.mark.parametrize("heads", [6, 7, 9, 12])
 def test_decode_attention_gives_each_head_what_it_gives_alone(heads: int) -> None:
     """The query heads of a KV head attend in passes that share each key and value row; a head's

@@ -35,6 +35,18 @@ constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kChunk = 64;  // context positions per task
 static_assert(kChunk % simd::kWidth == 0, "a chunk's scores are padded to whole vectors within it");
 
+// Bit j set where the j-th of kChunk mask entries (bools) admits its key
+inline uint64_t admitted_bits(const bool* mask) {
+  static_assert(kChunk == 64, "one 64-bit word per chunk");
+  uint64_t bits = 0;
+  for (int half = 0; half < 2; ++half) {
+    const __m256i entries = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mask + 32 * half));
+    const __m256i masked = _mm256_cmpeq_epi8(entries, _mm256_setzero_si256());
+    bits |= static_cast<uint64_t>(~static_cast<uint32_t>(_mm256_movemask_epi8(masked))) << (32 * half);
+  }
+  return bits;
+}
+
 // Most query heads attended together: they share each key and value row loaded (and widened).
 // AVX-512's 32 vector registers hold 8 heads' sums (head_scores, weighted_rows); AVX2's 16 hold 4.
 constexpr int kMaxHeads = simd::kWidth == 16 ? 8 : 4;
@@ -227,22 +239,38 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   float* tops = partials.data_ptr<float>();
   float* totals = tops + parts;
   float* accs = totals + parts;
-  // A task's rows: the cache slots of its chunk's admitted positions; returns their count
-  const auto gather_rows = [&](int64_t t, int64_t* rows) {
+  // A task's rows: the cache slots of its chunk's admitted positions, in position order, and their
+  // count. A whole chunk's mask is read 32 entries at a time: one admitted whole (a prompt's keys
+  // before its diagonal, a decode token's context) is read in place from the slot table, one
+  // admitted in part (the diagonal, a window's edge) compacted into `buffer`, one not at all
+  // skipped, so a prompt's tokens do not walk the masked part of their table entry by entry.
+  const auto task_rows = [&](int64_t t, int64_t* buffer, int64_t& count) -> const int64_t* {
     const int64_t b = balanced_entry(t / (kv_heads * chunks), batch), c = t % chunks;
     const int64_t first = c * kChunk, end = std::min(context, first + kChunk);
-    int64_t count = 0;
-    for (int64_t j = first; j < end; ++j) {
-      rows[count] = sp[b * context + j];
-      count += mp[b * context + j];
+    const int64_t* s = sp + b * context + first;
+    const bool* m = mp + b * context + first;
+    if (end - first == kChunk) {
+      const uint64_t bits = admitted_bits(m);
+      if (bits == ~uint64_t{0}) {
+        count = kChunk;
+        return s;
+      }
+      count = 0;
+      for (uint64_t left = bits; left != 0; left &= left - 1) buffer[count++] = s[std::countr_zero(left)];
+      return buffer;
     }
-    return count;
+    count = 0;
+    for (int64_t j = 0; j < end - first; ++j) {
+      buffer[count] = s[j];
+      count += m[j];
+    }
+    return buffer;
   };
   at::parallel_for(0, batch * kv_heads * chunks, 1, [&](int64_t t0, int64_t t1) {
     int64_t row_buffers[2][kChunk];
-    int64_t* rows = row_buffers[0];
-    int64_t* next_rows = row_buffers[1];
-    int64_t count = gather_rows(t0, rows);
+    int buffer = 0;  // row_buffers' entry that `rows` may point into; the next task takes the other
+    int64_t count = 0;
+    const int64_t* rows = task_rows(t0, row_buffers[buffer], count);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = balanced_entry(t / (kv_heads * chunks), batch);
       const int64_t g = t / chunks % kv_heads, c = t % chunks;
@@ -250,8 +278,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       // prefetches only a few rows ahead within a chunk, so each chunk's first rows would
       // otherwise wait on memory.
       int64_t next_count = 0;
+      const int64_t* next_rows = nullptr;
       if (t + 1 < t1) {
-        next_count = gather_rows(t + 1, next_rows);
+        next_rows = task_rows(t + 1, row_buffers[1 - buffer], next_count);
         const int64_t next_g = (t + 1) / chunks % kv_heads;
         const bool next_prefetched = prefetched[balanced_entry((t + 1) / (kv_heads * chunks), batch)];
         for (int64_t j = 0; next_prefetched && j < next_count; ++j) {
@@ -273,8 +302,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         };
         simd::with_constant<kMaxHeads>(n, attend);
       }
-      std::swap(rows, next_rows);
+      rows = next_rows;
       count = next_count;
+      buffer = 1 - buffer;
     }
   });
   at::parallel_for(0, batch * heads, 16, [&](int64_t t0, int64_t t1) {
