@@ -1040,7 +1040,8 @@ def test_decode_attention_matches_batched_matmuls(
 def test_decode_attention_takes_any_admitted_keys_of_a_chunk(cache_dtype: torch.dtype) -> None:
     """Masks with holes anywhere: whole 64-position chunks admitted entirely, in part (scattered
     keys) or not at all, and a last chunk cut short. Each row's result is the matmuls' over its
-    admitted keys, and the same alone as beside the others."""
+    admitted keys, and the same alone as beside the others and on any number of threads; a table
+    without columns gives zeros."""
     torch.manual_seed(0)
     heads, kv_heads, head_dim, context = 6, 2, 32, 200
     slots = torch.randperm(800)[: 3 * context].view(3, context)
@@ -1062,6 +1063,23 @@ def test_decode_attention_takes_any_admitted_keys_of_a_chunk(cache_dtype: torch.
             q[row : row + 1], k_cache, v_cache, slots[row : row + 1], mask[row : row + 1], 0.3, None
         )
         assert torch.equal(alone, out[row : row + 1])
+    # Threads take ranges of (row, KV head, chunk) tasks: a range that holds a row's KV head whole
+    # merges its chunks itself, one that cuts it leaves them to be merged after all ranges; either
+    # way the same result
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 3, 4):
+            torch.set_num_threads(threads)
+            again = torch.ops.tokenmill.decode_attention(
+                q, k_cache, v_cache, slots, mask, 0.3, None
+            )
+            assert torch.equal(again, out)
+    finally:
+        torch.set_num_threads(previous)
+    no_keys = torch.ops.tokenmill.decode_attention(
+        q, k_cache, v_cache, slots[:, :0], mask[:, :0], 0.3, None
+    )
+    assert torch.equal(no_keys, torch.zeros_like(q))
 
 
 @pytest.mark.parametrize("heads", [6, 7, 9, 12])

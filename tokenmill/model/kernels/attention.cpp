@@ -21,6 +21,8 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -205,8 +207,8 @@ inline int64_t balanced_entry(int64_t p, int64_t batch) { return p % 2 ? batch -
 // Tasks are (sequence, KV head, chunk of kChunk context positions): the query heads sharing a KV
 // head attend together, up to kMaxHeads at a time, so that each row is loaded and widened once for
 // all of them rather than once per head, and a batch of one still has tasks for every thread. The
-// chunks' partial results are merged per (sequence, query head). Which thread runs a task changes
-// nothing in its arithmetic, and neither do the prefetches.
+// chunks' partial results are merged per (sequence, query head), in chunk order. Which thread runs a
+// task, and which merges a head, changes nothing in the arithmetic, and neither do the prefetches.
 //
 // The software prefetches serve rows read once per step: a decode token's context, scattered over
 // the cache's blocks. The tokens of a prompt chunk share their sequence's rows (their slot rows
@@ -228,17 +230,36 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* sp = slots.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
   T* op = out.data_ptr<T>();
+  if (chunks == 0) {  // no keys: zeros, as for a sequence whose keys are all masked
+    out.zero_();
+    return;
+  }
   std::vector<char> prefetched(batch);  // per entry: whether its tasks prefetch (see above)
-  for (int64_t b = 0; context > 0 && b < batch; ++b) {
+  for (int64_t b = 0; b < batch; ++b) {
     const int64_t first = sp[b * context];
     prefetched[b] = !((b > 0 && sp[(b - 1) * context] == first) || (b + 1 < batch && sp[(b + 1) * context] == first));
   }
-  // partial results by (sequence, query head, chunk), each written by its task before it is merged
+  // Partial results by (sequence, query head, chunk), for the (sequence, KV head) pairs whose tasks
+  // a thread's range of tasks cuts: their chunks' partials meet here, and the pair is merged once
+  // every thread is done. A pair whose tasks a thread holds whole is merged by it as its last chunk
+  // ends, from partials in a buffer of its own, which stays in cache: a prompt's tokens would
+  // otherwise write and read back megabytes of partials a layer. Both merge the same values alike.
   const int64_t parts = batch * heads * chunks;
   const at::Tensor partials = at::empty({parts * (dim + 2)}, q.options().dtype(at::kFloat));
   float* tops = partials.data_ptr<float>();
   float* totals = tops + parts;
   float* accs = totals + parts;
+  std::vector<int64_t> cut_pairs;  // (sequence b, KV head g) as b * kv_heads + g
+  std::mutex cut_pairs_lock;
+  // merges the chunks' partials of (b, g), its query heads' at stride `chunks`, into their outputs
+  const auto merge_pair = [&](int64_t b, int64_t g, const float* pair_tops, const float* pair_totals,
+                              const float* pair_accs) {
+    for (int64_t h = 0; h < group; ++h) {
+      const int64_t head = g * group + h;
+      merge_chunks(pair_tops + h * chunks, pair_totals + h * chunks, pair_accs + h * chunks * dim, chunks, dim,
+                   sinks ? sinks + head : nullptr, op + (b * heads + head) * dim);
+    }
+  };
   // A task's rows: the cache slots of its chunk's admitted positions, in position order, and their
   // count. A whole chunk's mask is read 32 entries at a time: one admitted whole (a prompt's keys
   // before its diagonal, a decode token's context) is read in place from the slot table, one
@@ -271,9 +292,19 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     int buffer = 0;  // row_buffers' entry that `rows` may point into; the next task takes the other
     int64_t count = 0;
     const int64_t* rows = task_rows(t0, row_buffers[buffer], count);
+    // the partials of a (sequence, KV head) held whole: by (query head of the KV head, chunk)
+    const std::unique_ptr<float[]> own(new float[group * chunks * (dim + 2)]);
+    float* own_tops = own.get();
+    float* own_totals = own_tops + group * chunks;
+    float* own_accs = own_totals + group * chunks;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = balanced_entry(t / (kv_heads * chunks), batch);
       const int64_t g = t / chunks % kv_heads, c = t % chunks;
+      const bool whole = t - c >= t0 && t - c + chunks <= t1;  // this range holds (b, g)'s every chunk
+      if (!whole && (t == t0 || t + 1 == t1)) {
+        const std::lock_guard<std::mutex> hold(cut_pairs_lock);
+        cut_pairs.push_back(b * kv_heads + g);
+      }
       // The next task's key and value rows are asked into L2 while this one computes: head_scores
       // prefetches only a few rows ahead within a chunk, so each chunk's first rows would
       // otherwise wait on memory.
@@ -288,30 +319,38 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           prefetch_row<_MM_HINT_T1>(vp + next_g * dim + next_rows[j] * row_stride, dim);
         }
       }
-      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
-        const int64_t n = std::min<int64_t>(per_pass, (g + 1) * group - h0), part = (b * heads + h0) * chunks + c;
+      // (b, g)'s partials: its query heads' at stride `chunks`, from chunk 0 of its first head
+      const int64_t pair_part = whole ? 0 : (b * heads + g * group) * chunks;
+      float* pair_tops = whole ? own_tops : tops + pair_part;
+      float* pair_totals = whole ? own_totals : totals + pair_part;
+      float* pair_accs = whole ? own_accs : accs + pair_part * dim;
+      for (int64_t h0 = 0; h0 < group; h0 += per_pass) {
+        const int64_t n = std::min<int64_t>(per_pass, group - h0), part = h0 * chunks + c;
         for (int64_t h = 0; h < n; ++h) {
-          tops[part + h * chunks] = -std::numeric_limits<float>::infinity();
-          totals[part + h * chunks] = 0.0f;
+          pair_tops[part + h * chunks] = -std::numeric_limits<float>::infinity();
+          pair_totals[part + h * chunks] = 0.0f;
         }
         if (count == 0) continue;  // merge_chunks leaves the chunk out
         const auto attend = [&](auto together) {  // the n heads, as a template argument
-          attend_chunk<decltype(together)::value>(qp + (b * heads + h0) * dim, kp + g * dim, vp + g * dim, rows, count,
-                                                  row_stride, dim, static_cast<float>(scale), softcap, prefetched[b],
-                                                  tops + part, totals + part, accs + part * dim, chunks);
+          attend_chunk<decltype(together)::value>(qp + (b * heads + g * group + h0) * dim, kp + g * dim, vp + g * dim,
+                                                  rows, count, row_stride, dim, static_cast<float>(scale), softcap,
+                                                  prefetched[b], pair_tops + part, pair_totals + part,
+                                                  pair_accs + part * dim, chunks);
         };
         simd::with_constant<kMaxHeads>(n, attend);
       }
+      if (whole && c + 1 == chunks) merge_pair(b, g, own_tops, own_totals, own_accs);
       rows = next_rows;
       count = next_count;
       buffer = 1 - buffer;
     }
   });
-  at::parallel_for(0, batch * heads, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      merge_chunks(tops + t * chunks, totals + t * chunks, accs + t * chunks * dim, chunks, dim,
-                   sinks ? sinks + t % heads : nullptr, op + t * dim);
-  });
+  std::sort(cut_pairs.begin(), cut_pairs.end());
+  cut_pairs.erase(std::unique(cut_pairs.begin(), cut_pairs.end()), cut_pairs.end());
+  for (const int64_t pair : cut_pairs) {
+    const int64_t b = pair / kv_heads, g = pair % kv_heads, pair_part = (b * heads + g * group) * chunks;
+    merge_pair(b, g, tops + pair_part, totals + pair_part, accs + pair_part * dim);
+  }
 }
 
 }  // namespace
