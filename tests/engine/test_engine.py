@@ -271,6 +271,29 @@ def test_logprobs_and_prompt_logprobs_match_the_model(tiny_loaded) -> None:
         assert sorted(entry) == sorted(row.topk(3).indices.tolist())
 
 
+def test_eager_steps_leave_their_logits_in_one_buffer(tiny_loaded) -> None:
+    """A prompt step's and decode steps' last-token logits land in one float32 buffer, reused
+    from call to call (a new tensor of a large vocabulary's logits at 32 sequences is mapped and
+    faulted in every step); argmax_only steps return the head's products in the model's dtype."""
+    runner = ModelRunner(tiny_loaded, num_blocks=8, block_size=16)
+    prompts = [[5, 9, 3], [7, 1], [4, 4, 4, 4]]
+    tables = [[0], [1], [2]]
+    prefill = runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
+    expected_prefill = prefill.clone()
+    step = ([[8]] * 3, [len(p) + 1 for p in prompts], tables)
+    decoded = runner.last_token_logits(*step)
+    assert decoded.data_ptr() == prefill.data_ptr() and decoded.dtype == torch.float32
+    # the same step again, its logits as a new tensor
+    reference = runner.model.logits(runner.hidden_states(*step))
+    assert torch.equal(decoded, reference)
+    fresh = ModelRunner(tiny_loaded, num_blocks=8, block_size=16)
+    again = fresh.last_token_logits(prompts, [len(p) for p in prompts], tables)
+    assert torch.equal(again, expected_prefill)
+    raw = fresh.last_token_logits(*step, argmax_only=True)
+    assert raw.dtype == tiny_loaded.dtype and raw.data_ptr() != fresh._logits.data_ptr()
+    assert torch.equal(raw.float().argmax(-1), decoded.argmax(-1))
+
+
 def test_bad_requests_are_refused_and_leave_nothing(tiny_loaded) -> None:
     engine = LLMEngine(tiny_loaded, num_kv_blocks=16, max_model_len=64)
     with pytest.raises(InvalidRequestError, match="empty"):

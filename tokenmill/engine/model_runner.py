@@ -367,9 +367,9 @@ class ModelRunner:
         argmax_only: bool = False,
     ) -> torch.Tensor:
         """As `hidden_states`, but returns the float32 logits of each sequence's last new token
-        (num_seqs, vocab). A decode step runs the compiled graph where one is ready; its logits
-        are overwritten by the next compiled step's (see `_logits_buffer`) and, with argmax_only
-        (the caller only takes their argmaxes), may stay in the model's dtype (see
+        (num_seqs, vocab). A decode step runs the compiled graph where one is ready. The logits
+        are overwritten by the next call's (see `_logits_buffer`) and, with argmax_only (the
+        caller only takes their argmaxes), may stay in the model's dtype (see
         `Transformer.logits`)."""
         query_lens = [len(t) for t in token_ids]
         if self._compiled_decode is not None and 1 < max(query_lens) <= COMPILED_ROWS_PER_SEQUENCE:
@@ -381,7 +381,7 @@ class ModelRunner:
             return self._decode_logits(flat, batch, argmax_only)
         hidden = self._forward(flat, batch)
         last = torch.tensor(query_lens).cumsum(0) - 1
-        return self.model.logits(hidden[last])
+        return self._buffered_logits(hidden[last], argmax_only)
 
     @torch.inference_mode()
     def token_logits(
@@ -476,7 +476,7 @@ class ModelRunner:
             if checked:
                 self._record_trial(trial, True, (time.perf_counter() - start) / num_seqs, num_seqs)
             return logits
-        logits = self.model.logits(self._forward(flat, batch))
+        logits = self._buffered_logits(self._forward(flat, batch), argmax_only)
         self._record_trial(trial, False, (time.perf_counter() - start) / num_seqs, num_seqs)
         return logits
 
@@ -512,10 +512,17 @@ class ModelRunner:
         """The eager forward pass: final hidden states."""
         return self.model(flat, self.cache, batch)
 
+    def _buffered_logits(self, hidden: torch.Tensor, argmax_only: bool) -> torch.Tensor:
+        """`last_token_logits`' logits of final hidden states, in `_logits_buffer`."""
+        products = self.model.head_products(hidden)
+        return self.model.logits(
+            products=products, out=self._logits_buffer(products.shape), argmax_only=argmax_only
+        )
+
     def _logits_buffer(self, shape: torch.Size) -> torch.Tensor:
-        """Where compiled decode steps leave their float32 logits, reused from step to step (at
+        """Where `last_token_logits` leaves its float32 logits, reused from call to call (at
         least shape's rows): a new tensor of a large vocabulary's logits for a batch, above what
-        glibc's heap serves, would be mapped and faulted in afresh every step."""
+        glibc's heap serves (32 MB), would be mapped and faulted in afresh every step."""
         rows, vocab = shape
         if self._logits is None or self._logits.shape[0] < rows:
             self._logits = torch.empty(
