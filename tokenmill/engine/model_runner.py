@@ -381,7 +381,7 @@ class ModelRunner:
             return self._decode_logits(flat, batch, argmax_only)
         hidden = self._forward(flat, batch)
         last = torch.tensor(query_lens).cumsum(0) - 1
-        return self._buffered_logits(hidden[last], argmax_only)
+        return self._finish_logits(self.model.head_products(hidden[last]), argmax_only)
 
     @torch.inference_mode()
     def token_logits(
@@ -469,14 +469,15 @@ class ModelRunner:
             checked = min(num_seqs, GRAPH_SIZES[-1]) in self._checked_graphs
             products = self._run_compiled(flat, batch)
             if products is None:  # no graph for this batch yet
-                return self.model.logits(self._forward(flat, batch))
-            logits = self.model.logits(
-                products=products, out=self._logits_buffer(products.shape), argmax_only=argmax_only
-            )
+                products = self.model.head_products(self._forward(flat, batch))
+                return self._finish_logits(products, argmax_only)
+            logits = self._finish_logits(products, argmax_only)
             if checked:
                 self._record_trial(trial, True, (time.perf_counter() - start) / num_seqs, num_seqs)
             return logits
-        logits = self._buffered_logits(self._forward(flat, batch), argmax_only)
+        logits = self._finish_logits(
+            self.model.head_products(self._forward(flat, batch)), argmax_only
+        )
         self._record_trial(trial, False, (time.perf_counter() - start) / num_seqs, num_seqs)
         return logits
 
@@ -512,9 +513,9 @@ class ModelRunner:
         """The eager forward pass: final hidden states."""
         return self.model(flat, self.cache, batch)
 
-    def _buffered_logits(self, hidden: torch.Tensor, argmax_only: bool) -> torch.Tensor:
-        """`last_token_logits`' logits of final hidden states, in `_logits_buffer`."""
-        products = self.model.head_products(hidden)
+    def _finish_logits(self, products: torch.Tensor, argmax_only: bool) -> torch.Tensor:
+        """`last_token_logits`' logits of the output head's products, compiled or eager, in
+        `_logits_buffer` (or the products themselves, with argmax_only: `Transformer.logits`)."""
         return self.model.logits(
             products=products, out=self._logits_buffer(products.shape), argmax_only=argmax_only
         )
