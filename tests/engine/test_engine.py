@@ -8,10 +8,12 @@ import random
 import pytest
 import torch
 
+from tests.model.test_kernels import needs_avx512
 from tokenmill.engine.kv_memory import default_kv_budget
 from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.errors import InvalidRequestError
+from tokenmill.model.loader import load_model
 from tokenmill.sample import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -292,6 +294,28 @@ def test_eager_steps_leave_their_logits_in_one_buffer(tiny_loaded) -> None:
     raw = fresh.last_token_logits(*step, argmax_only=True)
     assert raw.dtype == tiny_loaded.dtype and raw.data_ptr() != fresh._logits.data_ptr()
     assert torch.equal(raw.float().argmax(-1), decoded.argmax(-1))
+
+
+@needs_avx512  # a head writes into a reused tensor through the tile kernel only
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_eager_steps_leave_the_head_products_in_one_buffer(tiny_model_dir, dtype: str) -> None:
+    """A packed output head writes each eager step's products into one reused tensor (a new one
+    for a large vocabulary at a wide batch is mapped and faulted in every step), which for a
+    float32 model is the logits buffer itself; the logits are those of a new tensor."""
+    loaded = load_model(tiny_model_dir, dtype=dtype, quantization="int8", progress=False)
+    assert loaded.model.lm_head.tiles
+    runner = ModelRunner(loaded, num_blocks=8, block_size=16)
+    prompts = [[5, 9, 3], [7, 1], [4, 4, 4, 4]]
+    tables = [[0], [1], [2]]
+    runner.last_token_logits(prompts, [len(p) for p in prompts], tables)
+    steps = [([[t]] * 3, [len(p) + 1 + i for p in prompts], tables) for i, t in enumerate((8, 2))]
+    raw = [runner.last_token_logits(*step, argmax_only=True) for step in steps]
+    assert raw[0].data_ptr() == raw[1].data_ptr() and raw[0].dtype == loaded.dtype
+    logits = runner.last_token_logits(*steps[1])
+    assert logits.dtype == torch.float32
+    assert (logits.data_ptr() == raw[0].data_ptr()) == (loaded.dtype == torch.float32)
+    reference = runner.model.logits(runner.hidden_states(*steps[1]))
+    assert torch.equal(logits, reference)
 
 
 def test_bad_requests_are_refused_and_leave_nothing(tiny_loaded) -> None:

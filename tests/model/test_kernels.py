@@ -482,6 +482,33 @@ def test_quant_tiles_linear_switches_to_the_dense_copy_beyond_its_rows(tokens: i
 
 
 @needs_avx512
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_quant_tiles_linear_into_writes_the_products_into_the_given_tensor(
+    bits: int, dtype: torch.dtype
+) -> None:
+    """The products quant_tiles_linear makes, to the bit, written into the caller's tensor, also
+    where a dense copy multiplies; a tensor that cannot hold them is refused."""
+    rows, cols = 16 * 37, 256
+    if bits == 6:
+        packed = q6_tiles([_q6_k_layer(rows, cols, bits)])
+    else:
+        _, _, _, packed = _random_tiles(rows, cols, bits, bits)
+    into_op = kernels.ops().quant_tiles_linear_into
+    x = torch.randn(5, cols).to(dtype)
+    copy = torch.randn(rows, cols).to(dtype)  # unrelated to the packed weight
+    for dense, max_rows in ((None, 1 << 30), (copy, 4)):
+        expected = torch.ops.tokenmill.quant_tiles_linear(x, *packed, dense, max_rows, 32)
+        into = torch.full((5, rows), float("nan"), dtype=dtype)
+        out = into_op(x, *packed, dense, max_rows, 32, -1, -1, into)
+        assert out.data_ptr() == into.data_ptr() and torch.equal(into, expected)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    for wrong in (into[:4], into.to(other), torch.empty(rows, 5, dtype=dtype).t()):
+        with pytest.raises(RuntimeError, match="into must be a contiguous tensor of x's dtype"):
+            into_op(x, *packed, None, 1 << 30, 32, -1, -1, wrong)
+
+
+@needs_avx512
 @pytest.mark.parametrize("exact_in_half", [True, False])
 def test_quant_tiles_keep_group_scales_in_float16_only_where_exact(exact_in_half: bool) -> None:
     torch.manual_seed(2)

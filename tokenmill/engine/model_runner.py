@@ -258,6 +258,7 @@ class ModelRunner:
         self._compile_thread: StoppableThread | None = None
         self.uncompiled_decode_steps = 0  # decode steps no compiled graph fitted (run eagerly)
         self._logits: torch.Tensor | None = None  # see _logits_buffer
+        self._products: torch.Tensor | None = None  # see _eager_products
         self._kernel_build = (
             kernels.build_in_background() if self.cache.k[0].device.type == "cpu" else None
         )
@@ -381,7 +382,7 @@ class ModelRunner:
             return self._decode_logits(flat, batch, argmax_only)
         hidden = self._forward(flat, batch)
         last = torch.tensor(query_lens).cumsum(0) - 1
-        return self._finish_logits(self.model.head_products(hidden[last]), argmax_only)
+        return self._finish_logits(self._eager_products(hidden[last]), argmax_only)
 
     @torch.inference_mode()
     def token_logits(
@@ -469,15 +470,13 @@ class ModelRunner:
             checked = min(num_seqs, GRAPH_SIZES[-1]) in self._checked_graphs
             products = self._run_compiled(flat, batch)
             if products is None:  # no graph for this batch yet
-                products = self.model.head_products(self._forward(flat, batch))
+                products = self._eager_products(self._forward(flat, batch))
                 return self._finish_logits(products, argmax_only)
             logits = self._finish_logits(products, argmax_only)
             if checked:
                 self._record_trial(trial, True, (time.perf_counter() - start) / num_seqs, num_seqs)
             return logits
-        logits = self._finish_logits(
-            self.model.head_products(self._forward(flat, batch)), argmax_only
-        )
+        logits = self._finish_logits(self._eager_products(self._forward(flat, batch)), argmax_only)
         self._record_trial(trial, False, (time.perf_counter() - start) / num_seqs, num_seqs)
         return logits
 
@@ -519,6 +518,22 @@ class ModelRunner:
         return self.model.logits(
             products=products, out=self._logits_buffer(products.shape), argmax_only=argmax_only
         )
+
+    def _eager_products(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head's products of an eager step's final hidden states, written into a
+        tensor reused from call to call where the head's kernel takes one (`head_products`), as
+        the logits are (`_logits_buffer`): for a float32 model that same tensor, so that
+        `_finish_logits` copies nothing. The first products of a size become the buffer."""
+        rows = hidden.shape[0]
+        buffer = self._logits if hidden.dtype == torch.float32 else self._products
+        if buffer is not None and buffer.shape[0] >= rows:
+            return self.model.head_products(hidden, out=buffer)
+        products = self.model.head_products(hidden)
+        if products.dtype == torch.float32:
+            self._logits = products
+        else:
+            self._products = products
+        return products
 
     def _logits_buffer(self, shape: torch.Size) -> torch.Tensor:
         """Where `last_token_logits` leaves its float32 logits, reused from call to call (at

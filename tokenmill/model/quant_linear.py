@@ -831,6 +831,22 @@ class QuantLinear(nn.Module):
 
     __call__ = forward  # without nn.Module's hook dispatch: see "Plain calls" in transformer.py
 
+    def forward_into(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """forward(x) written into `into`, a contiguous (rows of x, out_features) tensor of x's
+        dtype that the caller reuses from call to call, where the tile kernel serves the layer
+        (eager calls); elsewhere a new tensor, as forward's. A large output made anew on every
+        call (an output head's for a batch, above glibc's 32 MB heap limit) is mapped and faulted
+        in afresh each time."""
+        if (
+            not self.tiles
+            or self.bias is not None
+            or not self._native_fits(x)
+            or torch.compiler.is_compiling()
+        ):
+            return self.forward(x)
+        _, args = self._native_call(x.shape[0], x.dtype)
+        return kernels.ops().quant_tiles_linear_into(x, *args, into)
+
     def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokenmill's op for the layer's layout on CPU (`_kernel`'s "native"), the hot path of
         eager steps."""

@@ -715,16 +715,26 @@ class Transformer(nn.Module):
         cap = self.config.final_logit_softcap
         if argmax_only and cap is None:  # a positive logits_scaling keeps the argmax
             return products
-        logits = products.float() if out is None else out[: products.shape[0]].copy_(products)
+        if out is None:
+            logits = products.float()
+        else:  # products that the head wrote into out (`head_products`) stay where they are
+            logits = out[: products.shape[0]]
+            if products.data_ptr() != logits.data_ptr():
+                logits.copy_(products)
         if self.config.logits_scaling != 1.0:
             logits.div_(self.config.logits_scaling)
         if cap is not None:
             logits.div_(cap).tanh_().mul_(cap)
         return logits
 
-    def head_products(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head's matmul (T, vocab), in the model's dtype: what `logits` finishes."""
+    def head_products(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The output head's matmul (T, vocab), in the model's dtype: what `logits` finishes.
+        out: a contiguous tensor of the model's dtype, at least T rows of the head's width, that
+        the caller reuses from call to call; the products go into its first T rows where the
+        head's kernel writes there (`QuantLinear.forward_into`), else into a new tensor."""
         if self.lm_head is not None:
+            if out is not None and hasattr(self.lm_head, "forward_into"):  # QuantLinear
+                return self.lm_head.forward_into(hidden, out[: hidden.shape[0]])
             return self.lm_head(hidden)
         if self.invariant_head:
             return invariant_linear(hidden, self.embed.weight)

@@ -77,6 +77,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int6_rows_linear", &tokenmill::int6_rows_linear, unlocked);
   m.def("int4_linear", &tokenmill::int4_linear, unlocked);
   m.def("quant_tiles_linear", &tokenmill::quant_tiles_linear, unlocked);
+  m.def("quant_tiles_linear_into", &tokenmill::quant_tiles_linear_into, unlocked);
   m.def("dense_linear", &tokenmill::dense_linear, unlocked);
   m.def("rms_norm", &tokenmill::rms_norm, unlocked);
   m.def("rotary", &tokenmill::rotary, unlocked);

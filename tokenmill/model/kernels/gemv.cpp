@@ -1062,14 +1062,15 @@ void quant_tiles(const int8_t* xq, const float* scales, const float* sums, const
 constexpr int64_t kTilesPerTask = 2;
 constexpr int64_t kTilesPerChunk = 4;
 
-// A tile kernel's (M, N) output in x's dtype T, which it writes as float or as bf16 values
+// A tile kernel's (M, N) output in x's dtype T, which it writes as float or as bf16 values: a new
+// tensor, or `into` (checked by quant_tiles_linear_into)
 template <typename T>
 struct TileOutput {
   at::Tensor y;
   float* f32;          // y's values where T is float, else null
   at::BFloat16* bf16;  // y's values where T is bf16, else null
-  TileOutput(const at::Tensor& x, int64_t N)
-      : y(at::empty({x.size(0), N}, x.options())),
+  TileOutput(const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& into)
+      : y(into.has_value() ? *into : at::empty({x.size(0), N}, x.options())),
         f32(std::is_same_v<T, float> ? y.data_ptr<float>() : nullptr),
         bf16(std::is_same_v<T, float> ? nullptr : y.data_ptr<at::BFloat16>()) {}
   float* f32_at(int64_t offset) const { return f32 ? f32 + offset : nullptr; }
@@ -1078,9 +1079,9 @@ struct TileOutput {
 
 template <int Bits, bool Fifth, bool Fine, typename T, typename S>
 at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint8_t* fifth,
-                          const at::Tensor& tile_scales) {
+                          const at::Tensor& tile_scales, const std::optional<at::Tensor>& into) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
-  const TileOutput<T> out(x, N);
+  const TileOutput<T> out(x, N, into);
   if (M == 0) return out.y;
   const QuantizedRows xq = quantize_rows<T>(x, true, Layout::kRowBlocks, !Fine);
   std::vector<float> totals;  // per activation row, for weights with one scale per row (quant_tiles)
@@ -1202,9 +1203,10 @@ void q6_tiles(const int8_t* xq, const float* scales, const float* half_sums, int
 }
 
 template <bool Fine, typename T>
-at::Tensor q6_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales) {
+at::Tensor q6_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
+                       const std::optional<at::Tensor>& into) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, N = tile_scales.size(0) * 16;
-  const TileOutput<T> out(x, N);
+  const TileOutput<T> out(x, N, into);
   if (M == 0) return out.y;
   const QuantizedRows xq = quantize_rows<T>(x, true, Layout::kRowBlocks, !Fine, true, Fine);
   const uint8_t* q = tiles.data_ptr<uint8_t>();
@@ -1546,18 +1548,17 @@ at::Tensor amx_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint
 
 namespace tokenmill {
 
-// y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5), 6 (Q6_K's, q6_tiles) or 8; beyond
-// max_tile_rows rows, with the layer's dense copy where it has one. bf16 x of amx_min_rows rows or
-// more (never if negative, nor for 6-bit tiles) goes to AMX where this build and the process have
-// it; else x activations share an int8 scale per x_block (8 or 32), except that x_block 32 serves
-// only up to max_coarse_rows rows (all if negative) and 8 beyond them. Every row is rounded and
-// summed alike whatever the row count, so a row's result depends on its batch only through these
-// two thresholds.
-at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
-                              const std::optional<at::Tensor>& fifth_masks, int64_t bits,
-                              const std::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
-                              int64_t max_coarse_rows, int64_t amx_min_rows) {
-  if (x.size(0) > max_tile_rows && dense.has_value()) return at::linear(x, *dense);
+namespace {
+
+// quant_tiles_linear's products, written into `into` where given (whose shape and dtype
+// quant_tiles_linear_into has checked) by the tile kernels, and copied there from the dense copy's
+// or AMX's
+at::Tensor tiles_products(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
+                          const std::optional<at::Tensor>& fifth_masks, int64_t bits,
+                          const std::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
+                          int64_t max_coarse_rows, int64_t amx_min_rows, const std::optional<at::Tensor>& into) {
+  const auto written = [&](const at::Tensor& y) { return into.has_value() ? into->copy_(y) : y; };
+  if (x.size(0) > max_tile_rows && dense.has_value()) return written(at::linear(x, *dense));
   if (max_coarse_rows >= 0 && x.size(0) > max_coarse_rows) x_block = 8;
 #ifdef TILES_BUILT
   const auto dtype = x.scalar_type();
@@ -1576,8 +1577,8 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
                 "quant_tiles_linear: 6-bit tiles must be contiguous uint8 of the weight's size, without fifth_masks");
     const auto products = [&](auto fine) {
       constexpr bool kFine = decltype(fine)::value;
-      return dtype == at::kFloat ? q6_tiles_as<kFine, float>(x, tiles, tile_scales)
-                                 : q6_tiles_as<kFine, at::BFloat16>(x, tiles, tile_scales);
+      return dtype == at::kFloat ? q6_tiles_as<kFine, float>(x, tiles, tile_scales, into)
+                                 : q6_tiles_as<kFine, at::BFloat16>(x, tiles, tile_scales, into);
     };
     return x_block == 8 ? products(std::true_type{}) : products(std::false_type{});
   }
@@ -1622,7 +1623,7 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
     TORCH_CHECK(!compact_scales, "quant_tiles_linear: AMX takes float32 or float16 tile scales, not compact ones");
     return with_weights(std::false_type{}, [&](auto kind, auto scale) {
       constexpr int kKind = decltype(kind)::value;
-      return amx_tiles_as<kKind == 8 ? 8 : 4, kKind == 5, decltype(scale)>(x, tiles, fifth, tile_scales);
+      return written(amx_tiles_as<kKind == 8 ? 8 : 4, kKind == 5, decltype(scale)>(x, tiles, fifth, tile_scales));
     });
   }
 #endif
@@ -1631,8 +1632,9 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
       constexpr int kKind = decltype(kind)::value, kBits = kKind == 8 ? 8 : 4;
       constexpr bool kFifth = kKind == 5, kFine = decltype(fine)::value;
       using S = decltype(scale);
-      return dtype == at::kFloat ? quant_tiles_as<kBits, kFifth, kFine, float, S>(x, tiles, fifth, tile_scales)
-                                 : quant_tiles_as<kBits, kFifth, kFine, at::BFloat16, S>(x, tiles, fifth, tile_scales);
+      return dtype == at::kFloat
+                 ? quant_tiles_as<kBits, kFifth, kFine, float, S>(x, tiles, fifth, tile_scales, into)
+                 : quant_tiles_as<kBits, kFifth, kFine, at::BFloat16, S>(x, tiles, fifth, tile_scales, into);
     });
   };
   return x_block == 8 ? products(std::true_type{}) : products(std::false_type{});
@@ -1640,6 +1642,38 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
   TORCH_CHECK(false, "quant_tiles_linear needs AVX-512 with VNNI");
   return x;
 #endif
+}
+
+}  // namespace
+
+// y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5), 6 (Q6_K's, q6_tiles) or 8; beyond
+// max_tile_rows rows, with the layer's dense copy where it has one. bf16 x of amx_min_rows rows or
+// more (never if negative, nor for 6-bit tiles) goes to AMX where this build and the process have
+// it; else x activations share an int8 scale per x_block (8 or 32), except that x_block 32 serves
+// only up to max_coarse_rows rows (all if negative) and 8 beyond them. Every row is rounded and
+// summed alike whatever the row count, so a row's result depends on its batch only through these
+// two thresholds.
+at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
+                              const std::optional<at::Tensor>& fifth_masks, int64_t bits,
+                              const std::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
+                              int64_t max_coarse_rows, int64_t amx_min_rows) {
+  return tiles_products(x, tiles, tile_scales, fifth_masks, bits, dense, max_tile_rows, x_block, max_coarse_rows,
+                        amx_min_rows, std::nullopt);
+}
+
+// quant_tiles_linear's products written into `into`, a contiguous (rows of x, N) tensor of x's
+// dtype that a caller reuses from call to call: a large output (an output head's for a batch) as a
+// new tensor would be mapped and faulted in afresh on every call once above glibc's heap limit
+at::Tensor quant_tiles_linear_into(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
+                                   const std::optional<at::Tensor>& fifth_masks, int64_t bits,
+                                   const std::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
+                                   int64_t max_coarse_rows, int64_t amx_min_rows, at::Tensor into) {
+  TORCH_CHECK(into.is_contiguous() && into.scalar_type() == x.scalar_type() && into.dim() == 2 &&
+                  into.size(0) == x.size(0) && into.size(1) == tile_scales.size(0) * 16,
+              "quant_tiles_linear_into: into must be a contiguous tensor of x's dtype, (rows of x, the weight's "
+              "rows)");
+  return tiles_products(x, tiles, tile_scales, fifth_masks, bits, dense, max_tile_rows, x_block, max_coarse_rows,
+                        amx_min_rows, into);
 }
 
 // Whether this build has the tile kernel (AVX-512 with byte instructions and VNNI)

@@ -35,6 +35,10 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& tiles, cons
                               const std::optional<at::Tensor>& fifth_masks, int64_t bits,
                               const std::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
                               int64_t max_coarse_rows, int64_t amx_min_rows);
+at::Tensor quant_tiles_linear_into(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales,
+                                   const std::optional<at::Tensor>& fifth_masks, int64_t bits,
+                                   const std::optional<at::Tensor>& dense, int64_t max_tile_rows, int64_t x_block,
+                                   int64_t max_coarse_rows, int64_t amx_min_rows, at::Tensor into);
 // dense.cpp
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 // norm.cpp, rotary.cpp, activation.cpp
