@@ -1118,12 +1118,9 @@ at::Tensor quant_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const ui
 constexpr int64_t kQ6BlockBytes = kCompactGroups * 32 + 64;
 
 // M activation rows of a kRowBlocks block of `stride` rows (xq, scales and half_sums at its first).
-// With x_block 8 a block of more than kQ6Rows rows goes through in parts, so that the parts'
-// accumulators (two per row for the halves, and the row's sum) stay in the vector registers; with
-// 32 the halves' float sums live only past each group's products, and a block goes through whole
-// (unpacking each group's q once for its 8 rows).
-constexpr int kQ6Rows = 4;
-
+// A group's halves go through one after the other, each over both pairs of quarters, so that a row
+// holds two accumulators at a time (its half's sum and its own), 16 for a block of 8, which stay in
+// the vector registers with either x_block; the block's rows share each group's unpacked q.
 template <int M, bool Fine>
 void q6_tiles(const int8_t* xq, const float* scales, const float* half_sums, int64_t stride, int64_t K,
               const uint8_t* tiles, const uint8_t* tile_scales, float* y, at::BFloat16* y_bf16, int64_t N,
@@ -1147,54 +1144,44 @@ void q6_tiles(const int8_t* xq, const float* scales, const float* half_sums, int
       }
       const int8_t* xg = xq + g * stride * 32;  // row i's values at xg + 32 i
       const float *sg = scales + g * stride * 4, *hg = half_sums + g * stride * 2;
-      __m512i whole[2][M];  // per half, each row's integer sums under one activation scale
-      __m512 part[2][M];    // per half, -32 x the activations' sum plus the sums scaled by their scales
-      for (int i = 0; i < M; ++i)
-        for (int h = 0; h < 2; ++h) {
-          part[h][i] = _mm512_set1_ps(hg[i * 2 + h]);
-          whole[h][i] = _mm512_setzero_si512();
-        }
-#pragma GCC unroll 2
-      for (int p = 0; p < 2; ++p) {
-        const __m512i tops = _mm512_loadu_si512(group + 256 + p * 64);
-        const __m512i even = _mm512_loadu_si512(group + 2 * p * 64), odd = _mm512_loadu_si512(group + 2 * p * 64 + 64);
-        // quarter 2p's first and second vectors (top bits from bits 0-1 and 2-3), then 2p + 1's (4-5, 6-7)
-        const __m512i first[2] = {join(even, _mm512_and_si512(_mm512_slli_epi16(tops, 4), top)),
-                                  join(odd, _mm512_and_si512(tops, top))};
-        const __m512i second[2] = {
-            join(_mm512_srli_epi16(even, 4), _mm512_and_si512(_mm512_slli_epi16(tops, 2), top)),
-            join(_mm512_srli_epi16(odd, 4), _mm512_and_si512(_mm512_srli_epi16(tops, 2), top))};
-        for (int i = 0; i < M; ++i) {
-          const int8_t* x = xg + i * 32 + 8 * p;  // values 8p.. (first) and 16 + 8p.. (second)
-          __m512i sums[2];
-          sums[0] = dot4_broadcast(dot4_broadcast(Fine ? _mm512_setzero_si512() : whole[0][i], first[0], x), first[1],
-                                   x + 4);
-          sums[1] = dot4_broadcast(
-              dot4_broadcast(Fine ? _mm512_setzero_si512() : whole[1][i], second[0], x + 16), second[1], x + 20);
-          for (int h = 0; h < 2; ++h) {
-            if constexpr (Fine)  // the consecutive 8 values' scale, 8p.. in half h: scale 2h + p
-              part[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h]),
-                                           _mm512_set1_ps(sg[i * 4 + 2 * h + p]), part[h][i]);
-            else
-              whole[h][i] = sums[h];
-          }
-        }
-      }
-      if constexpr (!Fine)
-        for (int i = 0; i < M; ++i)
-          for (int h = 0; h < 2; ++h)
-            part[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole[h][i]), _mm512_set1_ps(sg[i * 4]), part[h][i]);
       const uint8_t* block = ts + (g / kCompactGroups) * kQ6BlockBytes;
       const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(block + kCompactGroups * 32));
       const int8_t* steps = reinterpret_cast<const int8_t*>(block + (g % kCompactGroups) * 32);
-      __m512 half_scale[2];
-      for (int h = 0; h < 2; ++h)
-        half_scale[h] = _mm512_mul_ps(
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512 half_scale = _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(steps + 16 * h)))),
             d);
-      for (int i = 0; i < M; ++i) {
-        acc[i] = _mm512_fmadd_ps(part[0][i], half_scale[0], acc[i]);
-        acc[i] = _mm512_fmadd_ps(part[1][i], half_scale[1], acc[i]);
+        __m512i whole[M];  // each row's integer sums over the half under its one activation scale
+        __m512 part[M];    // -32 x the activations' sum over the half, plus the sums scaled by their scales
+        for (int i = 0; i < M; ++i) {
+          part[i] = _mm512_set1_ps(hg[i * 2 + h]);
+          whole[i] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p) {
+          const __m512i tops = _mm512_loadu_si512(group + 256 + p * 64);
+          const __m512i even = _mm512_loadu_si512(group + 2 * p * 64), odd = _mm512_loadu_si512(group + 2 * p * 64 + 64);
+          // the half's vectors of quarters 2p and 2p + 1: first halves with the top bits from bits 0-1
+          // and 4-5, second halves from bits 2-3 and 6-7
+          const __m512i q0 = h == 0 ? join(even, _mm512_and_si512(_mm512_slli_epi16(tops, 4), top))
+                                    : join(_mm512_srli_epi16(even, 4), _mm512_and_si512(_mm512_slli_epi16(tops, 2), top));
+          const __m512i q1 = h == 0 ? join(odd, _mm512_and_si512(tops, top))
+                                    : join(_mm512_srli_epi16(odd, 4), _mm512_and_si512(_mm512_srli_epi16(tops, 2), top));
+          for (int i = 0; i < M; ++i) {
+            const int8_t* x = xg + i * 32 + 16 * h + 8 * p;  // values 16h + 8p..
+            const __m512i sums = dot4_broadcast(dot4_broadcast(Fine ? _mm512_setzero_si512() : whole[i], q0, x), q1, x + 4);
+            if constexpr (Fine)  // the consecutive 8 values' scale, 8p.. in half h: scale 2h + p
+              part[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(sg[i * 4 + 2 * h + p]), part[i]);
+            else
+              whole[i] = sums;
+          }
+        }
+        for (int i = 0; i < M; ++i) {
+          if constexpr (!Fine)
+            part[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole[i]), _mm512_set1_ps(sg[i * 4]), part[i]);
+          acc[i] = _mm512_fmadd_ps(part[i], half_scale, acc[i]);
+        }
       }
     }
     for (int i = 0; i < M; ++i)
@@ -1214,20 +1201,9 @@ at::Tensor q6_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const at::T
   over_row_blocks(
       M, N / 16,
       [&](auto rows, int64_t m0, int64_t t0, int64_t t1) {
-        constexpr int kRows = decltype(rows)::value;
-        const auto part = [&](auto count, int64_t first) {  // rows first.. of the block
-          const int64_t row = m0 + first;
-          q6_tiles<decltype(count)::value, Fine>(
-              xq.q.get() + m0 * K + first * 32, xq.scales.get() + m0 * groups * 4 + first * 4,
-              xq.sums.get() + m0 * groups * 2 + first * 2, kRows, K, q, ts, out.f32_at(row * N),
-              out.bf16_at(row * N), N, t0, t1, row == 0);
-        };
-        if constexpr (Fine && kRows > kQ6Rows) {
-          part(std::integral_constant<int, kQ6Rows>{}, 0);
-          part(std::integral_constant<int, kRows - kQ6Rows>{}, kQ6Rows);
-        } else {
-          part(rows, 0);
-        }
+        q6_tiles<decltype(rows)::value, Fine>(xq.q.get() + m0 * K, xq.scales.get() + m0 * groups * 4,
+                                              xq.sums.get() + m0 * groups * 2, decltype(rows)::value, K, q, ts,
+                                              out.f32_at(m0 * N), out.bf16_at(m0 * N), N, t0, t1, m0 == 0);
       },
       kTilesPerTask, kTilesPerChunk);
   return out.y;
