@@ -1161,16 +1161,20 @@ void q6_tiles(const int8_t* xq, const float* scales, const float* half_sums, int
 #pragma GCC unroll 2
         for (int p = 0; p < 2; ++p) {
           const __m512i tops = _mm512_loadu_si512(group + 256 + p * 64);
-          const __m512i even = _mm512_loadu_si512(group + 2 * p * 64), odd = _mm512_loadu_si512(group + 2 * p * 64 + 64);
+          const __m512i even = _mm512_loadu_si512(group + 2 * p * 64);
+          const __m512i odd = _mm512_loadu_si512(group + 2 * p * 64 + 64);
           // the half's vectors of quarters 2p and 2p + 1: first halves with the top bits from bits 0-1
           // and 4-5, second halves from bits 2-3 and 6-7
-          const __m512i q0 = h == 0 ? join(even, _mm512_and_si512(_mm512_slli_epi16(tops, 4), top))
-                                    : join(_mm512_srli_epi16(even, 4), _mm512_and_si512(_mm512_slli_epi16(tops, 2), top));
-          const __m512i q1 = h == 0 ? join(odd, _mm512_and_si512(tops, top))
-                                    : join(_mm512_srli_epi16(odd, 4), _mm512_and_si512(_mm512_srli_epi16(tops, 2), top));
+          const __m512i q0 =
+              h == 0 ? join(even, _mm512_and_si512(_mm512_slli_epi16(tops, 4), top))
+                     : join(_mm512_srli_epi16(even, 4), _mm512_and_si512(_mm512_slli_epi16(tops, 2), top));
+          const __m512i q1 =
+              h == 0 ? join(odd, _mm512_and_si512(tops, top))
+                     : join(_mm512_srli_epi16(odd, 4), _mm512_and_si512(_mm512_srli_epi16(tops, 2), top));
           for (int i = 0; i < M; ++i) {
             const int8_t* x = xg + i * 32 + 16 * h + 8 * p;  // values 16h + 8p..
-            const __m512i sums = dot4_broadcast(dot4_broadcast(Fine ? _mm512_setzero_si512() : whole[i], q0, x), q1, x + 4);
+            const __m512i start = Fine ? _mm512_setzero_si512() : whole[i];
+            const __m512i sums = dot4_broadcast(dot4_broadcast(start, q0, x), q1, x + 4);
             if constexpr (Fine)  // the consecutive 8 values' scale, 8p.. in half h: scale 2h + p
               part[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(sg[i * 4 + 2 * h + p]), part[i]);
             else
