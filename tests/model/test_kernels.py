@@ -503,7 +503,8 @@ def test_quant_tiles_linear_into_writes_the_products_into_the_given_tensor(
         out = into_op(x, *packed, dense, max_rows, 32, -1, -1, into)
         assert out.data_ptr() == into.data_ptr() and torch.equal(into, expected)
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
-    for wrong in (into[:4], into.to(other), torch.empty(rows, 5, dtype=dtype).t()):
+    fits = torch.empty(5, rows, dtype=dtype)
+    for wrong in (fits[:4], fits.to(other), torch.empty(rows, 5, dtype=dtype).t()):
         with pytest.raises(RuntimeError, match="into must be a contiguous tensor of x's dtype"):
             into_op(x, *packed, None, 1 << 30, 32, -1, -1, wrong)
 

@@ -837,12 +837,10 @@ class QuantLinear(nn.Module):
         (eager calls); elsewhere a new tensor, as forward's. A large output made anew on every
         call (an output head's for a batch, above glibc's 32 MB heap limit) is mapped and faulted
         in afresh each time."""
-        if (
-            not self.tiles
-            or self.bias is not None
-            or not self._native_fits(x)
-            or torch.compiler.is_compiling()
-        ):
+        bias = self._parameters.get("bias")  # as in _native_forward: no __getattr__ call
+        # a traced graph sees the dispatcher's ops only, which write no given tensor
+        eager_tiles = self.tiles and not torch.compiler.is_compiling()
+        if not eager_tiles or bias is not None or not self._native_fits(x):
             return self.forward(x)
         _, args = self._native_call(x.shape[0], x.dtype)
         return kernels.ops().quant_tiles_linear_into(x, *args, into)
