@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,17 @@ def cpu_kernels() -> bool:
     from tokenmill.model import kernels
 
     return kernels.load()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_graph_build_outlives_its_module() -> Iterator[None]:
+    """Stop, and wait for, every decode-graph build a module's engines left running. An engine's
+    shutdown only tells its build to stop, and the build ends once the compiler call it is in
+    returns (a C++ compile can take seconds): meanwhile the next module's torch.compile would
+    share inductor's process-wide state with it (its record of the kernels being compiled), which
+    holds one compilation at a time."""
+    yield
+    from tokenmill.engine.stoppable_thread import stop_all
+
+    running = stop_all(timeout=300)
+    assert not running, f"{running} still running 300 s after they were told to stop"

@@ -115,8 +115,13 @@ def _raise_in(thread: threading.Thread, exc_type: type[BaseException] | None) ->
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), exc)
 
 
+def stop_all(timeout: float) -> list[str]:
+    """Stop every running thread of this kind, waiting up to timeout seconds for each; the names
+    of those still running after it."""
+    return [t.name for t in list(_live) if t.is_alive() and not t.stop(timeout)]
+
+
 @atexit.register
 def _stop_live_threads() -> None:
-    for thread in list(_live):
-        if thread.is_alive() and not thread.stop(STOP_AT_EXIT_TIMEOUT_S):
-            log.warning("%s did not stop within %.0f s", thread.name, STOP_AT_EXIT_TIMEOUT_S)
+    for name in stop_all(STOP_AT_EXIT_TIMEOUT_S):
+        log.warning("%s did not stop within %.0f s", name, STOP_AT_EXIT_TIMEOUT_S)
