@@ -14,19 +14,22 @@ def _spin() -> None:
 
 
 def test_stop_all_ends_every_running_thread_and_names_those_that_hold_out() -> None:
-    released = threading.Event()
+    entered, released = threading.Event(), threading.Event()
 
     def holds_out() -> None:
-        while not released.is_set():  # swallows every stop until released
+        while True:  # swallows every stop until released
             try:
+                entered.set()
                 _spin()
             except ThreadStopped:
-                pass
+                if released.is_set():
+                    return
 
     spinners = [StoppableThread(_spin, f"spinner-{i}") for i in range(2)]
     stubborn = StoppableThread(holds_out, "stubborn")
     for thread in (*spinners, stubborn):
         thread.start()
+    assert entered.wait(10)  # a thread stopped before its target starts never runs it
     try:
         assert stop_all(timeout=0.5) == ["stubborn"]
         assert not any(t.is_alive() for t in spinners)
