@@ -1,8 +1,9 @@
 """Batch invariance of linear layers: a row's output is the same bits whatever its batch.
 
 Every kernel a packed layer can run (the tile kernel at both activation roundings and as an
-output head, the row kernels for int4, 5-bit and int8 weights) is checked in float32 and bf16 at
-batch sizes across every threshold the kernels know of (1, the GEMV sizes, tiles of rows, 64);
+output head, with GGUF's Q4_K in compact scales and Q6_K in 6-bit tiles too; the row kernels for
+int4, 5-bit and int8 weights) is checked in float32 and bf16 at batch sizes across every
+threshold the kernels know of (1, the GEMV sizes, tiles of rows, 64);
 dense fp32 layers (`DenseLinear`) at every batch up to 40 and past a block of rows, and end to end
 on a tiny fp32 model, whose requests give the same tokens alone and in batches.
 """
@@ -11,21 +12,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from tests.engine_runs import final_outputs
+from tests.model.test_gguf import as_llama_cpp_writes_q4_k, random_blocks
 from tests.tiny_models import build_tiny_model
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.model import kernels, quant_linear, transformer
 from tokenmill.model.dense_linear import DenseLinear
 from tokenmill.model.loader import load_model
+from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     FINE_X_BLOCK,
     QuantLinear,
+    gguf_packed,
     quantize_int4,
     quantize_int8,
 )
@@ -95,12 +101,38 @@ def _layer(options: dict, dtype: torch.dtype, invariant: bool, monkeypatch) -> Q
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("name", "options"), _layouts(), ids=[n for n, _ in _layouts()])
 def test_each_row_is_the_same_whatever_the_batch(name, options, dtype, monkeypatch) -> None:
-    layer = _layer(options, dtype, invariant=True, monkeypatch=monkeypatch)
+    _check_rows(_layer(options, dtype, invariant=True, monkeypatch=monkeypatch), IN, dtype, name)
+
+
+def _check_rows(layer: QuantLinear, in_features: int, dtype: torch.dtype, name: str) -> None:
+    """Every batch of BATCHES gives each row the bits the row gives alone."""
     torch.manual_seed(11)
-    x = (torch.randn(max(BATCHES), IN) * torch.rand(max(BATCHES), 1) * 4).to(dtype)
+    x = (torch.randn(max(BATCHES), in_features) * torch.rand(max(BATCHES), 1) * 4).to(dtype)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     for batch in BATCHES:
         assert torch.equal(layer(x[:batch]), alone[:batch]), f"{name}, {batch} rows"
+
+
+# GGUF's K-quants as the loader lays them out for the tile kernel (`gguf_packed`): Q4_K in 4-bit
+# tiles with compact scales, Q6_K in 6-bit tiles; 768 columns, 3 of their blocks of 256
+K_QUANT_IN = 768
+
+
+@pytest.mark.skipif(not TILE_KERNEL, reason="the tile kernel is built for AVX-512 with VNNI only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("x_block", [FINE_X_BLOCK, COARSE_X_BLOCK])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=["q4_k", "q6_k"])
+def test_k_quant_tile_rows_are_the_same_whatever_the_batch(qtype, x_block, dtype) -> None:
+    assert kernels.load()
+    rng = np.random.default_rng(int(qtype))
+    raw = torch.from_numpy(random_blocks(qtype, (OUT, K_QUANT_IN), rng))
+    if qtype == Q.Q4_K:
+        as_llama_cpp_writes_q4_k(raw, rng)
+    kind, packed = gguf_packed([GGMLWeight(raw, qtype, (OUT, K_QUANT_IN))], tiles=True)
+    assert packed.tile_scales.dtype == torch.uint8  # compact scales, or the 6-bit tiles' own
+    layer = QuantLinear(OUT, K_QUANT_IN, dtype, **{kind: packed}, x_block=x_block)
+    assert layer.tiles and layer._native_fits(torch.zeros(1, K_QUANT_IN, dtype=dtype))
+    _check_rows(layer, K_QUANT_IN, dtype, f"{qtype.name}, x_block {x_block}")
 
 
 # 129 blocks of 32: the int8 row kernel takes several rows over stretches of a row (two whole ones

@@ -49,6 +49,17 @@ def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) ->
     return blocks.reshape(*shape[:-1], shape[-1] // block_size * type_size)
 
 
+def as_llama_cpp_writes_q4_k(raw: torch.Tensor, rng: np.random.Generator) -> None:
+    """Q4_K block bytes changed in place as llama.cpp writes them: a block's largest 6-bit scale
+    and min are 63 (here its first ones), and d and dmin powers of two, so that d x 63 / 63 is d
+    exactly and the tile layout's scales take the compact form (`compact_tile_scales`)."""
+    blocks = raw.view(-1, 144)
+    blocks[:, 4] |= 63
+    blocks[:, 8] |= 63
+    powers = torch.from_numpy(2.0 ** -rng.integers(4, 12, (blocks.shape[0], 2)))
+    blocks[:, :4] = powers.half().view(torch.uint8).view(-1, 4)
+
+
 def write_gguf(
     path: Path,
     tensors: dict[str, np.ndarray | tuple[np.ndarray, Q]],

@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch.utils import cpp_extension
 
-from tests.model.test_gguf import random_blocks
+from tests.model.test_gguf import as_llama_cpp_writes_q4_k, random_blocks
 from tests.paged_cache import block_tables, filled_cache
 from tokenmill.model import kernels
 from tokenmill.model.attention import (
@@ -1300,13 +1300,8 @@ def test_layout_kernels_lay_gguf_weights_out_as_the_python_path_does(
         raw.view(-1, 210)[:2, 208:210] = 0
     if qtype == Q.Q8_0:  # the same: every block's d zero
         raw.view(-1, 34)[:16, :2] = 0
-    if compact:  # as llama.cpp writes Q4_K: a block's largest 6-bit scale and min are 63
-        blocks = raw.view(-1, 144)
-        blocks[:, 4] |= 63
-        blocks[:, 8] |= 63
-        # d and dmin powers of two, so that d x 63 / 63 is d exactly
-        powers = torch.from_numpy(2.0 ** -rng.integers(4, 12, (blocks.shape[0], 2)))
-        blocks[:, :4] = powers.half().view(torch.uint8).view(-1, 4)
+    if compact:
+        as_llama_cpp_writes_q4_k(raw, rng)
     weight = GGMLWeight(raw, qtype, shape)
 
     def laid_out() -> tuple[str, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
@@ -1406,13 +1401,9 @@ def test_q4_k_weights_stack_into_tiles_in_one_pass(compact: bool, monkeypatch) -
         GGMLWeight(torch.from_numpy(random_blocks(Q.Q4_K, (rows, 768), rng)), Q.Q4_K, (rows, 768))
         for rows in (48, 16, 32)
     ]
-    if compact:  # as llama.cpp writes Q4_K: a block's largest 6-bit scale and min are 63, d and
-        for w in weights:  # dmin powers of two, so that the scales take the compact form
-            blocks = w.data.view(-1, 144)
-            blocks[:, 4] |= 63
-            blocks[:, 8] |= 63
-            powers = torch.from_numpy(2.0 ** -rng.integers(4, 12, (blocks.shape[0], 2)))
-            blocks[:, :4] = powers.half().view(torch.uint8).view(-1, 4)
+    if compact:
+        for w in weights:
+            as_llama_cpp_writes_q4_k(w.data, rng)
     groups = merge_packed([packed_form(w) for w in weights])[1]
     for integer_kernel in (True, False):
         kind, tiled = gguf_packed(weights, tiles=True, integer_kernel=integer_kernel)
