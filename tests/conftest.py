@@ -26,6 +26,11 @@ def qwen_coder_05b_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_coder_15b_gguf() -> Path:
+    return pull("qwen2.5-coder-1.5b-instruct", progress=False)
+
+
+@pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     return pull("all-minilm-l6-v2", progress=False)
 

@@ -71,15 +71,20 @@ class Subject(NamedTuple):
     compiled: bool  # whether its runs alone build the decode graphs (see the module docstring)
 
 
-DEFAULT_SETTINGS = ["smollm2", "gemma3"]
+DEFAULT_SETTINGS = ["smollm2", "gemma3", "qwen-coder-1.5b"]
 
 
 @pytest.fixture(scope="module", params=[*DEFAULT_SETTINGS, "smollm2-dense-fp32"])
-def model(request, smollm2_gguf, gemma3_gguf) -> Subject:
+def model(request) -> Subject:
     if request.param == "smollm2-dense-fp32":  # dense layers through tokenmill's fp32 matmul
         options = {"quantization": "none", "dtype": "fp32"}
-        return Subject(smollm2_gguf, options, compiled=False)
-    path = smollm2_gguf if request.param == "smollm2" else gemma3_gguf
+        return Subject(request.getfixturevalue("smollm2_gguf"), options, compiled=False)
+    fixtures = {
+        "smollm2": "smollm2_gguf",
+        "gemma3": "gemma3_gguf",
+        "qwen-coder-1.5b": "qwen_coder_15b_gguf",
+    }
+    path = request.getfixturevalue(fixtures[request.param])
     return Subject(path, {}, compiled=True)
 
 

@@ -460,11 +460,11 @@ def test_the_server_and_tokenmill_bench_report_drafts_and_acceptances(
     assert 0 <= report["spec_decode_acceptance_rate"] <= 100
 
 
-def test_qwen_coder_05b_drafting_for_15b_gives_its_greedy_outputs(qwen_coder_05b_gguf) -> None:
+def test_qwen_coder_05b_drafting_for_15b_gives_its_greedy_outputs(
+    qwen_coder_05b_gguf, qwen_coder_15b_gguf
+) -> None:
     # 64 prompts, eight at a time (speculation stands down in larger batches), and alone
-    from tokenmill.catalog import pull
-
-    target = pull("qwen2.5-coder-1.5b-instruct", progress=False)
+    target = qwen_coder_15b_gguf
     common = dict(num_kv_blocks=512, max_model_len=1024, max_num_seqs=8, compile=False)
     plain = LLMEngine(target, **common)
     spec = LLMEngine(
