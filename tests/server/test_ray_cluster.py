@@ -96,7 +96,8 @@ def test_serve_on_a_two_node_cluster(two_node_cluster, tiny_model_dir, tmp_path)
             env=env, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        _wait_for_line(log, "Uvicorn running", serve, timeout=90)
+        # two replicas start on a loaded 2-core machine (the other test worker busy): minutes
+        _wait_for_line(log, "Uvicorn running", serve, timeout=240)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
             health = http.get("/health").json()
             assert [r["status"] for r in health["replicas"]] == ["ok", "ok"]
