@@ -2,8 +2,9 @@
 # The project's full test command: the pinned torch, the package with its test extras, Debian's
 # Chromium for the browser test (tests/server/test_web_ui.py), ruff, then pytest in two worker
 # processes (pytest-xdist; one test file per worker at a time, so a file's fixtures load once).
-# Each worker's torch keeps every core, so the threaded kernels run as they do in use; most tests
-# are single-threaded Python, which the two workers overlap. Extra arguments go to pytest.
+# Each worker's torch gets its share of the cores (tests/conftest.py): OpenMP threads outnumbering
+# the cores slow each other's steps many times over. Tests of how kernels share their work between
+# threads choose their thread counts themselves. Extra arguments go to pytest.
 #   scripts/test.sh                      # everything
 #   scripts/test.sh tests/server -x      # a subset
 #   scripts/test.sh -n 0                 # in one process

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tokenmill.catalog import pull
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's torch (and every process it starts, through
+    OMP_NUM_THREADS) gets its share of the cores: the workers' threads together never outnumber
+    them. Oversubscribed, torch's OpenMP workers spin at every parallel region's end waiting for a
+    sibling the scheduler has parked, and two workers' steps each run 7-30 times slower (see the
+    tuning log, "OpenMP threads outnumbering the cores"). Tests of how kernels share their work
+    between threads set their thread counts themselves."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return
+    import torch
+
+    threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

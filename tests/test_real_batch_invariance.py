@@ -125,6 +125,7 @@ def _check_batches(engine: LLMEngine, alone: dict[str, list[list[int]]]) -> None
 def test_eager_batches_equal_requests_alone(model, alone) -> None:
     engine = LLMEngine(model.path, max_num_batched_tokens=BUDGET, compile=False, **model.options)
     _check_batches(engine, alone)
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks  # every request's blocks back
 
 
 @pytest.mark.parametrize("model", DEFAULT_SETTINGS, indirect=True)

@@ -10,34 +10,12 @@ from tokenmill.cli.main import main
 from tokenmill.llm import LLM
 from tokenmill.sample import SamplingParams
 
-SUBJECTS = [
-    "France",
-    "the ocean",
-    "music",
-    "a small town",
-    "computers",
-    "the moon",
-    "winter",
-    "a library",
-]
-TEMPLATES = [
-    "The capital of {} is",
-    "Here is a short story about {}:",
-    "Three facts about {}:",
-    "def describe_{}():",
-    "Q: What do you know about {}?\nA:",
-    "{} is",
-    "I remember {} because",
-    "A poem about {}:\n",
-]
-PROMPTS = [t.format(s) for t in TEMPLATES for s in SUBJECTS]  # 64 prompts of different lengths
-
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def real_llm(request, smollm2_gguf, gemma3_gguf) -> Iterator[LLM]:
-    # Default settings: batch invariance makes a greedy result independent of the batch. Shut
-    # down after the module: it may be loading (or building) its decode graphs on a background
-    # thread, which must not outlive the module
+    # Default settings. Shut down after the module: it may be loading (or building) its decode
+    # graphs on a background thread, which must not outlive the module (batches against requests
+    # alone: tests/test_real_batch_invariance.py)
     with LLM(str(smollm2_gguf if request.param == "smollm2" else gemma3_gguf)) as llm:
         yield llm
 
@@ -65,17 +43,6 @@ def test_gemma_completes_the_capital_of_france(gemma3_gguf, capsys) -> None:
     # 270M parameters: llama-server's greedy answer is the same
     # " the capital of the country of France. ..."
     assert "capital" in out and "France" in out, out
-
-
-def test_64_prompts_batched_equal_one_at_a_time(real_llm: LLM) -> None:
-    assert len(PROMPTS) == 64
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    batched = real_llm.generate(PROMPTS, params, use_tqdm=False)
-    single = [real_llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
-    for b, s in zip(batched, single):
-        assert b.outputs[0].token_ids == s.outputs[0].token_ids, b.prompt
-        assert b.outputs[0].finish_reason == "length"
-    assert real_llm.engine.kv.num_free_blocks == real_llm.engine.kv.num_total_blocks
 
 
 def test_chat_renders_the_template(real_llm: LLM) -> None:

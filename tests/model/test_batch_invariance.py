@@ -21,6 +21,7 @@ from torch import nn
 
 from tests.engine_runs import final_outputs
 from tests.model.test_gguf import as_llama_cpp_writes_q4_k, random_blocks
+from tests.threads import THREAD_COUNTS, torch_threads
 from tests.tiny_models import build_tiny_model
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.model import kernels, quant_linear, transformer
@@ -105,12 +106,16 @@ def test_each_row_is_the_same_whatever_the_batch(name, options, dtype, monkeypat
 
 
 def _check_rows(layer: QuantLinear, in_features: int, dtype: torch.dtype, name: str) -> None:
-    """Every batch of BATCHES gives each row the bits the row gives alone."""
+    """Every batch of BATCHES gives each row the bits the row gives alone, on any number of
+    threads."""
     torch.manual_seed(11)
     x = (torch.randn(max(BATCHES), in_features) * torch.rand(max(BATCHES), 1) * 4).to(dtype)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-    for batch in BATCHES:
-        assert torch.equal(layer(x[:batch]), alone[:batch]), f"{name}, {batch} rows"
+    for threads in THREAD_COUNTS:
+        with torch_threads(threads):
+            for batch in BATCHES:
+                rows = layer(x[:batch])
+                assert torch.equal(rows, alone[:batch]), f"{name}, {batch} rows, {threads} threads"
 
 
 # GGUF's K-quants as the loader lays them out for the tile kernel (`gguf_packed`): Q4_K in 4-bit
@@ -148,8 +153,11 @@ def test_wide_int8_rows_are_the_same_whatever_the_batch(dtype) -> None:
     assert layer._native_fits(torch.zeros(1, WIDE_IN, dtype=dtype))
     x = (torch.randn(20, WIDE_IN) * torch.rand(20, 1) * 4).to(dtype)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-    for batch in (2, 3, 8, 9, 17, 20):
-        assert torch.equal(layer(x[:batch]), alone[:batch]), f"{batch} rows"
+    for threads in THREAD_COUNTS:
+        with torch_threads(threads):
+            for batch in (2, 3, 8, 9, 17, 20):
+                rows = layer(x[:batch])
+                assert torch.equal(rows, alone[:batch]), f"{batch} rows, {threads} threads"
     q, scale = quantize_int8(weight)
     expected = F.linear(x.float(), q.float() * scale[:, None])
     # the activations' rounding to int8 (~0.4% a product) and bf16's
@@ -192,8 +200,11 @@ def test_dense_fp32_rows_are_the_same_whatever_the_batch(out_features, in_featur
     torch.manual_seed(3)
     x = torch.randn(max(DENSE_BATCHES), in_features) * torch.rand(max(DENSE_BATCHES), 1) * 4
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-    for batch in DENSE_BATCHES:
-        assert torch.equal(layer(x[:batch]), alone[:batch]), f"{batch} rows"
+    for threads in THREAD_COUNTS:
+        with torch_threads(threads):
+            for batch in DENSE_BATCHES:
+                rows = layer(x[:batch])
+                assert torch.equal(rows, alone[:batch]), f"{batch} rows, {threads} threads"
     # rows in another order, and rows behind others: each still its own result
     order = torch.randperm(x.shape[0])
     assert torch.equal(layer(x[order]), alone[order])

@@ -19,6 +19,7 @@ from torch.utils import cpp_extension
 
 from tests.model.test_gguf import as_llama_cpp_writes_q4_k, random_blocks
 from tests.paged_cache import block_tables, filled_cache
+from tests.threads import THREAD_COUNTS, torch_threads
 from tokenmill.model import kernels
 from tokenmill.model.attention import (
     AttentionBatch,
@@ -1094,16 +1095,12 @@ def test_decode_attention_takes_any_admitted_keys_of_a_chunk(cache_dtype: torch.
     # Threads take ranges of (row, KV head, chunk) tasks: a range that holds a row's KV head whole
     # merges its chunks itself, one that cuts it leaves them to be merged after all ranges; either
     # way the same result
-    previous = torch.get_num_threads()
-    try:
-        for threads in (1, 3, 4):
-            torch.set_num_threads(threads)
+    for threads in (*THREAD_COUNTS, 4):
+        with torch_threads(threads):
             again = torch.ops.tokenmill.decode_attention(
                 q, k_cache, v_cache, slots, mask, 0.3, None
             )
-            assert torch.equal(again, out)
-    finally:
-        torch.set_num_threads(previous)
+        assert torch.equal(again, out)
     no_keys = torch.ops.tokenmill.decode_attention(
         q, k_cache, v_cache, slots[:, :0], mask[:, :0], 0.3, None
     )
