@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_real_models import PROMPTS
+from tests.test_real_batch_invariance import PROMPTS
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.llm import LLM
 from tokenmill.sample import SamplingParams
