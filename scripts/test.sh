@@ -4,7 +4,8 @@
 # processes (pytest-xdist; one test file per worker at a time, so a file's fixtures load once).
 # Each worker's torch gets its share of the cores (tests/conftest.py): OpenMP threads outnumbering
 # the cores slow each other's steps many times over. Tests of how kernels share their work between
-# threads choose their thread counts themselves. Extra arguments go to pytest.
+# threads choose their thread counts themselves. The files that take longest go first
+# (tests/conftest.py, LONGEST_FILES). Extra arguments go to pytest.
 #   scripts/test.sh                      # everything
 #   scripts/test.sh tests/server -x      # a subset
 #   scripts/test.sh -n 0                 # in one process
@@ -25,4 +26,4 @@ fi
 python -m ruff check .
 python -m ruff format --check .
 
-python -m pytest -q -n 2 --dist loadfile --durations=20 "$@"
+python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 "$@"

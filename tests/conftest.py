@@ -15,8 +15,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, each worker's torch (and every process it starts, through
     OMP_NUM_THREADS) gets its share of the cores: the workers' threads together never outnumber
     them. Oversubscribed, torch's OpenMP workers spin at every parallel region's end waiting for a
-    sibling the scheduler has parked, and two workers' steps each run 7-30 times slower (see the
-    tuning log, "OpenMP threads outnumbering the cores"). Tests of how kernels share their work
+    sibling the scheduler has parked, and two workers' steps each run many times slower (tuning
+    log, "OpenMP threads outnumbering the cores"). Tests of how kernels share their work
     between threads set their thread counts themselves."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is None:
@@ -26,6 +26,24 @@ def pytest_configure(config: pytest.Config) -> None:
     threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+
+
+# The files that take minutes (real models, compiled graphs), longest first: `scripts/test.sh`
+# hands files to its workers in collection order (`--no-loadscope-reorder`), so these start at once
+# and the short files fill the other worker's time, rather than one of these ending the run alone.
+LONGEST_FILES = [
+    "tests/test_real_batch_invariance.py",
+    "tests/engine/test_speculative.py",
+    "tests/engine/test_compiled_decode.py",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 @pytest.fixture(scope="session")
