@@ -110,12 +110,21 @@ def _check_rows(layer: QuantLinear, in_features: int, dtype: torch.dtype, name: 
     threads."""
     torch.manual_seed(11)
     x = (torch.randn(max(BATCHES), in_features) * torch.rand(max(BATCHES), 1) * 4).to(dtype)
+    _rows_equal_alone(layer, x, BATCHES, name)
+
+
+def _rows_equal_alone(
+    layer: nn.Module, x: torch.Tensor, batches: list[int], name: str
+) -> torch.Tensor:
+    """The first n rows of x for each n in batches, on each of THREAD_COUNTS threads, give the bits
+    each row gives alone; returns the rows alone."""
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     for threads in THREAD_COUNTS:
         with torch_threads(threads):
-            for batch in BATCHES:
+            for batch in batches:
                 rows = layer(x[:batch])
                 assert torch.equal(rows, alone[:batch]), f"{name}, {batch} rows, {threads} threads"
+    return alone
 
 
 # GGUF's K-quants as the loader lays them out for the tile kernel (`gguf_packed`): Q4_K in 4-bit
@@ -152,12 +161,7 @@ def test_wide_int8_rows_are_the_same_whatever_the_batch(dtype) -> None:
     layer = QuantLinear(OUT, WIDE_IN, dtype, int8=quantize_int8(weight), tiles=False)
     assert layer._native_fits(torch.zeros(1, WIDE_IN, dtype=dtype))
     x = (torch.randn(20, WIDE_IN) * torch.rand(20, 1) * 4).to(dtype)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-    for threads in THREAD_COUNTS:
-        with torch_threads(threads):
-            for batch in (2, 3, 8, 9, 17, 20):
-                rows = layer(x[:batch])
-                assert torch.equal(rows, alone[:batch]), f"{batch} rows, {threads} threads"
+    alone = _rows_equal_alone(layer, x, [2, 3, 8, 9, 17, 20], "wide int8")
     q, scale = quantize_int8(weight)
     expected = F.linear(x.float(), q.float() * scale[:, None])
     # the activations' rounding to int8 (~0.4% a product) and bf16's
@@ -199,12 +203,7 @@ def test_dense_fp32_rows_are_the_same_whatever_the_batch(out_features, in_featur
     layer = _dense_layer(out_features, in_features, bias)
     torch.manual_seed(3)
     x = torch.randn(max(DENSE_BATCHES), in_features) * torch.rand(max(DENSE_BATCHES), 1) * 4
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-    for threads in THREAD_COUNTS:
-        with torch_threads(threads):
-            for batch in DENSE_BATCHES:
-                rows = layer(x[:batch])
-                assert torch.equal(rows, alone[:batch]), f"{batch} rows, {threads} threads"
+    alone = _rows_equal_alone(layer, x, DENSE_BATCHES, f"dense {out_features}x{in_features}")
     # rows in another order, and rows behind others: each still its own result
     order = torch.randperm(x.shape[0])
     assert torch.equal(layer(x[order]), alone[order])

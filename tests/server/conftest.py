@@ -8,9 +8,9 @@ import time
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
+from tests.threads import torch_threads
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.data_parallel import DataParallelEngine
 from tokenmill.engine.embedding import EmbeddingEngine
@@ -67,10 +67,8 @@ class RunningServer:
 def one_torch_thread():
     """One intra-op thread while this module's server runs: on a shared, busy CPU torch's spinning
     OpenMP workers can slow the tiny model by an order of magnitude."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
