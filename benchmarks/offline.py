@@ -162,9 +162,11 @@ class TokenmillRuns:
             table = [list(range(blocks_needed(args.pp, bs)))]
             if self.pp_ids is None:
                 self.pp_ids = self.random_ids(args.pp)
-                runner.last_token_logits([self.pp_ids], [args.pp], table)  # warm-up
+                runner.last_token_logits([self.pp_ids], [args.pp], table, prompt_tokens=[args.pp])
             t = time.perf_counter()
-            logits = runner.last_token_logits([self.pp_ids], [args.pp], table)
+            logits = runner.last_token_logits(
+                [self.pp_ids], [args.pp], table, prompt_tokens=[args.pp]
+            )
             int(greedy_ids(logits[:1]))
             self.rates.setdefault(f"pp{args.pp}", []).append(args.pp / (time.perf_counter() - t))
         if args.tg:
@@ -190,7 +192,9 @@ class TokenmillRuns:
         first = self.tg_first.get(id(runner))
         if first is None:
             prompt = self.random_ids(PROMPT_FOR_TG)
-            logits = runner.last_token_logits([prompt], [PROMPT_FOR_TG], table)
+            logits = runner.last_token_logits(
+                [prompt], [PROMPT_FOR_TG], table, prompt_tokens=[PROMPT_FOR_TG]
+            )
             first = self.tg_first[id(runner)] = int(greedy_ids(logits[:1]))
             decode(first, 8)  # warm-up
         t = time.perf_counter()
@@ -213,10 +217,9 @@ class TokenmillRuns:
             chunk = max(1, 2048 // args.batch_prompt)
             firsts: list[int] = []
             for i in range(0, b, chunk):
+                counts = [args.batch_prompt] * len(prompts[i : i + chunk])
                 logits = runner.last_token_logits(
-                    prompts[i : i + chunk],
-                    [args.batch_prompt] * len(prompts[i : i + chunk]),
-                    tables[i : i + chunk],
+                    prompts[i : i + chunk], counts, tables[i : i + chunk], prompt_tokens=counts
                 )
                 firsts += greedy_ids(logits).tolist()
 

@@ -169,6 +169,45 @@ def test_wide_int8_rows_are_the_same_whatever_the_batch(dtype) -> None:
     torch.testing.assert_close(alone.float(), expected, rtol=0.05, atol=tolerance)
 
 
+@pytest.mark.skipif(not kernels.cpu_has_amx(), reason="prompt rows take AMX on AMX CPUs only")
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8", "q4_k", "q6_k"])
+def test_prompt_rows_take_amx_and_output_rows_the_int8_products(kind) -> None:
+    """Within a step's rows (`prompt_rows`) a batch-invariant bf16 tile layer multiplies the
+    prompt rows on AMX and the output rows by the int8 products: each row gives the bits it gives
+    alone as its kind, whatever the split and the batch, and the two kinds differ."""
+    if kind in ("q4_k", "q6_k"):
+        qtype, rng = Q[kind.upper()], np.random.default_rng(3)
+        raw = torch.from_numpy(random_blocks(qtype, (OUT, K_QUANT_IN), rng))
+        if qtype == Q.Q4_K:
+            as_llama_cpp_writes_q4_k(raw, rng)
+        packed_kind, packed = gguf_packed([GGMLWeight(raw, qtype, (OUT, K_QUANT_IN))], tiles=True)
+        weights, width = {packed_kind: packed}, K_QUANT_IN
+    else:
+        weights, width = _weights(kind), IN
+    layer = QuantLinear(OUT, width, torch.bfloat16, **weights, tiles=True)
+    assert layer.prompts_on_amx
+    torch.manual_seed(13)
+    x = (torch.randn(70, width) * torch.rand(70, 1) * 4).bfloat16()
+    as_output = torch.cat([layer(x[i : i + 1]) for i in range(70)])  # outside a step: int8
+    as_prompt = []
+    for i in range(70):
+        with quant_linear.prompt_rows(0, 1):
+            as_prompt.append(layer(x[i : i + 1]))
+    as_prompt = torch.cat(as_prompt)
+    assert not torch.equal(as_prompt, as_output)
+    with quant_linear.prompt_rows(0, 1):
+        assert torch.equal(layer(x[:2]), as_output[:2])  # 2 rows are not the step's 1
+    for threads in THREAD_COUNTS:
+        with torch_threads(threads):
+            for first, rows in ((0, 70), (70, 70), (1, 70), (33, 70), (5, 17), (16, 17)):
+                expected = torch.cat([as_output[:first], as_prompt[first:rows]])
+                with quant_linear.prompt_rows(first, rows):
+                    assert torch.equal(layer(x[:rows]), expected), (first, rows, threads)
+                    into = torch.empty(rows, OUT, dtype=torch.bfloat16)
+                    layer.forward_into(x[:rows], into)
+                    assert torch.equal(into, expected), (first, rows, threads)
+
+
 @pytest.mark.skipif(not TILE_KERNEL, reason="the tile kernel is built for AVX-512 with VNNI only")
 def test_without_invariance_a_single_row_rounds_finer(monkeypatch) -> None:
     """The switch that batch invariance turns off exists: the test above would see it."""
@@ -258,14 +297,21 @@ def test_fp32_layers_multiply_through_the_kernel_only_when_invariant(tiny_model_
         {"dtype": "float32"},
         {"dtype": "bfloat16"},
         {"dtype": "float32", "quantization": "int4"},
+        {"dtype": "bfloat16", "quantization": "int4"},
     ],
 )
-def test_mlp_chunks_of_rows_give_the_rows_of_one_call(tiny_model_dir, monkeypatch, options) -> None:
+@pytest.mark.parametrize("first_prompt", [None, 0, 20, 48])
+def test_mlp_chunks_of_rows_give_the_rows_of_one_call(
+    tiny_model_dir, monkeypatch, options, first_prompt
+) -> None:
     """A prompt's rows pass through the MLP in chunks (`MLP_CHUNK_BYTES`); the chunks, a short
-    last one among them, change no bit of any row."""
+    last one among them, change no bit of any row, within a step whose rows from first_prompt on
+    are prompt tokens (`quant_linear.prompt_rows`) too."""
     mlp = load_model(tiny_model_dir, progress=False, **options).model.layers[0].mlp
     x = torch.randn(50, mlp.gate_up_proj.in_features).to(getattr(torch, options["dtype"]))
-    whole = mlp(x)
+    first = 50 if first_prompt is None else first_prompt
+    with quant_linear.prompt_rows(first, 50):
+        whole = mlp(x)
     chunks = []
     forward = transformer.MLP._forward
     monkeypatch.setattr(
@@ -276,7 +322,8 @@ def test_mlp_chunks_of_rows_give_the_rows_of_one_call(tiny_model_dir, monkeypatc
     row_bytes = mlp.chunk_width * x.element_size()
     assert mlp.chunk_width == mlp.gate_up_proj.out_features
     monkeypatch.setattr(transformer, "MLP_CHUNK_BYTES", 16 * row_bytes)
-    assert torch.equal(mlp(x), whole)
+    with quant_linear.prompt_rows(first, 50):
+        assert torch.equal(mlp(x), whole)
     assert chunks == [16, 16, 16, 2]
 
 
@@ -300,3 +347,36 @@ def test_fp32_model_requests_give_the_same_tokens_alone_and_batched(tied_model_d
     batched = _generate(batched_engine, requests, per_step=6)
     differ = [i for i, (a, b) in enumerate(zip(batched, alone)) if a != b]
     assert not differ, f"requests {differ} differ from their runs alone"
+
+
+@pytest.mark.skipif(not kernels.cpu_has_amx(), reason="prompt rows take AMX on AMX CPUs only")
+def test_amx_prompt_rows_give_the_same_tokens_batched_preempted_and_cached(tiny_model_dir) -> None:
+    """A bf16 model of packed tile layers on AMX computes prompt tokens on the matrix unit and
+    output tokens by the int8 products (`quant_linear.prompt_rows`): requests still give the
+    tokens and logprobs they give alone when batched in mixed steps, when preempted and
+    recomputed, and when a prompt repeats an earlier request's prompt and output (its output's
+    blocks are keyed apart in the prefix cache)."""
+    options = dict(dtype="bfloat16", quantization="int4", compile=False)
+    alone_engine = LLMEngine(str(tiny_model_dir), num_kv_blocks=256, **options)
+    assert alone_engine.input_processor.outputs_keyed_apart
+    assert all(m.attn.qkv_proj.prompts_on_amx for m in alone_engine.loaded.model.layers)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    sampled = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=40, logprobs=0)
+        for i in range(6)
+    ]
+    requests = [(p, greedy) for p in ENGINE_PROMPTS[:12]] + list(zip(ENGINE_PROMPTS, sampled))
+    alone = [_generate(alone_engine, [request], per_step=1)[0] for request in requests]
+    batched_engine = LLMEngine(
+        str(tiny_model_dir), num_kv_blocks=40, max_num_batched_tokens=48, **options
+    )
+    batched = _generate(batched_engine, requests, per_step=6)
+    assert batched_engine.scheduler.num_preemptions > 0
+    differ = [i for i, (a, b) in enumerate(zip(batched, alone)) if a != b]
+    assert not differ, f"requests {differ} differ from their runs alone"
+    # a next turn: the first request's prompt and output as a prompt, after the first request
+    # (its output's blocks cached) and on an engine that never saw it
+    prompt = alone_engine.tokenizer.encode(ENGINE_PROMPTS[0]) + alone[0][0]
+    after = _generate(alone_engine, [(prompt, greedy)], per_step=1)
+    fresh_engine = LLMEngine(str(tiny_model_dir), num_kv_blocks=256, **options)
+    assert after == _generate(fresh_engine, [(prompt, greedy)], per_step=1)

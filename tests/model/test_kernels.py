@@ -642,6 +642,67 @@ def test_quant_tiles_linear_on_amx_in_panels_covers_every_tile_and_row(tokens: i
 
 
 @needs_amx
+@pytest.mark.parametrize("bits", [4, 5])
+def test_amx_takes_compact_tile_scales_as_their_float32_values(bits: int) -> None:
+    rows, cols, tokens = 16 * 37, 512, 20
+    torch.manual_seed(bits)
+    q = torch.randint(0, 1 << bits, (rows, cols))
+    scale, low = _k_quant_scales(rows, cols // 32, bits)
+    compact = pack_tiles(q, scale, low, bits)
+    full = pack_tiles(q, scale, low, bits, compact=False)
+    assert compact.tile_scales.dtype == torch.uint8
+    x = torch.randn(tokens, cols, dtype=torch.bfloat16)
+    products = [
+        torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 8, -1, 0)
+        for packed in (compact, full)
+    ]
+    assert torch.equal(*products)
+    reference = x.float() @ unpack_tiles(full).bfloat16().float().t()
+    assert (products[0].float() - reference).norm() / reference.norm() < 2.5e-3
+
+
+@needs_amx
+@pytest.mark.parametrize("tokens", [1, 17, 300])  # 300: in panels
+@pytest.mark.parametrize("cols", [256, 768])
+def test_amx_multiplies_6bit_tiles_as_their_bf16_weights(tokens: int, cols: int) -> None:
+    rows = 16 * 37
+    packed = q6_tiles([_q6_k_layer(rows, cols, tokens + cols)])
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, cols, dtype=torch.bfloat16)
+    out = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 8, -1, 0)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, rows)
+    reference = x.float() @ unpack_tiles(packed).bfloat16().float().t()  # no int8 activations
+    assert ((out.float() - reference).norm() / reference.norm()).item() < 2.5e-3
+    int8 = torch.ops.tokenmill.quant_tiles_linear(x, *packed, None, 1 << 30, 8, -1, -1)
+    assert ((int8.float() - reference).norm() / reference.norm()).item() > 3e-3
+    alone = torch.cat(
+        [
+            torch.ops.tokenmill.quant_tiles_linear(x[i : i + 1], *packed, None, 1 << 30, 8, -1, 0)
+            for i in range(0, tokens, 16)
+        ]
+    )
+    assert torch.equal(out[::16], alone)
+
+
+@needs_amx
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_amx_rows_are_the_same_whatever_the_batch(bits: int) -> None:
+    """Prompt rows of batch-invariant layers (`quant_linear.prompt_rows`): each row to the bit as
+    alone, in blocks of 16 or 64 rows, in panels (256 rows on), on any threads."""
+    _, _, _, packed = _random_tiles(16 * 11, 1600, bits, bits)
+    x = torch.randn(300, 1600, dtype=torch.bfloat16)
+
+    def amx(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tokenmill.quant_tiles_linear(rows, *packed, None, 1 << 30, 8, -1, 0)
+
+    alone = torch.cat([amx(x[i : i + 1]) for i in range(0, 300, 23)])
+    for threads in THREAD_COUNTS:
+        with torch_threads(threads):
+            for count in (17, 70, 256, 300):
+                assert torch.equal(amx(x[:count])[::23], alone[: -(-count // 23)]), (count, threads)
+
+
+@needs_amx
 def test_quant_tiles_linear_keeps_float32_rows_off_amx() -> None:
     _, _, _, packed = _random_tiles(32, 64, 4, 3)
     x = torch.randn(20, 64)

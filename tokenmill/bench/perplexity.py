@@ -84,16 +84,17 @@ def perplexity(
 def _prompt_nll(
     runner: ModelRunner, chunk: list[int], first: int, table: list[int]
 ) -> torch.Tensor:
-    """Negative log-likelihoods of chunk[first + 1:], from one pass over the chunk."""
-    hidden = runner.hidden_states([chunk], [len(chunk)], [table])
+    """Negative log-likelihoods of chunk[first + 1:], from one pass over the chunk as a prompt."""
+    hidden = runner.hidden_states([chunk], [len(chunk)], [table], [len(chunk)])
     return _nll(runner.model.logits(hidden[first : len(chunk) - 1]), chunk[first + 1 :])
 
 
 def _decoded_nll(
     runner: ModelRunner, chunk: list[int], first: int, table: list[int]
 ) -> torch.Tensor:
-    """The same, from one decode step per token after a pass over chunk[:first]."""
-    runner.hidden_states([chunk[:first]], [first], [table])
+    """The same, from one decode step per token (as output tokens) after a pass over
+    chunk[:first] (as a prompt)."""
+    runner.hidden_states([chunk[:first]], [first], [table], [first])
     return torch.cat(
         [
             _nll(

@@ -25,12 +25,19 @@ from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
 class InputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        block_size: int,
+        outputs_keyed_apart: bool = False,
     ) -> None:
+        """outputs_keyed_apart: the sequences' `Sequence.outputs_keyed_apart`."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.outputs_keyed_apart = outputs_keyed_apart
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     def tokenize(
@@ -151,6 +158,7 @@ class InputProcessor:
             extra_key=extra_key,
             tenant=tenant,
             block_size=self.block_size,
+            outputs_keyed_apart=self.outputs_keyed_apart,
             request=request,
             index=index,
             detokenizer=IncrementalDetokenizer(

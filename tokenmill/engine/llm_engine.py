@@ -45,6 +45,7 @@ from tokenmill.errors import InvalidRequestError, QueueFullError
 from tokenmill.model import kernels
 from tokenmill.model.encoder import pool
 from tokenmill.model.loader import LoadedModel, load_model
+from tokenmill.model.quant_linear import prompts_apart
 from tokenmill.model.sharding import Shard
 from tokenmill.sample import Sampler, SamplingBatch, SamplingParams
 from tokenmill.sample.sampler import SamplerOutput
@@ -212,7 +213,11 @@ class LLMEngine:
             self.kv,
         )
         self.input_processor = InputProcessor(
-            self.tokenizer, mc.vocab_size, self.max_model_len, cfg.block_size
+            self.tokenizer,
+            mc.vocab_size,
+            self.max_model_len,
+            cfg.block_size,
+            outputs_keyed_apart=prompts_apart(self.loaded.dtype, self.loaded.batch_invariant),
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.sampler = Sampler()
@@ -388,7 +393,7 @@ class LLMEngine:
             blocks = self.kv.block_pool.get_new_blocks(need)
             try:
                 table = [b.block_id for b in blocks]
-                hidden = self.runner.hidden_states([ids], [len(ids)], [table])
+                hidden = self.runner.hidden_states([ids], [len(ids)], [table], [len(ids)])
             finally:
                 self.kv.block_pool.free_blocks(reversed(blocks))
             rows.append(pool(hidden, [len(ids)], mode, normalize=True))
@@ -535,12 +540,17 @@ class LLMEngine:
         seqs = batch.sampling_seqs
         sampling = self._sampling_batch(seqs) if seqs else None
         inputs = (batch.token_ids, batch.context_lens, batch.block_tables)
+        prompts = batch.prompt_tokens
         if last_only := batch.needs_last_token_logits_only:
-            out = self.runner.last_token_logits(*inputs, argmax_only=sampling.argmax_only)
+            out = self.runner.last_token_logits(
+                *inputs, argmax_only=sampling.argmax_only, prompt_tokens=prompts
+            )
         elif last_only := batch.samples_every_token:
-            out = self.runner.token_logits(*inputs, argmax_only=sampling.argmax_only)
+            out = self.runner.token_logits(
+                *inputs, argmax_only=sampling.argmax_only, prompt_tokens=prompts
+            )
         else:
-            out = self.runner.hidden_states(*inputs)
+            out = self.runner.hidden_states(*inputs, prompt_tokens=prompts)
         self.stats.tokens_computed += batch.num_tokens
         for seq, n in zip(sched.sequences, sched.num_new_tokens):
             seq.num_computed_tokens += n

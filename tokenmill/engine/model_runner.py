@@ -41,6 +41,7 @@ from tokenmill.model.attention import (
     resolve_kv_cache_dtype,
 )
 from tokenmill.model.loader import LoadedModel
+from tokenmill.model.quant_linear import prompt_rows
 from tokenmill.model.transformer import Transformer
 
 if TYPE_CHECKING:  # dynamo is slow to import: the compile thread imports it, off the start's path
@@ -203,14 +204,16 @@ class ModelRunner:
         compile: bool = False,
         defer_compile: bool = False,
         kv_cache_dtype: str = "auto",
-        on_step: Callable[[list[list[int]], list[int], list[list[int]]], None] | None = None,
+        on_step: Callable[[list[list[int]], list[int], list[list[int]], list[int] | None], None]
+        | None = None,
         reload: Callable[[], LoadedModel] | None = None,
     ) -> None:
         """compile: build (or load) the compiled decode graphs on a background thread, from now on
         or, with defer_compile, from `start_compile`. kv_cache_dtype: see
         `attention.resolve_kv_cache_dtype`. on_step: called with each step's token ids, context
-        lengths and block tables before its forward pass (tensor parallelism's driver sends them
-        to the other ranks there; see engine/tp_executor.py, which runs without compile).
+        lengths, block tables and prompt token counts before its forward pass (tensor
+        parallelism's driver sends them to the other ranks there; see engine/tp_executor.py,
+        which runs without compile).
         reload: for a model loaded while the kernels build (`kernels.deferred`), loads it again
         once they are built, on a background thread; `adopt_reloaded_model` then swaps it in."""
         self.on_step = on_step
@@ -351,13 +354,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def hidden_states(
-        self, token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]]
+        self,
+        token_ids: list[list[int]],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        prompt_tokens: list[int] | None = None,
     ) -> torch.Tensor:
         """Feed sequence i its new tokens token_ids[i], ending at context length context_lens[i],
         its KV in the blocks block_tables[i]; returns the final hidden states of every new token
-        (total_tokens, hidden), for callers that need the logits of only some of them."""
+        (total_tokens, hidden), for callers that need the logits of only some of them.
+
+        prompt_tokens: how many of each sequence's new tokens are prompt tokens, all of them or
+        none, the sequences with prompt tokens after those without (None: none are). Where the
+        layers compute prompt and output tokens with different products (`prompt_rows`), a token
+        computes alike whatever its batch only if the caller says which it is."""
         query_lens = [len(t) for t in token_ids]
-        return self._forward(*self._inputs(token_ids, query_lens, context_lens, block_tables))
+        flat, batch = self._inputs(token_ids, query_lens, context_lens, block_tables, prompt_tokens)
+        return self._forward(flat, batch, first_prompt_row(token_ids, prompt_tokens))
 
     @torch.inference_mode()
     def last_token_logits(
@@ -366,21 +379,24 @@ class ModelRunner:
         context_lens: list[int],
         block_tables: list[list[int]],
         argmax_only: bool = False,
+        prompt_tokens: list[int] | None = None,
     ) -> torch.Tensor:
         """As `hidden_states`, but returns the float32 logits of each sequence's last new token
-        (num_seqs, vocab). A decode step runs the compiled graph where one is ready. The logits
-        are overwritten by the next call's (see `_logits_buffer`) and, with argmax_only (the
-        caller only takes their argmaxes), may stay in the model's dtype (see
-        `Transformer.logits`)."""
+        (num_seqs, vocab). A decode step runs the compiled graph where one is ready (never a
+        step with prompt tokens). The logits are overwritten by the next call's (see
+        `_logits_buffer`) and, with argmax_only (the caller only takes their argmaxes), may stay
+        in the model's dtype (see `Transformer.logits`)."""
         query_lens = [len(t) for t in token_ids]
-        if self._compiled_decode is not None and 1 < max(query_lens) <= COMPILED_ROWS_PER_SEQUENCE:
+        first_prompt = first_prompt_row(token_ids, prompt_tokens)
+        compiled = self._compiled_decode is not None and first_prompt == sum(query_lens)
+        if compiled and 1 < max(query_lens) <= COMPILED_ROWS_PER_SEQUENCE:
             # a few tokens each (e.g. a draft model reading its accepted drafts): as rows
             logits = self.token_logits(token_ids, context_lens, block_tables, argmax_only)
             return logits[torch.tensor(query_lens).cumsum(0) - 1]
-        flat, batch = self._inputs(token_ids, query_lens, context_lens, block_tables)
-        if self._compiled_decode is not None and self._is_decode(query_lens, context_lens):
+        flat, batch = self._inputs(token_ids, query_lens, context_lens, block_tables, prompt_tokens)
+        if compiled and self._is_decode(query_lens, context_lens):
             return self._decode_logits(flat, batch, argmax_only)
-        hidden = self._forward(flat, batch)
+        hidden = self._forward(flat, batch, first_prompt)
         last = torch.tensor(query_lens).cumsum(0) - 1
         return self._finish_logits(self._eager_products(hidden[last]), argmax_only)
 
@@ -391,15 +407,21 @@ class ModelRunner:
         context_lens: list[int],
         block_tables: list[list[int]],
         argmax_only: bool = False,
+        prompt_tokens: list[int] | None = None,
     ) -> torch.Tensor:
         """As `all_logits` (the logits of every new token), through the compiled graph where one
-        is ready and each sequence computes at most COMPILED_ROWS_PER_SEQUENCE tokens (a decode
-        with its drafts): each token is then a row of its own over its context, the rows of one
-        sequence sharing its block table. A step writes every row's K/V before any row attends,
-        so a row sees the tokens before it, as a prompt chunk's tokens do, and its result is the
-        same either way (batch invariance). argmax_only: as for `last_token_logits`."""
-        if self._compiled_decode is None or max(map(len, token_ids)) > COMPILED_ROWS_PER_SEQUENCE:
-            return self.all_logits(token_ids, context_lens, block_tables)
+        is ready and each sequence computes at most COMPILED_ROWS_PER_SEQUENCE output tokens (a
+        decode with its drafts): each token is then a row of its own over its context, the rows
+        of one sequence sharing its block table. A step writes every row's K/V before any row
+        attends, so a row sees the tokens before it, as a prompt chunk's tokens do, and its
+        result is the same either way (batch invariance). argmax_only: as for
+        `last_token_logits`."""
+        if (
+            self._compiled_decode is None
+            or max(map(len, token_ids)) > COMPILED_ROWS_PER_SEQUENCE
+            or (prompt_tokens is not None and any(prompt_tokens))
+        ):
+            return self.all_logits(token_ids, context_lens, block_tables, prompt_tokens)
         rows = [[token] for ids in token_ids for token in ids]
         lens = [
             end - len(ids) + 1 + i
@@ -411,11 +433,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def all_logits(
-        self, token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]]
+        self,
+        token_ids: list[list[int]],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        prompt_tokens: list[int] | None = None,
     ) -> torch.Tensor:
         """As `hidden_states`, but returns the float32 logits of every new token (total_tokens,
         vocab)."""
-        return self.model.logits(self.hidden_states(token_ids, context_lens, block_tables))
+        hidden = self.hidden_states(token_ids, context_lens, block_tables, prompt_tokens)
+        return self.model.logits(hidden)
 
     def _inputs(
         self,
@@ -423,11 +450,12 @@ class ModelRunner:
         query_lens: list[int],
         context_lens: list[int],
         block_tables: list[list[int]],
+        prompt_tokens: list[int] | None = None,
     ) -> tuple[torch.Tensor, AttentionBatch]:
         """The flat token tensor and the attention batch of a step; sets this thread's OpenMP
         threads to what the compiled kernels were built for."""
         if self.on_step is not None:
-            self.on_step(token_ids, context_lens, block_tables)
+            self.on_step(token_ids, context_lens, block_tables, prompt_tokens)
         cache = self.cache.k[0]
         kernel_prompts = all(
             kernel_attends_prompts(
@@ -508,9 +536,16 @@ class ModelRunner:
         except OSError as exc:
             log.info("could not save the decode path trials at %s (%r)", self._trial_record, exc)
 
-    def _forward(self, flat: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """The eager forward pass: final hidden states."""
-        return self.model(flat, self.cache, batch)
+    def _forward(
+        self, flat: torch.Tensor, batch: AttentionBatch, first_prompt: int | None = None
+    ) -> torch.Tensor:
+        """The eager forward pass: final hidden states; rows from first_prompt on are prompt
+        tokens (None: none are)."""
+        rows = flat.shape[0]
+        if first_prompt is None or first_prompt >= rows:
+            return self.model(flat, self.cache, batch)
+        with prompt_rows(first_prompt, rows):
+            return self.model(flat, self.cache, batch)
 
     def _finish_logits(self, products: torch.Tensor, argmax_only: bool) -> torch.Tensor:
         """`last_token_logits`' logits of the output head's products, compiled or eager, in
@@ -840,6 +875,27 @@ def decode_step(
     the guards look at."""
     hidden = model(flat, cache, batch)
     return model.head_products(hidden), hidden
+
+
+def first_prompt_row(token_ids: list[list[int]], prompt_tokens: list[int] | None) -> int:
+    """The first row of a step's flat tokens that holds a prompt token (the step's token count
+    where none does), for `ModelRunner.hidden_states`' prompt_tokens."""
+    rows = sum(map(len, token_ids))
+    if prompt_tokens is None:
+        return rows
+    if len(prompt_tokens) != len(token_ids):
+        raise ValueError(f"{len(prompt_tokens)} prompt token counts for {len(token_ids)} sequences")
+    first = rows - sum(prompt_tokens)
+    row = 0
+    for ids, prompts in zip(token_ids, prompt_tokens):
+        if prompts not in (0, len(ids)) or (row < first) != (prompts == 0):
+            raise ValueError(
+                "each sequence's new tokens must be all prompt tokens or none, and the sequences "
+                f"with prompt tokens must come last; got prompt token counts {prompt_tokens} for "
+                f"{[len(ids) for ids in token_ids]} new tokens"
+            )
+        row += len(ids)
+    return first
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

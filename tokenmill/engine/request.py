@@ -31,19 +31,26 @@ _ROOT_HASH: BlockHash = bytes(32)
 
 
 def hash_block_tokens(
-    parent: BlockHash | None, token_ids: list[int], extra_key: str | None
+    parent: BlockHash | None,
+    token_ids: list[int],
+    extra_key: str | None,
+    first_output: int | None = None,
 ) -> BlockHash:
-    """Chain hash of one full block: (parent hash, token ids, extra key).
+    """Chain hash of one full block: (parent hash, token ids, extra key, and where output tokens
+    are keyed apart from prompt tokens, the index of its first output token).
 
     SHA-256 rather than Python's `hash()`: a collision would make one request attend to another
     request's KV cache (wrong outputs, and a leak between users). With 64-bit `hash()` such
     collisions can be crafted; with SHA-256 they are out of reach. It is also stable across
     processes, and cheap next to a step (see the tuning log).
     The encoding is unambiguous for a fixed block size: 32-byte parent, 4 bytes per token, then
-    a tag byte telling "no extra key" from any extra key, including "".
+    a tag byte telling "no extra key" from any extra key, including "", then for a block of
+    output tokens keyed apart, a 4-byte index after a byte that no key's UTF-8 holds.
     """
     data = (parent or _ROOT_HASH) + struct.pack(f"<{len(token_ids)}I", *token_ids)
     data += b"\0" if extra_key is None else b"\1" + extra_key.encode()
+    if first_output is not None:
+        data += b"\xff" + struct.pack("<I", first_output)
     return hashlib.sha256(data).digest()
 
 
@@ -85,7 +92,10 @@ class Sequence:
 
     `extra_key` is anything besides the tokens that changes the KV contents or must isolate the
     cache (LoRA adapter id, a per-user cache salt); it enters every block hash, so sequences with
-    different keys never share blocks. Add output tokens only through `append_output_token`,
+    different keys never share blocks. With `outputs_keyed_apart` (where the model computes prompt
+    and output tokens with different products: `quant_linear.prompts_apart`), a block holding
+    output tokens is keyed apart from a prompt of the same tokens: a later prompt never takes the
+    K/V its tokens had as output. Add output tokens only through `append_output_token`,
     which keeps `all_token_ids` and `block_hashes` in step with `output_token_ids`.
 
     The output fields are set for every sequence of a `Request` (the `InputProcessor` builds
@@ -100,6 +110,7 @@ class Sequence:
     extra_key: str | None = None
     block_size: int = 16
     tenant: str = ""  # who sent it, for the fair policy's shares ("" : anonymous)
+    outputs_keyed_apart: bool = False
     # scheduling state
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -163,8 +174,15 @@ class Sequence:
         size, tokens = self.block_size, self._all_token_ids
         for start in range(len(self.block_hashes) * size, len(tokens) - size + 1, size):
             parent = self.block_hashes[-1] if self.block_hashes else None
+            first_output = self.num_prompt_tokens - start
+            keyed_apart = self.outputs_keyed_apart and first_output < size
             self.block_hashes.append(
-                hash_block_tokens(parent, tokens[start : start + size], self.extra_key)
+                hash_block_tokens(
+                    parent,
+                    tokens[start : start + size],
+                    self.extra_key,
+                    max(first_output, 0) if keyed_apart else None,
+                )
             )
 
 

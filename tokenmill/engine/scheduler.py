@@ -180,6 +180,14 @@ class FairWaitingQueue:
         return self._size
 
 
+def _chunk(seq: Sequence, start: int, budget: int) -> int:
+    """The tokens seq computes from token `start` on in a step: as many as the budget allows, but
+    never both prompt and output tokens (a preempted sequence recomputes its prompt, then its
+    output): the model may compute the two kinds with different products (`StepBatch`)."""
+    end = seq.num_prompt_tokens if start < seq.num_prompt_tokens else seq.num_tokens
+    return min(end - start, budget)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -306,7 +314,7 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = _chunk(seq, seq.num_computed_tokens, budget)
             if seq.draft_token_ids:  # a decode with drafts: verify as many as fit
                 del seq.draft_token_ids[max(budget - num_new, 0) :]
                 if self.kv.allocate_slots(seq, num_new + len(seq.draft_token_ids)) is not None:
@@ -345,7 +353,7 @@ class Scheduler:
             hits, num_hit_tokens = [], 0
             if seq.params.prompt_logprobs is None:  # those need every prompt token's logits
                 hits, num_hit_tokens = self.kv.get_computed_blocks(seq)
-            num_new = min(seq.num_tokens - num_hit_tokens, budget)
+            num_new = _chunk(seq, num_hit_tokens, budget)
             if self.kv.allocate_slots(seq, num_new, hits, num_hit_tokens) is None:
                 given_back = self._make_room(seq, out, scheduled)
                 if given_back is None:

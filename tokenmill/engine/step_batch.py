@@ -13,11 +13,15 @@ from tokenmill.engine.scheduler import SchedulerOutput
 class StepBatch:
     """Sequence i computes token_ids[i], ending at context length context_lens[i], with its KV in
     block_tables[i]; its tokens are rows of the step's flat batch, in order. A decode with drafts
-    (speculative decoding) computes its last token and the drafts, and samples at each of them."""
+    (speculative decoding) computes its last token and the drafts, and samples at each of them.
+    The sequences computing output tokens come first, then those computing prompt tokens
+    (prompt_tokens[i] of them: all its new tokens, the scheduler never mixes the two in a chunk),
+    as the model runner takes them."""
 
     token_ids: list[list[int]]
     context_lens: list[int]
     block_tables: list[list[int]]
+    prompt_tokens: list[int]
     num_tokens: int
     sampling_seqs: list[Sequence]  # the sequences that reach their last token, and so sample ...
     sample_rows: list[int]  # ... from the logits of these rows (1 + its drafts' rows each)
@@ -27,9 +31,14 @@ class StepBatch:
     @classmethod
     def build(cls, sched: SchedulerOutput, kv: KVCacheManager) -> StepBatch:
         token_ids, context_lens, tables, seqs, sample_rows, prompt_rows = [], [], [], [], [], []
+        prompt_tokens = []
+        scheduled = list(zip(sched.sequences, sched.num_new_tokens))
+        # output tokens first (a stable sort: the scheduler's order within each kind)
+        scheduled.sort(key=lambda item: item[0].num_computed_tokens < item[0].num_prompt_tokens)
         offset = 0
-        for seq, n in zip(sched.sequences, sched.num_new_tokens):
+        for seq, n in scheduled:
             start, drafts = seq.num_computed_tokens, seq.draft_token_ids
+            prompt_tokens.append(min(max(seq.num_prompt_tokens - start, 0), n))
             tokens = seq.all_token_ids[start : start + n]
             if drafts:
                 tokens = tokens + drafts
@@ -47,7 +56,9 @@ class StepBatch:
             ):
                 prompt_rows.append((offset, start, n, seq))
             offset += n
-        return cls(token_ids, context_lens, tables, offset, seqs, sample_rows, prompt_rows)
+        return cls(
+            token_ids, context_lens, tables, prompt_tokens, offset, seqs, sample_rows, prompt_rows
+        )
 
     @property
     def needs_last_token_logits_only(self) -> bool:

@@ -5,12 +5,12 @@ nodes of the Ray cluster the process is connected to), joined by one torch.distr
 group (gloo on CPU, NCCL for CUDA models).
 
 The scheduler and the KV block manager run once, in the driver. Each step the driver broadcasts
-the step's inputs (token ids, context lengths, block tables: what `ModelRunner` builds the flat
-batch and the `AttentionBatch` from) before its own forward pass; every rank then runs the same
-forward over its shard of the weights (see model/sharding.py), the ranks gathering each other's
-shares of the attention, the MLP and their outputs, and rank 0 alone computes logits. Each rank's
-KV cache holds only its KV heads and is addressed by the driver's block tables. Steps run eagerly:
-the compiled decode graphs stay off.
+the step's inputs (token ids, context lengths, block tables, prompt token counts: what
+`ModelRunner` builds the flat batch and the `AttentionBatch` from) before its own forward pass;
+every rank then runs the same forward over its shard of the weights (see model/sharding.py), the
+ranks gathering each other's shares of the attention, the MLP and their outputs, and rank 0 alone
+computes logits. Each rank's KV cache holds only its KV heads and is addressed by the driver's
+block tables. Steps run eagerly: the compiled decode graphs stay off.
 
 A `None` broadcast ends the workers' loops; workers are daemon processes, so they also end when
 the driver's interpreter exits, and a worker whose driver died fails its next collective and
@@ -42,8 +42,8 @@ GROUP_TIMEOUT = datetime.timedelta(days=365)
 # seconds a worker gets to leave on its own at shutdown before it is terminated
 JOIN_TIMEOUT_S = 10.0
 
-# one step's inputs: token ids of each sequence, context lengths, block tables
-StepInputs = tuple[list[list[int]], list[int], list[list[int]]]
+# one step's inputs: token ids of each sequence, context lengths, block tables, prompt token counts
+StepInputs = tuple[list[list[int]], list[int], list[list[int]], list[int] | None]
 
 
 @dataclass(frozen=True)
@@ -143,10 +143,14 @@ class TPExecutor:
         dist.broadcast_object_list([num_blocks], src=0)
 
     def send_step(
-        self, token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]]
+        self,
+        token_ids: list[list[int]],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        prompt_tokens: list[int] | None,
     ) -> None:
         """Broadcast a step's inputs; the caller runs its own forward pass next."""
-        dist.broadcast_object_list([(token_ids, context_lens, block_tables)], src=0)
+        dist.broadcast_object_list([(token_ids, context_lens, block_tables, prompt_tokens)], src=0)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers and leave the process group. graceful: tell them to leave (the

@@ -27,6 +27,7 @@ from torch import nn
 
 from tokenmill.model.config import ModelConfig, MoESettings
 from tokenmill.model.quant import GGMLWeight
+from tokenmill.model.quant_linear import step_rows_within
 
 Weight = torch.Tensor | GGMLWeight
 
@@ -61,7 +62,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.router(x), self.settings, self.score_bias)
-        out = run_experts(x, weights, experts, self.experts)
+        with step_rows_within(0, None):  # an expert's rows are the tokens routed to it
+            out = run_experts(x, weights, experts, self.experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_gate is not None:

@@ -5,7 +5,8 @@ weight-only kernels that read the packed bytes directly: tokenmill's own for int
 kernels, faster than PyTorch's) and for int4 wherever they build (x86 with AVX2 or AVX-512);
 PyTorch's int4 kernel elsewhere. On AVX-512 every packed layer whose rows come in whole tiles of 16
 takes the tile layout (`pack_tiles`), whose outer-product kernel serves every batch size; on CPUs
-with AMX, bf16 batches of `AMX_MIN_TOKENS` or more go from the same bytes to the matrix unit.
+with AMX, bf16 batches of `AMX_MIN_TOKENS` or more go from the same bytes to the matrix unit, or,
+batch invariant, every prompt token and no output token (`prompt_rows`).
 Elsewhere large batches (prefill, wide decode) are bound by arithmetic: with bf16 a dense matmul
 wins, and a layer also holds a dense copy for them (`dense_min_tokens`); with fp32 on AVX2,
 tokenmill's GEMVs keep up with a dense fp32 matmul at every size and serve alone.
@@ -22,6 +23,9 @@ re-quantized to int8 with one scale per output row, which costs a little accurac
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -76,6 +80,63 @@ TILES_DENSE_CROSSOVER = 48
 # that the int8 products are as fast. On AMX the tiles keep up with a dense bf16 copy at every batch
 # size, so there tile layers keep no copy.
 AMX_MIN_TOKENS = 12
+
+
+class _StepRows(threading.local):
+    """The rows of the eager step this thread runs (`prompt_rows`); rows -1: none set."""
+
+    rows = -1
+    first_prompt = 0
+
+
+_STEP_ROWS = _StepRows()
+
+
+@contextmanager
+def prompt_rows(first: int, rows: int) -> Iterator[None]:
+    """Within, layer inputs of `rows` rows are a step's tokens: output tokens (and drafts) in rows
+    [0, first), prompt tokens in rows [first, rows). Batch-invariant tile layers on AMX
+    (`QuantLinear.prompts_on_amx`) multiply the prompt rows on the matrix unit and the output rows
+    by the int8 products: a token's arithmetic follows where it comes from (the prompt, or the
+    model's output), never its batch, and prompts prefill at the matrix unit's speed while decode
+    steps read the compact int8 products' bytes. Inputs of other row counts (an output head's
+    rows, a mixture's expert rows) take the int8 products. Thread-local: the compile thread traces
+    decode graphs beside the engine's eager steps."""
+    saved = _STEP_ROWS.rows, _STEP_ROWS.first_prompt
+    _STEP_ROWS.rows, _STEP_ROWS.first_prompt = rows, first
+    try:
+        yield
+    finally:
+        _STEP_ROWS.rows, _STEP_ROWS.first_prompt = saved
+
+
+@contextmanager
+def step_rows_within(start: int, rows: int | None) -> Iterator[None]:
+    """Within, layer inputs are rows [start, start + rows) of the step `prompt_rows` set (an MLP's
+    chunk of them); rows None: rows of no step (a mixture's expert rows, gathered by expert)."""
+    if _STEP_ROWS.rows < 0:
+        yield
+    elif rows is None:
+        with prompt_rows(0, -1):
+            yield
+    else:
+        first = min(max(_STEP_ROWS.first_prompt - start, 0), rows)
+        with prompt_rows(first, rows):
+            yield
+
+
+def prompts_apart(dtype: torch.dtype, batch_invariant: bool) -> bool:
+    """Whether a model of this dtype may compute prompt and output tokens with different
+    products here (`prompt_rows`): batch invariant, bf16, on a CPU with AMX."""
+    return batch_invariant and dtype == torch.bfloat16 and kernels.cpu_has_amx()
+
+
+def prompt_split(rows: int) -> int:
+    """How many leading rows of a layer input of `rows` rows hold output tokens (`prompt_rows`):
+    all of them outside a step's rows or while tracing a graph."""
+    if _STEP_ROWS.rows != rows or torch.compiler.is_compiling():
+        return rows
+    return _STEP_ROWS.first_prompt
 
 
 def dense_crossover(kind: str, dtype: torch.dtype, tiles: bool = False) -> int:
@@ -791,13 +852,16 @@ class QuantLinear(nn.Module):
         switches = not batch_invariant
         # the tile kernel's; -1: no limit
         self.max_coarse_tokens = HEAD_COARSE_MAX_TOKENS if large and switches else -1
+        amx = tiles and amx_tiles()
         # the tile kernel's; -1: never
-        self.amx_min_tokens = (
-            AMX_MIN_TOKENS if tiles and not six_bit_tiles and switches and amx_tiles() else -1
-        )
+        self.amx_min_tokens = AMX_MIN_TOKENS if amx and switches and not six_bit_tiles else -1
+        # batch invariant: prompt rows on AMX, output rows on the int8 products (`prompt_rows`)
+        self.prompts_on_amx = amx and batch_invariant and not large
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native_fits(x):
+            if self.prompts_on_amx and 0 < prompt_split(x.shape[0]) < x.shape[0]:
+                return self._split_forward(x, x.new_empty(x.shape[0], self.out_features))
             return self._native_forward(x)
         kernel = self._kernel(x.shape[0])
         if kernel == "dense":
@@ -842,8 +906,21 @@ class QuantLinear(nn.Module):
         eager_tiles = self.tiles and not torch.compiler.is_compiling()
         if not eager_tiles or bias is not None or not self._native_fits(x):
             return self.forward(x)
+        if self.prompts_on_amx and 0 < prompt_split(x.shape[0]) < x.shape[0]:
+            return self._split_forward(x, into)
         _, args = self._native_call(x.shape[0], x.dtype)
         return kernels.ops().quant_tiles_linear_into(x, *args, into)
+
+    def _split_forward(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """forward(x) into `into` for a step whose leading rows hold output tokens and the rest
+        prompt tokens (`prompt_rows`): each part by its own products, in place."""
+        split, rows = prompt_split(x.shape[0]), x.shape[0]
+        into_tiles = kernels.ops().quant_tiles_linear_into
+        for start, end in ((0, split), (split, rows)):
+            _, args = self._native_call(end - start, x.dtype, prompts=start > 0)
+            into_tiles(x[start:end], *args, into[start:end])
+        bias = self._parameters.get("bias")
+        return into if bias is None else into.add_(bias)
 
     def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokenmill's op for the layer's layout on CPU (`_kernel`'s "native"), the hot path of
@@ -855,15 +932,21 @@ class QuantLinear(nn.Module):
 
     def bound(self, x: torch.Tensor) -> object | None:
         """The layer as `tokenmill::decoder_layer` multiplies by it (a `BoundLinear`) for inputs
-        like x: `_native_forward`'s op and arguments; None where that op does not take x."""
+        like x: `_native_forward`'s op and arguments; None where that op does not take x, or x's
+        rows are part prompt, part output tokens (`prompt_rows`)."""
         if not self._native_fits(x):
+            return None
+        if self.prompts_on_amx and 0 < prompt_split(x.shape[0]) < x.shape[0]:
             return None
         name, args = self._native_call(x.shape[0], x.dtype)
         return getattr(kernels.ops(), f"bind_{name}")(*args, self._parameters.get("bias"))
 
-    def _native_call(self, tokens: int, dtype: torch.dtype) -> tuple[str, tuple]:
+    def _native_call(
+        self, tokens: int, dtype: torch.dtype, prompts: bool | None = None
+    ) -> tuple[str, tuple]:
         """The name of tokenmill's op for the layer's layout and its arguments after x, for tokens
-        rows of dtype. It reads the module's tensors from its dicts rather than through
+        rows of dtype, all prompt tokens or all output tokens (prompts None: as `prompt_split`
+        says of `tokens` rows). It reads the module's tensors from its dicts rather than through
         nn.Module's __getattr__ (a Python call per lookup)."""
         buffers = self._buffers
         dense = self._parameters.get("dense") if self.dense_min_tokens > 0 else None
@@ -878,7 +961,7 @@ class QuantLinear(nn.Module):
                 max_gemv_tokens,
                 self._x_block(tokens),
                 self.max_coarse_tokens,
-                self.amx_min_tokens,
+                self._amx_min_tokens(tokens, prompts),
             )
         if self.int4_rows:
             return "int4_rows_linear", (
@@ -913,6 +996,15 @@ class QuantLinear(nn.Module):
             max_gemv_tokens,
             CHUNK_ROWS.get(dtype, DEFAULT_CHUNK_ROWS),
         )
+
+    def _amx_min_tokens(self, tokens: int, prompts: bool | None) -> int:
+        """The tile kernel's amx_min_rows for tokens rows: 0 (AMX) for prompt rows where
+        `prompts_on_amx`, else the layer's batch-size switch (-1: never)."""
+        if not self.prompts_on_amx:
+            return self.amx_min_tokens
+        if prompts is None:
+            prompts = prompt_split(tokens) == 0
+        return 0 if prompts else -1
 
     def _tiles(self) -> QuantTiles:
         return QuantTiles(self.tile_q, self.tile_scales, self.fifth_masks, self.tile_bits)

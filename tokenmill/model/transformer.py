@@ -20,6 +20,7 @@ from tokenmill.model.attention import AttentionBatch, KVCache, kernel_fits, page
 from tokenmill.model.config import ModelConfig, RopeSettings
 from tokenmill.model.dense_linear import invariant_linear
 from tokenmill.model.moe import MoE
+from tokenmill.model.quant_linear import prompt_split, step_rows_within
 
 # Plain calls: the modules an eager step calls most (norms, attention, decoder layers and
 # `QuantLinear`) set `__call__ = forward`. nn.Module's own `__call__` runs its hook dispatch before
@@ -352,8 +353,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = max(1, MLP_CHUNK_BYTES // (self.chunk_width * x.element_size()))
         if x.dim() == 2 and x.shape[0] > rows:
-            return torch.cat([self._forward(part) for part in x.split(rows)])
+            return torch.cat([self._chunk(x, start, rows) for start in range(0, x.shape[0], rows)])
         return self._forward(x)
+
+    def _chunk(self, x: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+        part = x[start : start + rows]
+        with step_rows_within(start, part.shape[0]):
+            return self._forward(part)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -650,7 +656,11 @@ class Transformer(nn.Module):
         dtype and their kind's width on every step) and a cache `tokenmill::rotary_write_kv` and
         the decode kernel take; else None."""
         plans = _KERNEL_PLANS.setdefault(self, {})
-        key = (h.dtype, h.shape[0] == 1, cache.k[0].dtype)
+        # the layers bind their products for rows of one kind: all prompt tokens, or none
+        prompts = prompt_split(h.shape[0])
+        if 0 < prompts < h.shape[0]:
+            return None
+        key = (h.dtype, h.shape[0] == 1, cache.k[0].dtype, prompts == 0)
         if key in plans:
             return plans[key]  # the caller checks the MLPs' hooks on every step
         if any(_has_hooks(layer.mlp) for layer in self.layers):

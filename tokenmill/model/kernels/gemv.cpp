@@ -1282,13 +1282,41 @@ struct Dequantizer {
     }
   }
 
-  // Group g of a tile as a B tile (16 rows of 32 bf16: row p holds elements 2p, 2p + 1 of each weight row)
-  template <int Bits, bool Fifth, typename S>
-  inline void group(const uint8_t* q, const uint8_t* fifth, const S* ts, uint16_t* out) const {
-    const __m512 s = _mm512_mul_ps(load_scales(ts), _mm512_set1_ps(kMagicScale)), l = load_scales(ts + 16);
-    const __m512 scale[2] = {_mm512_permutexvar_ps(pair_first, s), _mm512_permutexvar_ps(pair_second, s)};
-    const __m512 low[2] = {_mm512_sub_ps(_mm512_permutexvar_ps(pair_first, l), scale[0]),
-                           _mm512_sub_ps(_mm512_permutexvar_ps(pair_second, l), scale[1])};
+  // The permuted scales and lows (low minus the magic scale) that `rows` takes, of 16 rows'
+  inline void pairs(__m512 group_scale, __m512 l, __m512 (&scale)[2], __m512 (&low)[2]) const {
+    const __m512 s = _mm512_mul_ps(group_scale, _mm512_set1_ps(kMagicScale));
+    scale[0] = _mm512_permutexvar_ps(pair_first, s), scale[1] = _mm512_permutexvar_ps(pair_second, s);
+    low[0] = _mm512_sub_ps(_mm512_permutexvar_ps(pair_first, l), scale[0]);
+    low[1] = _mm512_sub_ps(_mm512_permutexvar_ps(pair_second, l), scale[1]);
+  }
+
+  // A group of a 6-bit tile (q6_tiles' layout: w = scale x (q - 32), its halves of 16 values with
+  // scales of their own) as a B tile
+  inline void group6(const uint8_t* q, __m512 first_scale, __m512 second_scale, uint16_t* out) const {
+    __m512 scale[2][2], low[2][2];
+    const __m512 offset = _mm512_set1_ps(-32.0f);
+    pairs(first_scale, _mm512_mul_ps(first_scale, offset), scale[0], low[0]);
+    pairs(second_scale, _mm512_mul_ps(second_scale, offset), scale[1], low[1]);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    const auto join = [&](__m512i a, __m512i b) { return _mm512_ternarylogic_epi32(a, b, nibble, 0xEC); };
+    for (int p = 0; p < 2; ++p) {  // quarters 2p (even) and 2p + 1 (odd), their top bits as q6_tiles reads them
+      const __m512i tops = _mm512_loadu_si512(q + 256 + p * 64);
+      const __m512i even = _mm512_loadu_si512(q + 2 * p * 64), odd = _mm512_loadu_si512(q + 2 * p * 64 + 64);
+      rows(join(even, _mm512_and_si512(_mm512_slli_epi16(tops, 4), top)), scale[0], low[0], out + (4 * p) * 32);
+      rows(join(odd, _mm512_and_si512(tops, top)), scale[0], low[0], out + (4 * p + 2) * 32);
+      rows(join(_mm512_srli_epi16(even, 4), _mm512_and_si512(_mm512_slli_epi16(tops, 2), top)), scale[1], low[1],
+           out + (8 + 4 * p) * 32);
+      rows(join(_mm512_srli_epi16(odd, 4), _mm512_and_si512(_mm512_srli_epi16(tops, 2), top)), scale[1], low[1],
+           out + (8 + 4 * p + 2) * 32);
+    }
+  }
+
+  // A group of a tile (its 16 rows' scales and lows) as a B tile (16 rows of 32 bf16: row p holds
+  // elements 2p, 2p + 1 of each weight row)
+  template <int Bits, bool Fifth>
+  inline void group(const uint8_t* q, const uint8_t* fifth, __m512 group_scale, __m512 l, uint16_t* out) const {
+    __m512 scale[2], low[2];
+    pairs(group_scale, l, scale, low);
     const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     for (int j = 0; j < 4; ++j) {
       __m512i first, second;  // elements 4j..4j+3 and 16+4j..16+4j+3
@@ -1351,14 +1379,28 @@ inline void store_blocks(float* c) {
 
 constexpr int64_t kAmxBlocks = 4;  // C tiles: activation rows per pass, 64
 
-// Group g of tile t of a layer's tiles (tile_scales: per group, or one pair per row) into a B tile at out
+// Group g of tile t of a layer's tiles (tile_scales: per group, compact, or one pair per row) into a
+// B tile at out
 template <int Bits, bool Fifth, typename S>
 inline void dequantize_group(const Dequantizer& dequantizer, const uint8_t* tiles, const uint8_t* fifth,
                              const S* tile_scales, bool row_scales, int64_t groups, int64_t t, int64_t g,
                              uint16_t* out) {
-  dequantizer.group<Bits, Fifth>(tiles + (t * groups + g) * tile_group_bytes(Bits),
-                                 Fifth ? fifth + (t * groups + g) * kTileFifthGroupBytes : nullptr,
-                                 tile_scales + (t * (row_scales ? 1 : groups) + (row_scales ? 0 : g)) * 32, out);
+  if constexpr (Bits == 6) {  // Q6_K's: d x step per half of a group, kQ6BlockBytes per block of 8 groups
+    const uint8_t* block = tile_scales + (t * groups + g) / kCompactGroups * kQ6BlockBytes;
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(block + kCompactGroups * 32));
+    const int8_t* steps = reinterpret_cast<const int8_t*>(block + (g % kCompactGroups) * 32);
+    const auto half_scale = [&](int h) {
+      return _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(steps + 16 * h)))),
+          d);
+    };
+    dequantizer.group6(tiles + (t * groups + g) * tile_group_bytes(6), half_scale(0), half_scale(1), out);
+  } else {
+    __m512 scale, low;
+    group_scales(tile_scales + t * tile_scales_size<S>(groups, row_scales), row_scales ? 0 : g, scale, low);
+    dequantizer.group<Bits, Fifth>(tiles + (t * groups + g) * tile_group_bytes(Bits),
+                                   Fifth ? fifth + (t * groups + g) * kTileFifthGroupBytes : nullptr, scale, low, out);
+  }
 }
 
 // The first `rows` rows of a stored C tile (16 x 16 fp32 at c) as bf16 into y's tile column t
@@ -1513,7 +1555,8 @@ at::Tensor amx_tiles_as(const at::Tensor& x, const at::Tensor& tiles, const uint
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
   const uint8_t* q = tiles.data_ptr<uint8_t>();
   const S* ts = tile_scales.data_ptr<S>();
-  const bool row_scales = tile_scales.size(1) == 1;
+  // one scale and low per weight row (8-bit tiles' float32 ones); compact and 6-bit ones are per group
+  const bool row_scales = !std::is_same_v<S, uint8_t> && tile_scales.size(1) == 1;
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, N / 16, kTilesPerTask, [&](int64_t t0, int64_t t1) {
     if (Mp >= kAmxPanelMinRows) amx_tiles_panels<Bits, Fifth, S>(xs, M, Mp, K, q, fifth, ts, row_scales, out, N, t0, t1);
@@ -1560,6 +1603,10 @@ at::Tensor tiles_products(const at::Tensor& x, const at::Tensor& tiles, const at
       return dtype == at::kFloat ? q6_tiles_as<kFine, float>(x, tiles, tile_scales, into)
                                  : q6_tiles_as<kFine, at::BFloat16>(x, tiles, tile_scales, into);
     };
+#ifdef AMX_BUILT
+    if (dtype == at::kBFloat16 && amx_min_rows >= 0 && x.size(0) >= amx_min_rows && amx_permitted())
+      return written(amx_tiles_as<6, false, uint8_t>(x, tiles, nullptr, tile_scales));
+#endif
     return x_block == 8 ? products(std::true_type{}) : products(std::false_type{});
   }
   const bool half_scales = tile_scales.scalar_type() == at::kHalf;
@@ -1586,12 +1633,10 @@ at::Tensor tiles_products(const at::Tensor& x, const at::Tensor& tiles, const at
     fifth = fifth_masks->data_ptr<uint8_t>();
   }
   // run(kind, scale) with kind 4, 5 (4-bit q with fifth bits) or 8 as an integral_constant and scale
-  // a value of the tile scales' type (uint8_t: compact, which only the integer kernel takes where
-  // Compact is true): the template arguments of either kernel
-  const auto with_weights = [&](auto compact, const auto& run) {
+  // a value of the tile scales' type (uint8_t: compact): the template arguments of either kernel
+  const auto with_weights = [&](const auto& run) {
     const auto with_kind = [&](auto kind) {
-      if constexpr (decltype(compact)::value)
-        if (compact_scales) return run(kind, uint8_t{});
+      if (compact_scales) return run(kind, uint8_t{});
       return half_scales ? run(kind, c10::Half{}) : run(kind, float{});
     };
     if (bits == 8) return with_kind(std::integral_constant<int, 8>{});
@@ -1600,15 +1645,14 @@ at::Tensor tiles_products(const at::Tensor& x, const at::Tensor& tiles, const at
   };
 #ifdef AMX_BUILT
   if (dtype == at::kBFloat16 && amx_min_rows >= 0 && x.size(0) >= amx_min_rows && amx_permitted()) {
-    TORCH_CHECK(!compact_scales, "quant_tiles_linear: AMX takes float32 or float16 tile scales, not compact ones");
-    return with_weights(std::false_type{}, [&](auto kind, auto scale) {
+    return with_weights([&](auto kind, auto scale) {
       constexpr int kKind = decltype(kind)::value;
       return written(amx_tiles_as<kKind == 8 ? 8 : 4, kKind == 5, decltype(scale)>(x, tiles, fifth, tile_scales));
     });
   }
 #endif
   const auto products = [&](auto fine) {
-    return with_weights(std::true_type{}, [&](auto kind, auto scale) {
+    return with_weights([&](auto kind, auto scale) {
       constexpr int kKind = decltype(kind)::value, kBits = kKind == 8 ? 8 : 4;
       constexpr bool kFifth = kKind == 5, kFine = decltype(fine)::value;
       using S = decltype(scale);
