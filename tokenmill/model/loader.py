@@ -508,8 +508,8 @@ class _Builder:
             return layer
         tiles = takes_tiles(rows, num_cols)
         if q == "gguf":
-            # a switching layer multiplies large batches on AMX, which reads no 6-bit tiles and
-            # no compact scales
+            # a switching layer keeps int8 rows for Q6_K and float scales, the forms its AMX
+            # batches were measured with (tuning log: `q6_tiles`)
             kind, data = gguf_packed(weights, tiles, self.batch_invariant or not amx_tiles())
         else:
             kind, data = merge_packed(
