@@ -643,8 +643,9 @@ def test_quant_tiles_linear_on_amx_in_panels_covers_every_tile_and_row(tokens: i
 
 @needs_amx
 @pytest.mark.parametrize("bits", [4, 5])
-def test_amx_takes_compact_tile_scales_as_their_float32_values(bits: int) -> None:
-    rows, cols, tokens = 16 * 37, 512, 20
+@pytest.mark.parametrize("cols", [256, 512])  # 256: one block of scales a tile
+def test_amx_takes_compact_tile_scales_as_their_float32_values(bits: int, cols: int) -> None:
+    rows, tokens = 16 * 37, 20
     torch.manual_seed(bits)
     q = torch.randint(0, 1 << bits, (rows, cols))
     scale, low = _k_quant_scales(rows, cols // 32, bits)

@@ -1672,7 +1672,7 @@ at::Tensor tiles_products(const at::Tensor& x, const at::Tensor& tiles, const at
 
 // y = x W^T for W in tiles (above): bits 4 (with fifth_masks: 5), 6 (Q6_K's, q6_tiles) or 8; beyond
 // max_tile_rows rows, with the layer's dense copy where it has one. bf16 x of amx_min_rows rows or
-// more (never if negative, nor for 6-bit tiles) goes to AMX where this build and the process have
+// more (never if negative) goes to AMX where this build and the process have
 // it; else x activations share an int8 scale per x_block (8 or 32), except that x_block 32 serves
 // only up to max_coarse_rows rows (all if negative) and 8 beyond them. Every row is rounded and
 // summed alike whatever the row count, so a row's result depends on its batch only through these
