@@ -1242,10 +1242,13 @@ struct alignas(64) TileConfig {
 };
 
 // All 16 rows x 64 bytes. amx_tiles: tmm0-3 C (up to 4 blocks of 16 activation rows), tmm4 A, tmm5 B;
-// amx_tiles_panels: tmm0-3 C (2 x 2), tmm4-5 A, tmm6-7 B.
+// amx_tiles_panels: tmm0-3 C (2 x 2), tmm4-5 A, tmm6-7 B. GCC 12's _tile_loadconfig tells the
+// compiler it reads only the pointer, which lets it drop the stores that fill the struct; the
+// empty asm that reads the whole struct keeps them.
 void load_tile_config() {
   TileConfig config;
   for (int i = 0; i < 8; ++i) config.rows[i] = 16, config.colsb[i] = 64;
+  __asm__ volatile("" : : "m"(config));
   _tile_loadconfig(&config);
 }
 
