@@ -25,7 +25,7 @@ def test_generate_with_no_model_uses_smollm2_and_says_paris(smollm2_gguf, capsys
     assert "Paris" in capsys.readouterr().out
 
 
-def test_gemma_completes_the_capital_of_france(gemma3_gguf, capsys) -> None:
+def test_gemma_names_the_capital_of_france(gemma3_gguf, capsys) -> None:
     assert (
         main(
             [
@@ -34,15 +34,16 @@ def test_gemma_completes_the_capital_of_france(gemma3_gguf, capsys) -> None:
                 str(gemma3_gguf),
                 "--max-tokens",
                 "12",
-                "The capital of France is",
+                "The capital of France is the city of",
             ]
         )
         == 0
     )
     out = capsys.readouterr().out
-    # 270M parameters: llama-server's greedy answer is the same
-    # " the capital of the country of France. ..."
-    assert "capital" in out and "France" in out, out
+    # llama-server's greedy answer: " Paris. It is the most visited city in the world." " Paris"
+    # leads by over 2 nats in the dequantized and the packed model alike; after "The capital of
+    # France is" the 270M model's next words hang on near-ties that any rounding can flip
+    assert "Paris" in out, out
 
 
 def test_chat_renders_the_template(real_llm: LLM) -> None:

@@ -382,10 +382,9 @@ def test_gguf_equals_safetensors(arch: str, qtype: Q, quantization: str, tmp_pat
             for name, m in from_gguf.model.named_modules()
             if isinstance(m, QuantLinear)
         }
-        if qtype != Q.F32:  # the down projection's outliers keep finer activation scales
-            assert x_blocks.pop("down_proj") == FINE_X_BLOCK and set(x_blocks.values()) == {
-                COARSE_X_BLOCK
-            }
+        if qtype != Q.F32:  # q/k/v and the down projection keep finer activation scales
+            fine = {x_blocks.pop("qkv_proj"), x_blocks.pop("down_proj")}
+            assert fine == {FINE_X_BLOCK} and set(x_blocks.values()) == {COARSE_X_BLOCK}
         if qtype == Q.Q5_0:
             assert kinds >= ({"int5"} if int4_rows_layout() else {"int8"})
 

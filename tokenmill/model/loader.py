@@ -22,6 +22,7 @@ from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     FINE_X_BLOCK,
+    FINE_X_BLOCK_TARGETS,
     QuantEmbedding,
     QuantLinear,
     amx_tiles,
@@ -350,7 +351,7 @@ class _Builder:
                 if lay is not None:
                     ws, bs = self._shard_rows(target, ws, bs, lay)
                 owner, attr = target.split(".")
-                x_block = FINE_X_BLOCK if target == "mlp.down_proj" else COARSE_X_BLOCK
+                x_block = FINE_X_BLOCK if target in FINE_X_BLOCK_TARGETS else COARSE_X_BLOCK
                 setattr(getattr(layer, owner), attr, self.linear(ws, bs, x_block))
             if config.layer_is_moe(i):
                 self._build_moe(f"layers.{i}.mlp", layer.mlp, state)
