@@ -22,7 +22,6 @@ from tokenmill.model.quant import GGMLWeight
 from tokenmill.model.quant_linear import (
     COARSE_X_BLOCK,
     FINE_X_BLOCK,
-    FINE_X_BLOCK_TARGETS,
     QuantEmbedding,
     QuantLinear,
     amx_tiles,
@@ -104,6 +103,10 @@ FUSED = {
     "attn.o_proj": ("attn.o_proj",),
     "mlp.down_proj": ("mlp.down_proj",),
 }
+# fused projections whose activations round per 8 in the tile kernel (`FINE_X_BLOCK`), the rest per
+# 32: the MLP's down projection takes act(gate) x up, the q/k/v projection the attention norm's
+# output, whose outliers cost those layers most at 32
+FINE_X_BLOCK_TARGETS = frozenset({"attn.qkv_proj", "mlp.down_proj"})
 Weight = torch.Tensor | GGMLWeight
 
 

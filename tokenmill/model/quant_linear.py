@@ -296,12 +296,10 @@ def unpack_int6_rows(rows: Int6Rows) -> torch.Tensor:
 TILE_ROWS = 16  # weight rows per tile of `quant_tiles_linear`
 # Activations per int8 scale in the tile kernel. One scale per 32 converts and scales each group's
 # sums once instead of four times (faster) but rounds small activations next to large ones more
-# coarsely (more perplexity). The layers whose inputs' outliers cost most at 32 keep 8
-# (`FINE_X_BLOCK_TARGETS`): the MLP's down projection, which takes act(gate) x up, and the q/k/v
-# projection, which takes the attention norm's output; the other layers and the output head take 32.
+# coarsely (more perplexity). The layers whose inputs' outliers cost most at 32 keep 8 (the
+# loader's `FINE_X_BLOCK_TARGETS`); the other layers and the output head take 32.
 FINE_X_BLOCK = 8
 COARSE_X_BLOCK = 32
-FINE_X_BLOCK_TARGETS = frozenset({"attn.qkv_proj", "mlp.down_proj"})
 # Without batch invariance, a coarse output head (tiles of a large int8 matrix) takes 8 beyond these
 # many tokens: the logits of every prompt token (perplexity, prompt logprobs), where the coarse
 # rounding's cost in quality shows; a decode batch (up to this many sequences) keeps 32, the faster.
